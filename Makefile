@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine:
+#   make serve   builds the venv if needed, then serves the built-in demo model
+#   make test    builds the venv if needed, then runs the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: serve test venv clean proto
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned to the local CPU wheel, so that nothing pulls CUDA packages.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/conveyor-launcher --model-id demo $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+proto: $(STAMP)
+	$(BIN)/python -m conveyor.v1.codegen
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,164 @@
+"""Builds Conveyor's demo and test models offline.
+
+Model hubs are unreachable where Conveyor is developed and tested, so the project writes its own models: a
+Llama-architecture network with seeded random weights and a byte-level BPE tokenizer trained on text that
+ships with Python itself (the standard library's sources). The output is an ordinary Hugging Face model
+directory, loaded through exactly the code path any real model directory takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
+SPECIAL_TOKENS = [BOS, EOS, UNK, PAD]  # ids 0..3, in this order
+
+# A plain role-tagged template; rendered prompts are tokenized with the BOS the tokenizer adds itself.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}" + EOS + "\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    # Larger than the usual 0.02 for the tiny model, so its logits are spread and greedy choices are never
+    # near-ties: the oracle tests compare token ids exactly.
+    initializer_range: float
+    corpus_bytes: int
+
+
+SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(1024, 64, 128, 2, 4, 2, 1024, 0.1, 1_000_000),
+    "small": ModelSize(32000, 768, 2048, 12, 12, 4, 2048, 0.02, 5_000_000),
+}
+
+
+def training_corpus(max_bytes: int) -> list[str]:
+    """Python's own standard library sources, in a fixed order, so the tokenizer is the same on every machine."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def train_tokenizer(vocab_size: int, corpus_bytes: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_corpus(corpus_bytes), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
+    )
+    return tok
+
+
+def _progress(message: str) -> None:
+    """Building the small model takes a while: say what is happening, whatever the log level."""
+    print(f"conveyor-demo-model: {message}", file=sys.stderr, flush=True)
+
+
+def _template_into_tokenizer_config(out_dir: Path) -> None:
+    """Keeps the chat template in tokenizer_config.json, where every transformers version and TGI look for it
+    (transformers 5 writes it to a separate chat_template.jinja instead)."""
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Writes a complete model directory to `out_dir` and returns it."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    spec = SIZES[size]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _progress(f"training a {spec.vocab_size}-token BPE tokenizer")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(spec.vocab_size, spec.corpus_bytes),
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        pad_token=PAD,
+        model_max_length=spec.max_position_embeddings,
+        chat_template=CHAT_TEMPLATE,
+    )
+    tokenizer.save_pretrained(out_dir)
+    _template_into_tokenizer_config(out_dir)
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        tie_word_embeddings=False,
+    )
+    _progress(f"initialising a {size} Llama with seed {seed}")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD], do_sample=False
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    params = sum(p.numel() for p in model.parameters())
+    (out_dir / "conveyor_demo.json").write_text(json.dumps({"size": size, "seed": seed, "parameters": params}))
+    _progress(f"wrote {out_dir} ({params / 1e6:.1f}M parameters)")
+    return out_dir
+
+
+def ensure(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Builds the model unless `out_dir` already holds a finished build (the marker file is written last)."""
+    if not (out_dir / "conveyor_demo.json").exists():
+        build(out_dir, size, seed)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a random-weight Llama demo model, offline.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    build(args.out_dir, args.size, args.seed)
+
+
+if __name__ == "__main__":
+    main()

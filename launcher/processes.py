@@ -1,0 +1,131 @@
+"""The child processes of one deployment: start in order, wait until ready, watch, stop in order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from conveyor.v1 import shard_pb2 as pb
+from conveyor.v1 import shard_pb2_grpc as pb_grpc
+
+POLL_SECONDS = 0.1
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+
+    def check(self) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise ChildDied(f"{self.name} exited with code {code}")
+
+    def terminate(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class Deployment:
+    model_dir: Path
+    num_shard: int
+    dtype: str
+    uds_path: str
+    master_addr: str
+    master_port: int
+    router_args: list[str]
+    router_url: str
+    log_level: str | None = None
+    shards: list[Child] = field(default_factory=list)
+    router: Child | None = None
+
+    def _spawn(self, name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
+        # Own session: a terminal's Ctrl-C reaches the launcher only, which stops children in order.
+        process = subprocess.Popen([sys.executable, "-m", module, *args], env=env, start_new_session=True)
+        return Child(name, process)
+
+    def start(self, timeout: float, should_stop: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + timeout
+        for rank in range(self.num_shard):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.num_shard),
+                       MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))  # fmt: skip
+            args = ["--model-id", str(self.model_dir), "--uds-path", self.uds_path, "--dtype", self.dtype]
+            if self.log_level:
+                args += ["--log-level", self.log_level]
+            self.shards.append(self._spawn(f"shard {rank}", "conveyor.shard.main", args, env))
+        for rank, shard in enumerate(self.shards):
+            self._wait(shard, lambda r=rank: _shard_healthy(f"{self.uds_path}-{r}"), deadline, should_stop)
+        self.router = self._spawn("router", "conveyor.router.main", self.router_args, dict(os.environ))
+        self._wait(self.router, lambda: _http_ok(f"{self.router_url}/health"), deadline, should_stop)
+
+    def _wait(self, child: Child, ready: Callable[[], bool], deadline: float, should_stop) -> None:
+        """Polls until `ready`, failing fast if the child dies and clearly if the deadline passes."""
+        while not should_stop():
+            self._check_all()
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise ChildDied(f"{child.name} was not ready within the startup timeout")
+            time.sleep(POLL_SECONDS)
+
+    def _check_all(self) -> None:
+        for child in self.children:
+            child.check()
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.shards, *([self.router] if self.router else [])]
+
+    def watch(self, should_stop: Callable[[], bool]) -> None:
+        """Returns when asked to stop; raises ChildDied as soon as any child exits on its own."""
+        while not should_stop():
+            self._check_all()
+            time.sleep(POLL_SECONDS)
+
+    def stop(self, timeout: float) -> None:
+        if self.router is not None:
+            self.router.terminate(timeout)
+        for shard in self.shards:
+            shard.terminate(10.0)
+        for rank in range(len(self.shards)):
+            Path(f"{self.uds_path}-{rank}").unlink(missing_ok=True)
+
+
+def _shard_healthy(socket_path: str) -> bool:
+    if not os.path.exists(socket_path):
+        return False
+    try:
+        with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+            pb_grpc.ShardStub(channel).Health(pb.HealthRequest(), timeout=2.0)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False

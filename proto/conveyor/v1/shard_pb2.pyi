@@ -1,0 +1,273 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS_TOKEN: FinishReason
+FINISH_REASON_STOP_SEQUENCE: FinishReason
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("requires_padding", "dtype", "device_type", "block_size", "support_chunking", "use_prefix_caching", "engine", "model_type", "max_position_embeddings", "world_size")
+    REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_CHUNKING_FIELD_NUMBER: _ClassVar[int]
+    USE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    requires_padding: bool
+    dtype: str
+    device_type: str
+    block_size: int
+    support_chunking: bool
+    use_prefix_caching: bool
+    engine: str
+    model_type: str
+    max_position_embeddings: int
+    world_size: int
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceDiscoveryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceDiscoveryResponse(_message.Message):
+    __slots__ = ("urls",)
+    URLS_FIELD_NUMBER: _ClassVar[int]
+    urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, urls: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClearCacheRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    def __init__(self, id: _Optional[int] = ...) -> None: ...
+
+class ClearCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SamplingParameters(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    typical_p: float
+    do_sample: bool
+    seed: int
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
+
+class StoppingParameters(_message.Message):
+    __slots__ = ("max_new_tokens", "stop_sequences", "ignore_eos_token")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    stop_sequences: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos_token: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
+
+class Request(_message.Message):
+    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "slots", "cache_len", "chunk_len")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    parameters: SamplingParameters
+    stopping_parameters: StoppingParameters
+    prefill_logprobs: bool
+    top_n_tokens: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    cache_len: int
+    chunk_len: int
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("id", "requests", "size", "max_tokens", "max_blocks")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    requests: _containers.RepeatedCompositeFieldContainer[Request]
+    size: int
+    max_tokens: int
+    max_blocks: int
+    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ..., size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+
+class CachedBatch(_message.Message):
+    __slots__ = ("id", "request_ids", "size", "max_tokens", "current_tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    size: int
+    max_tokens: int
+    current_tokens: int
+    def __init__(self, id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., current_tokens: _Optional[int] = ...) -> None: ...
+
+class Tokens(_message.Message):
+    __slots__ = ("ids", "logprobs", "texts", "is_special")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    IS_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    is_special: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., texts: _Optional[_Iterable[str]] = ..., is_special: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class GeneratedText(_message.Message):
+    __slots__ = ("text", "generated_tokens", "finish_reason", "seed")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    generated_tokens: int
+    finish_reason: FinishReason
+    seed: int
+    def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Generation(_message.Message):
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "finished", "top_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    prefill_tokens: Tokens
+    tokens: Tokens
+    finished: GeneratedText
+    top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("forward_ns", "decode_ns", "total_ns", "concat_ns")
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
+    forward_ns: int
+    decode_ns: int
+    total_ns: int
+    concat_ns: int
+    def __init__(self, forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("batch", "cached_batch")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: Batch
+    cached_batch: CachedBatch
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("generations", "batch", "timings")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    batch: CachedBatch
+    timings: Timings
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("generations", "batch", "timings")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    batch: CachedBatch
+    timings: Timings
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class FilterBatchRequest(_message.Message):
+    __slots__ = ("batch_id", "request_ids")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FilterBatchResponse(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: CachedBatch
+    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
+
+class WarmupRequest(_message.Message):
+    __slots__ = ("batch", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    batch: Batch
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ...) -> None: ...
+
+class WarmupResponse(_message.Message):
+    __slots__ = ("max_supported_total_tokens",)
+    MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_supported_total_tokens: int
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,75 @@
+"""What the scheduler sends down a request's stream, independent of the protocol that carries it to the client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from conveyor.v1 import shard_pb2 as pb
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_EOS_TOKEN: "eos_token",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
+}
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass(frozen=True)
+class Finished:
+    generated_text: str
+    finish_reason: str  # length | eos_token | stop_sequence
+    generated_tokens: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; `finished` is set on the request's last one, `prefill` on its first if asked for."""
+
+    token: Token
+    finished: Finished | None = None
+    prefill: tuple[Token, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+    error_type: str = "generation"
+
+
+Event = Union[TokenEvent, ErrorEvent]
+
+
+def tokens_from_pb(tokens: pb.Tokens) -> list[Token]:
+    return [
+        Token(id=i, text=t, logprob=lp, special=s)
+        for i, t, lp, s in zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)
+    ]
+
+
+def events_from_generation(generation: pb.Generation) -> list[TokenEvent]:
+    """A step's generation becomes one event per token; the last carries `finished` when the request ended."""
+    tokens = tokens_from_pb(generation.tokens)
+    prefill = tuple(tokens_from_pb(generation.prefill_tokens))
+    finished = None
+    if generation.HasField("finished"):
+        f = generation.finished
+        finished = Finished(
+            generated_text=f.text,
+            finish_reason=FINISH_REASONS[f.finish_reason],
+            generated_tokens=f.generated_tokens,
+            seed=f.seed if f.HasField("seed") else None,
+        )
+    events = []
+    for n, token in enumerate(tokens):
+        last = n == len(tokens) - 1
+        events.append(TokenEvent(token, finished if last else None, prefill if n == 0 else ()))
+    return events

@@ -1,0 +1,74 @@
+"""From a validated request to a stream of events, with the admission limit every front end shares."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from conveyor.router.events import ErrorEvent, Event, Token, TokenEvent
+from conveyor.router.queue import Entry
+from conveyor.router.scheduler import Scheduler
+from conveyor.router.validation import ValidRequest
+
+
+class OverloadedError(RuntimeError):
+    """More requests are in flight than `max_concurrent_requests`: refused at once, never queued."""
+
+
+class GenerationError(RuntimeError):
+    pass
+
+
+@dataclass
+class Response:
+    """A whole generation, for the non-streaming routes."""
+
+    tokens: list[Token] = field(default_factory=list)
+    prefill: tuple[Token, ...] = ()
+    last: TokenEvent | None = None
+
+
+class Infer:
+    def __init__(self, scheduler: Scheduler, max_concurrent_requests: int) -> None:
+        self.scheduler = scheduler
+        self.max_concurrent_requests = max_concurrent_requests
+        self.in_flight = 0
+
+    @asynccontextmanager
+    async def stream(self, request: ValidRequest) -> AsyncIterator[AsyncIterator[Event]]:
+        """Queues the request and yields its events; leaving the block early cancels it.
+
+        The slot is taken here, before anything is awaited, so the 429 answer is immediate.
+        """
+        if self.in_flight >= self.max_concurrent_requests:
+            raise OverloadedError("Model is overloaded")
+        self.in_flight += 1
+        entry = Entry(id=self.scheduler.new_request_id(), request=request)
+        try:
+            self.scheduler.submit(entry)
+            yield _events(entry)
+        finally:
+            if not entry.done:
+                entry.cancelled = True  # the scheduler filters it out at its next step
+            self.in_flight -= 1
+
+    async def generate(self, request: ValidRequest) -> Response:
+        response = Response()
+        async with self.stream(request) as events:
+            async for event in events:
+                if isinstance(event, ErrorEvent):
+                    raise GenerationError(event.message)
+                if event.prefill:
+                    response.prefill = event.prefill
+                response.tokens.append(event.token)
+                response.last = event
+        return response
+
+
+async def _events(entry: Entry) -> AsyncIterator[Event]:
+    while True:
+        event = await entry.events.get()
+        yield event
+        if isinstance(event, ErrorEvent) or event.finished is not None:
+            return

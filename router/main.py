@@ -1,0 +1,132 @@
+"""`conveyor-router`: connects to the shards, warms them up, and serves HTTP until told to stop.
+
+Startup follows TGI's order: discover every rank from rank 0, clear their caches, read `Info`, run `Warmup`
+with the largest prefill the limits allow, then listen. SIGTERM/SIGINT stop new requests (503) and let those
+in flight finish before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from aiohttp import web
+
+from conveyor import log as conveyor_log
+from conveyor.client.sharded_client import ShardedClient
+from conveyor.router.http import HttpServer, ServerInfo
+from conveyor.router.infer import Infer
+from conveyor.router.limits import LimitArgs, resolve_limits, warmup_request
+from conveyor.router.policy import BatchingConfig
+from conveyor.router.scheduler import Scheduler
+from conveyor.router.validation import Validation
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Conveyor router: HTTP front end, queue and batching loop.")
+    p.add_argument("--model-id", required=True, help="the model directory (its tokenizer validates requests)")
+    p.add_argument("--master-shard-uds-path", default="/tmp/conveyor-shard-0")
+    p.add_argument("--hostname", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=3000)
+    p.add_argument("--max-concurrent-requests", type=int, default=128)
+    p.add_argument("--max-input-tokens", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=None)
+    p.add_argument("--max-batch-total-tokens", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--waiting-served-ratio", type=float, default=0.3)
+    p.add_argument("--max-waiting-tokens", type=int, default=20)
+    p.add_argument("--max-stop-sequences", type=int, default=4)
+    p.add_argument("--max-top-n-tokens", type=int, default=5)
+    p.add_argument("--graceful-termination-timeout", type=float, default=60.0)
+    p.add_argument("--log-level", default=None)
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    client = await ShardedClient.connect(args.master_shard_uds_path)
+    await client.clear_cache()
+    shard_info = await client.info()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_id)
+    limits = resolve_limits(LimitArgs.from_namespace(args), shard_info, tokenizer)
+    log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})
+    capacity = await client.warmup(warmup_request(limits, tokenizer))
+    limits = limits.with_capacity(capacity)
+
+    config = BatchingConfig(
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_total_tokens=limits.max_batch_total_tokens,
+        max_batch_size=args.max_batch_size,
+        waiting_served_ratio=args.waiting_served_ratio,
+        max_waiting_tokens=args.max_waiting_tokens,
+    )
+    scheduler = Scheduler(client, config)
+    infer = Infer(scheduler, args.max_concurrent_requests)
+    server = HttpServer(
+        infer,
+        Validation(tokenizer, limits.validation),
+        ServerInfo(
+            model_id=args.model_id,
+            model_dtype=shard_info.dtype,
+            engine=shard_info.engine,
+            limits=limits.validation,
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+            max_batch_total_tokens=config.max_batch_total_tokens,
+            max_batch_size=config.max_batch_size,
+            waiting_served_ratio=config.waiting_served_ratio,
+            max_waiting_tokens=config.max_waiting_tokens,
+            num_shard=len(client.urls),
+        ),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    batching = asyncio.create_task(scheduler.run(), name="batching")
+    batching.add_done_callback(lambda _: stop.set())
+
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.hostname, args.port).start()
+    log.warning("router listening", extra={"url": f"http://{args.hostname}:{args.port}"})
+    await stop.wait()
+
+    if batching.done():
+        await runner.cleanup()
+        batching.result()  # re-raises the loop's crash so the process exits non-zero
+        raise RuntimeError("the batching loop stopped")
+    server.draining = True
+    await _drain(infer, args.graceful_termination_timeout)
+    await runner.cleanup()
+    batching.cancel()
+    await client.close()
+
+
+async def _drain(infer: Infer, timeout: float) -> None:
+    """Waits until every in-flight request has finished, or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while infer.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    conveyor_log.setup("router", args.log_level)
+    try:
+        asyncio.run(run(args))
+    except Exception:
+        log.exception("router failed")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The batching loop: one task owns the running batch and every prefill/decode decision.
+
+Between two decode steps it asks the policy whether queued requests may join (pausing the running batch for
+their prefill), then runs one decode step over everything. After every step each token goes to its request's
+stream at once, and requests that finished, or whose client went away, are filtered out of the batch on the
+shards so that their KV memory is freed before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+from conveyor.client.sharded_client import ShardedClient, ShardError, StepResult
+from conveyor.router.events import ErrorEvent, events_from_generation
+from conveyor.router.policy import BatchingConfig, admission_when_idle, admission_when_running
+from conveyor.router.queue import Entry, NextBatch, Queue
+from conveyor.v1 import shard_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def request_pb(entry: Entry) -> pb.Request:
+    p = entry.request.parameters
+    return pb.Request(
+        id=entry.id,
+        input_ids=entry.request.input_ids,
+        parameters=pb.SamplingParameters(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            typical_p=p.typical_p,
+            do_sample=p.do_sample,
+            seed=p.seed or 0,
+            repetition_penalty=p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty,
+            presence_penalty=p.presence_penalty,
+        ),
+        stopping_parameters=pb.StoppingParameters(
+            max_new_tokens=p.max_new_tokens, stop_sequences=p.stop, ignore_eos_token=p.ignore_eos
+        ),
+        prefill_logprobs=p.decoder_input_details,
+        top_n_tokens=p.top_n_tokens,
+    )
+
+
+class Scheduler:
+    def __init__(self, client: ShardedClient, config: BatchingConfig) -> None:
+        self.client = client
+        self.config = config
+        self.queue = Queue()
+        self.running: dict[int, Entry] = {}
+        self.healthy = True
+        self._wakeup = asyncio.Event()
+        self._request_ids = itertools.count()
+        self._batch_ids = itertools.count()
+
+    def submit(self, entry: Entry) -> None:
+        self.queue.append(entry)
+        self._wakeup.set()
+
+    def new_request_id(self) -> int:
+        return next(self._request_ids)
+
+    async def run(self) -> None:
+        """Runs for ever: wait for work, prefill it, decode until the batch empties, admitting newcomers."""
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while (new := self.queue.next_batch(admission_when_idle(self.config))) is not None:
+                cached = await self._prefill(new)
+                await self._decode_loop(cached)
+
+    async def _decode_loop(self, cached: pb.CachedBatch | None) -> None:
+        waiting_steps = 1
+        while cached is not None:
+            batches = [cached]
+            admission = admission_when_running(self.config, cached.size, cached.max_tokens, waiting_steps)
+            if (new := self.queue.next_batch(admission)) is not None:
+                log.debug("pausing the running batch for a prefill", extra={"joining": len(new.entries)})
+                if (joined := await self._prefill(new)) is not None:
+                    batches.append(joined)
+                waiting_steps = 1
+            cached = await self._step(batches, lambda: self.client.decode(batches))
+            waiting_steps += 1
+
+    async def _prefill(self, new: NextBatch) -> pb.CachedBatch | None:
+        now = time.monotonic()
+        for entry in new.entries:
+            entry.batched_at = now
+            self.running[entry.id] = entry
+        batch = pb.Batch(
+            id=next(self._batch_ids),
+            requests=[request_pb(e) for e in new.entries],
+            size=len(new.entries),
+            max_tokens=new.max_tokens,
+        )
+        ids = [e.id for e in new.entries]
+        cached = pb.CachedBatch(id=batch.id, request_ids=ids, size=len(ids))
+        return await self._step([cached], lambda: self.client.prefill(batch))
+
+    async def _step(self, batches: list[pb.CachedBatch], call) -> pb.CachedBatch | None:
+        """Runs one RPC over `batches`, streams its tokens, and filters out requests that are over."""
+        try:
+            result: StepResult = await call()
+        except ShardError as exc:
+            await self._fail(batches, str(exc))
+            return None
+        self.healthy = True
+        self._send(result)
+        if result.batch is None:
+            self._forget(r for b in batches for r in b.request_ids)
+            return None
+        try:
+            return await self._filter(result.batch)
+        except ShardError as exc:
+            await self._fail([result.batch], str(exc))
+            return None
+
+    def _send(self, result: StepResult) -> None:
+        for generation in result.generations:
+            entry = self.running.get(generation.request_id)
+            if entry is None or entry.cancelled:
+                continue
+            for event in events_from_generation(generation):
+                entry.events.put_nowait(event)
+                if event.finished is not None:
+                    entry.done = True
+
+    async def _filter(self, batch: pb.CachedBatch) -> pb.CachedBatch | None:
+        """Keeps on the shards only the requests that still have a listener and tokens to generate."""
+        keep = [r for r in batch.request_ids if self._alive(r)]
+        self._forget(r for r in batch.request_ids if r not in set(keep))
+        if len(keep) == len(batch.request_ids):
+            return batch
+        if not keep:
+            await self.client.clear_cache(batch.id)
+            return None
+        return await self.client.filter_batch(batch.id, keep)
+
+    def _alive(self, request_id: int) -> bool:
+        entry = self.running.get(request_id)
+        return entry is not None and not entry.done and not entry.cancelled
+
+    def _forget(self, request_ids) -> None:
+        for request_id in list(request_ids):
+            self.running.pop(request_id, None)
+
+    async def _fail(self, batches: list[pb.CachedBatch], message: str) -> None:
+        """A failed step fails every request in it; the shards drop those batches if they still can."""
+        log.error("generation step failed", extra={"error": message})
+        self.healthy = False
+        for request_id in [r for b in batches for r in b.request_ids]:
+            entry = self.running.pop(request_id, None)
+            if entry is not None and not entry.done:
+                entry.done = True
+                entry.events.put_nowait(ErrorEvent(message, "generation"))
+        for batch in batches:
+            try:
+                await self.client.clear_cache(batch.id)
+            except ShardError:
+                pass

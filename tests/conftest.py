@@ -1,0 +1,140 @@
+"""Shared fixtures: the tiny test model (built once per session) and live deployments started with the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+from conveyor.launcher import demo_model
+
+# The probe prompt whose greedy continuation ends on the extra EOS id the test model declares.
+EOS_PROBE_PROMPT = "def main():"
+EOS_PROBE_STEP = 6  # the probe's 6th generated token is an EOS
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Waits until `condition()` holds; tests synchronise on conditions with a deadline, never on sleeps."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def greedy_reference(model_dir: Path, prompt: str, max_new_tokens: int) -> list[int]:
+    """What transformers' own `generate()` yields for this prompt alone: the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = _load(model_dir)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+_LOADED: dict[Path, tuple] = {}
+
+
+def _load(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_dir not in _LOADED:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _LOADED[model_dir] = (model, AutoTokenizer.from_pretrained(model_dir))
+    return _LOADED[model_dir]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo model, with one ordinary token declared as a second EOS id (as Llama 3 declares several),
+    chosen so that the probe prompt's greedy continuation ends on it: random weights never pick `</s>`."""
+    path = demo_model.ensure(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+    config_path = path / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    base_eos = config["eos_token_id"]
+    probe = greedy_reference(path, EOS_PROBE_PROMPT, EOS_PROBE_STEP)
+    extra = probe[EOS_PROBE_STEP - 1]
+    assert extra not in probe[: EOS_PROBE_STEP - 1], "pick another EOS_PROBE_STEP: the token repeats earlier"
+    config["eos_token_id"] = [base_eos, extra]
+    config_path.write_text(json.dumps(config, indent=2))
+    _LOADED.clear()
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    model_dir: Path
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def children(self) -> list:
+        import psutil
+
+        return psutil.Process(self.process.pid).children(recursive=False)
+
+    def shard_pids(self) -> list[int]:
+        return [c.pid for c in self.children() if "conveyor.shard.main" in " ".join(c.cmdline())]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=90)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_server(model_dir: Path, *extra: str) -> Server:
+    port = free_port()
+    env = dict(os.environ, CONVEYOR_LOG_LEVEL=os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(model_dir), "--port", str(port), *extra],
+        env=env,
+    )
+    server = Server(f"http://127.0.0.1:{port}", process, model_dir)
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"launcher exited with {process.returncode} while starting")
+        return _healthy(server.url)
+
+    try:
+        wait_for(ready, 180, "the server to answer /health")
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path) -> Iterator[Server]:
+    """One deployment on the tiny model shared by the tests that leave it healthy."""
+    server = start_server(tiny_model, "--max-total-tokens", "512", "--max-batch-prefill-tokens", "2048")
+    yield server
+    assert server.stop() == 0
