@@ -32,7 +32,7 @@ def request_pb(entry: Entry) -> pb.Request:
             top_k=p.top_k,
             top_p=p.top_p,
             typical_p=p.typical_p,
-            do_sample=p.do_sample,
+            do_sample=p.sampling,
             seed=p.seed or 0,
             repetition_penalty=p.repetition_penalty,
             frequency_penalty=p.frequency_penalty,

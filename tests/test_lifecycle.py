@@ -1,0 +1,95 @@
+"""Deployments under stress and at their ends: overload, a shard dying mid-stream, a graceful shutdown.
+
+Each test starts its own deployment, since each ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import sseclient
+
+from conftest import Server, greedy_reference, start_server, wait_for
+
+LONG = {"inputs": "def forever():", "parameters": {"max_new_tokens": 400}}
+
+
+class StreamWatcher:
+    """Reads one stream on a thread, recording each event, so a test can wait for 'n tokens arrived'."""
+
+    def __init__(self, server: Server, body: dict) -> None:
+        self.events: list[dict] = []
+        self.lock = threading.Lock()
+        self.server, self.body = server, body
+
+    def run(self) -> None:
+        with self.server.client() as client, client.stream("POST", "/generate_stream", json=self.body) as r:
+            assert r.status_code == 200, r.read()
+            for event in sseclient.SSEClient(r.iter_bytes()).events():
+                with self.lock:
+                    self.events.append(json.loads(event.data))
+
+    def received(self, n: int) -> bool:
+        with self.lock:
+            return len(self.events) >= n
+
+
+def test_over_max_concurrent_requests_is_429_and_the_others_go_on(tiny_model: Path) -> None:
+    server = start_server(tiny_model, "--max-concurrent-requests", "2", "--max-total-tokens", "512")
+    try:
+        watchers = [StreamWatcher(server, LONG) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(w.run) for w in watchers]
+            wait_for(lambda: all(w.received(1) for w in watchers), 120, "both streams to start")
+            with server.client() as client:
+                refused = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
+                refused_stream = client.post("/generate_stream", json={"inputs": "x"})
+            for f in futures:
+                f.result()
+        assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded"
+        assert refused_stream.status_code == 429 and refused_stream.json()["error_type"] == "overloaded"
+        for w in watchers:
+            assert w.events[-1]["generated_text"] is not None and len(w.events) == 400
+        # Slots are given back: the next request is served.
+        with server.client() as client:
+            assert client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_killed_shard_ends_the_stream_with_an_error_and_the_launcher_fails(tiny_model: Path) -> None:
+    server = start_server(tiny_model, "--max-total-tokens", "512")
+    try:
+        watcher = StreamWatcher(server, LONG)
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(watcher.run)
+            wait_for(lambda: watcher.received(3), 120, "the stream to start")
+            (shard,) = server.shard_pids()
+            os.kill(shard, signal.SIGKILL)
+            future.result(timeout=120)
+        last = watcher.events[-1]
+        assert last.get("error_type") == "generation" and last["error"]
+        assert len(watcher.events) < 400
+        assert server.process.wait(timeout=120) != 0
+    finally:
+        server.stop()
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(tiny_model: Path) -> None:
+    server = start_server(tiny_model, "--max-total-tokens", "512")
+    body = {"inputs": "x = 1", "parameters": {"max_new_tokens": 150, "details": True}}
+    watcher = StreamWatcher(server, body)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(watcher.run)
+        wait_for(lambda: watcher.received(2), 120, "the stream to start")
+        server.process.send_signal(signal.SIGTERM)
+        future.result(timeout=120)
+    assert server.process.wait(timeout=120) == 0
+    assert watcher.events[-1]["details"]["finish_reason"] == "length"
+    assert [e["token"]["id"] for e in watcher.events] == greedy_reference(tiny_model, "x = 1", 150)
+    assert not server.children()

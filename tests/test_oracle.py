@@ -1,0 +1,123 @@
+"""The correctness oracle, through the real launcher, router and shard processes.
+
+Greedy float32 requests that join and leave a running batch at staggered moments, and one whose client
+disconnects mid-stream, must each yield exactly the token ids transformers' `generate()` yields for that
+prompt alone.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import sseclient
+
+from conftest import Server, greedy_reference, wait_for
+
+PROMPTS = [
+    ("def add(a, b):", 24),
+    ("import os", 6),
+    ("class Queue:\n    def __init__(self):\n        self.items = []", 30),
+    ("x", 12),
+    ("for i in range(10):\n    print(i)", 18),
+    ("# A long comment that goes on and on about nothing in particular, " * 4, 9),
+    ("return None", 40),
+    ("while True:", 3),
+    ("from collections import deque\nfrom dataclasses import dataclass\n\n@dataclass\nclass Entry:", 15),
+    ("print('hello, world')", 27),
+    ("try:\n    pass\nexcept Exception as exc:", 1),
+    ("lambda", 21),
+    ("async def main():\n    await asyncio.sleep(1)", 33),
+    ("if __name__ == '__main__':", 11),
+]
+
+
+@dataclass
+class Stream:
+    """One streaming request run on its own thread; `progress` lets other requests start relative to it."""
+
+    prompt: str
+    max_new_tokens: int
+    cancel_after: int | None = None
+    ids: list[int] = field(default_factory=list)
+    final: dict | None = None
+    progress: threading.Condition = field(default_factory=threading.Condition)
+
+    def run(self, url: str, start: threading.Event) -> None:
+        start.wait(120)
+        body = {"inputs": self.prompt, "parameters": {"max_new_tokens": self.max_new_tokens, "details": True}}
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", f"{url}/generate_stream", json=body) as response:
+                assert response.status_code == 200, response.read()
+                for event in sseclient.SSEClient(response.iter_bytes()).events():
+                    payload = json.loads(event.data)
+                    assert "error" not in payload, payload
+                    with self.progress:
+                        self.ids.append(payload["token"]["id"])
+                        self.progress.notify_all()
+                    if payload["generated_text"] is not None:
+                        self.final = payload
+                    if self.cancel_after is not None and len(self.ids) >= self.cancel_after:
+                        return  # leaving the block closes the connection: the client is gone
+
+    def tokens_received(self, n: int) -> bool:
+        with self.progress:
+            return len(self.ids) >= n or self.final is not None
+
+
+def run_staggered(server: Server, streams: list[Stream], after_tokens: int) -> None:
+    """Starts stream k once stream k-1 has received `after_tokens` tokens (or finished), so each new request
+    joins a batch that is already decoding; a few start together to exercise multi-request prefills."""
+    starts = [threading.Event() for _ in streams]
+    with ThreadPoolExecutor(len(streams)) as pool:
+        futures = [pool.submit(s.run, server.url, e) for s, e in zip(streams, starts)]
+        starts[0].set()
+        for k in range(1, len(streams)):
+            if k % 5 != 0:  # every fifth request starts together with the one before it
+                previous = streams[k - 1]
+                wait_for(lambda: previous.tokens_received(after_tokens) or futures[k - 1].done(), 120,
+                         f"request {k - 1} to stream {after_tokens} tokens")  # fmt: skip
+            starts[k].set()
+        for f in futures:
+            f.result()
+
+
+def test_staggered_greedy_requests_match_transformers(server: Server) -> None:
+    streams = [Stream(p, n) for p, n in PROMPTS]
+    run_staggered(server, streams, after_tokens=2)
+    for s in streams:
+        expected = greedy_reference(server.model_dir, s.prompt, s.max_new_tokens)
+        assert s.ids == expected, f"prompt {s.prompt!r}"
+        assert s.final is not None and s.final["details"]["generated_tokens"] == len(expected)
+
+
+def test_a_cancelled_stream_leaves_the_others_exact(server: Server) -> None:
+    streams = [Stream(p, n) for p, n in PROMPTS[:8]]
+    streams[2] = Stream(PROMPTS[2][0], 200, cancel_after=3)  # disconnects after 3 tokens, mid-batch
+    run_staggered(server, streams, after_tokens=3)
+    for s in streams:
+        expected = greedy_reference(server.model_dir, s.prompt, s.max_new_tokens)
+        if s.cancel_after is None:
+            assert s.ids == expected, f"prompt {s.prompt!r}"
+        else:
+            assert s.ids == expected[: len(s.ids)] and len(s.ids) == s.cancel_after
+    # The server is still healthy and serves the next request exactly.
+    with server.client() as client:
+        response = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 5, "details": True}})
+    assert [t["id"] for t in response.json()["details"]["tokens"]] == greedy_reference(server.model_dir, "x", 5)
+
+
+def test_non_streaming_requests_in_a_burst_match_transformers(server: Server) -> None:
+    def generate(prompt: str, n: int) -> list[int]:
+        with server.client() as client:
+            r = client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}})
+        assert r.status_code == 200, r.text
+        return [t["id"] for t in r.json()["details"]["tokens"]]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda pn: generate(*pn), PROMPTS))
+    for (prompt, n), ids in zip(PROMPTS, results):
+        assert ids == greedy_reference(server.model_dir, prompt, n), f"prompt {prompt!r}"
