@@ -17,7 +17,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0  # start of the context window
         self.read_offset = len(self.ids)  # tokens before this are already emitted
-        self._pieces: list[str] = []
+        self._text = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -31,9 +31,9 @@ class IncrementalDetokenizer:
             return ""
         piece = after[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self._pieces.append(piece)
+        self._text += piece
         return piece
 
     @property
     def text(self) -> str:
-        return "".join(self._pieces)
+        return self._text

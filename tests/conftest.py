@@ -20,7 +20,32 @@ from conveyor.launcher import demo_model
 
 # The probe prompt whose greedy continuation ends on the extra EOS id the test model declares.
 EOS_PROBE_PROMPT = "def main():"
-EOS_PROBE_STEP = 6  # the probe's 6th generated token is an EOS
+EOS_PROBE_MIN_STEP = 4
+
+
+# Prompts of many lengths with their max_new_tokens, for the oracle tests.
+ORACLE_PROMPTS = [
+    ("def add(a, b):", 24),
+    ("import os", 6),
+    ("class Queue:\n    def __init__(self):\n        self.items = []", 30),
+    ("x", 12),
+    ("for i in range(10):\n    print(i)", 18),
+    ("# A long comment that goes on and on about nothing in particular, " * 4, 9),
+    ("return None", 40),
+    ("while True:", 3),
+    ("from collections import deque\nfrom dataclasses import dataclass\n\n@dataclass\nclass Entry:", 15),
+    ("print('hello, world')", 27),
+    ("try:\n    pass\nexcept Exception as exc:", 1),
+    ("lambda", 21),
+    ("async def main():\n    await asyncio.sleep(1)", 33),
+    ("if __name__ == '__main__':", 11),
+]
+
+
+@dataclass(frozen=True)
+class EosProbe:
+    prompt: str
+    step: int  # the probe's greedy continuation ends on an EOS at this (1-based) step
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -65,13 +90,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config_path = path / "generation_config.json"
     config = json.loads(config_path.read_text())
     base_eos = config["eos_token_id"]
-    probe = greedy_reference(path, EOS_PROBE_PROMPT, EOS_PROBE_STEP)
-    extra = probe[EOS_PROBE_STEP - 1]
-    assert extra not in probe[: EOS_PROBE_STEP - 1], "pick another EOS_PROBE_STEP: the token repeats earlier"
-    config["eos_token_id"] = [base_eos, extra]
+    probe = greedy_reference(path, EOS_PROBE_PROMPT, 30)
+    # A token no other test prompt's continuation contains, so that only the probe stops early.
+    others = {t for prompt, n in ORACLE_PROMPTS for t in greedy_reference(path, prompt, n)}
+    step = next(
+        k for k in range(EOS_PROBE_MIN_STEP, 30) if probe[k - 1] not in probe[: k - 1] and probe[k - 1] not in others
+    )
+    config["eos_token_id"] = [base_eos, probe[step - 1]]
     config_path.write_text(json.dumps(config, indent=2))
+    (path / "eos_probe.json").write_text(json.dumps({"prompt": EOS_PROBE_PROMPT, "step": step}))
     _LOADED.clear()
     return path
+
+
+@pytest.fixture(scope="session")
+def eos_probe(tiny_model: Path) -> EosProbe:
+    return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
 
 
 def free_port() -> int:

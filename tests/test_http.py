@@ -10,7 +10,7 @@ import httpx
 import pytest
 import sseclient
 
-from conftest import EOS_PROBE_PROMPT, EOS_PROBE_STEP, Server, greedy_reference, wait_for
+from conftest import EosProbe, Server, greedy_reference, wait_for
 
 
 def stream_events(server: Server, body: dict) -> list[dict]:
@@ -73,11 +73,11 @@ def test_max_new_tokens_ends_with_length(server: Server) -> None:
     assert details["details"]["generated_tokens"] == 7
 
 
-def test_eos_ends_with_eos_token(server: Server) -> None:
-    events = stream_events(server, {"inputs": EOS_PROBE_PROMPT, "parameters": {"max_new_tokens": 50, "details": True}})
+def test_eos_ends_with_eos_token(server: Server, eos_probe: EosProbe) -> None:
+    events = stream_events(server, {"inputs": eos_probe.prompt, "parameters": {"max_new_tokens": 50, "details": True}})
     assert events[-1]["details"]["finish_reason"] == "eos_token"
-    assert len(events) == EOS_PROBE_STEP
-    assert [e["token"]["id"] for e in events] == greedy_reference(server.model_dir, EOS_PROBE_PROMPT, EOS_PROBE_STEP)
+    assert len(events) == eos_probe.step
+    assert [e["token"]["id"] for e in events] == greedy_reference(server.model_dir, eos_probe.prompt, 50)
 
 
 def test_stop_sequence_ends_with_stop_sequence(server: Server) -> None:

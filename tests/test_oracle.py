@@ -15,24 +15,9 @@ from dataclasses import dataclass, field
 import httpx
 import sseclient
 
-from conftest import Server, greedy_reference, wait_for
+from conftest import ORACLE_PROMPTS, Server, greedy_reference, wait_for
 
-PROMPTS = [
-    ("def add(a, b):", 24),
-    ("import os", 6),
-    ("class Queue:\n    def __init__(self):\n        self.items = []", 30),
-    ("x", 12),
-    ("for i in range(10):\n    print(i)", 18),
-    ("# A long comment that goes on and on about nothing in particular, " * 4, 9),
-    ("return None", 40),
-    ("while True:", 3),
-    ("from collections import deque\nfrom dataclasses import dataclass\n\n@dataclass\nclass Entry:", 15),
-    ("print('hello, world')", 27),
-    ("try:\n    pass\nexcept Exception as exc:", 1),
-    ("lambda", 21),
-    ("async def main():\n    await asyncio.sleep(1)", 33),
-    ("if __name__ == '__main__':", 11),
-]
+PROMPTS = ORACLE_PROMPTS
 
 
 @dataclass
