@@ -1,0 +1,50 @@
+"""Stopping rules: EOS, stop sequences spanning tokens, the token allowance, and their precedence."""
+
+from conveyor.shard.stopping import FinishReason, StoppingCriteria
+
+
+def criteria(**kwargs) -> StoppingCriteria:
+    return StoppingCriteria(eos_token_ids=frozenset({1, 7}), **{"max_new_tokens": 10, **kwargs})
+
+
+def feed(c: StoppingCriteria, pieces: list[tuple[int, str]]) -> list[FinishReason | None]:
+    text, out = "", []
+    for token, piece in pieces:
+        text += piece
+        out.append(c(token, text))
+    return out
+
+
+def test_any_eos_id_stops() -> None:
+    assert feed(criteria(), [(5, "a"), (7, "")]) == [None, FinishReason.EOS_TOKEN]
+
+
+def test_ignore_eos_keeps_going_until_the_allowance() -> None:
+    c = criteria(max_new_tokens=3, ignore_eos=True)
+    assert feed(c, [(1, ""), (1, ""), (1, "")]) == [None, None, FinishReason.LENGTH]
+
+
+def test_max_new_tokens_stops_with_length() -> None:
+    c = criteria(max_new_tokens=2)
+    assert feed(c, [(5, "a"), (6, "b")]) == [None, FinishReason.LENGTH]
+    assert c.generated_tokens == 2
+
+
+def test_stop_sequence_spanning_tokens_is_found_when_it_completes() -> None:
+    c = criteria(stop_sequences=["END"])
+    assert feed(c, [(5, "foo E"), (6, "N"), (8, "D more")]) == [None, None, FinishReason.STOP_SEQUENCE]
+
+
+def test_stop_sequence_inside_one_token() -> None:
+    assert feed(criteria(stop_sequences=["\n\n"]), [(5, "a"), (6, "b\n\nc")]) == [None, FinishReason.STOP_SEQUENCE]
+
+
+def test_only_a_completed_stop_sequence_stops() -> None:
+    c = criteria(stop_sequences=["ab"], max_new_tokens=5)
+    assert feed(c, [(5, "x"), (6, "a"), (8, "c"), (9, "a")]) == [None, None, None, None]
+    assert c(10, "xacab") == FinishReason.STOP_SEQUENCE
+
+
+def test_eos_and_stop_sequences_take_precedence_over_length() -> None:
+    assert feed(criteria(max_new_tokens=1), [(1, "")]) == [FinishReason.EOS_TOKEN]
+    assert feed(criteria(max_new_tokens=1, stop_sequences=["x"]), [(5, "x")]) == [FinishReason.STOP_SEQUENCE]
