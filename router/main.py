@@ -105,10 +105,12 @@ async def run(args: argparse.Namespace) -> None:
         batching.result()  # re-raises the loop's crash so the process exits non-zero
         raise RuntimeError("the batching loop stopped")
     server.draining = True
+    log.info("draining", extra={"in_flight": infer.in_flight})
     await _drain(infer, args.graceful_termination_timeout)
     await runner.cleanup()
     batching.cancel()
     await client.close()
+    log.info("router stopped")
 
 
 async def _drain(infer: Infer, timeout: float) -> None:

@@ -158,9 +158,9 @@ class CausalLM:
     def prefill(self, batch_pb: pb.Batch) -> tuple[list[pb.Generation], CausalLMBatch | None, pb.Timings]:
         """Builds a left-padded batch from new requests, runs the prompt forward, samples the first tokens."""
         start = time.perf_counter_ns()
-        states = [RequestState.from_pb(r, self.tokenizer, self.eos_token_ids) for r in batch_pb.requests]
-        if not states:
-            raise ValueError("a prefill batch needs at least one request")
+        states = [
+            RequestState.from_pb(r, self.tokenizer, self.eos_token_ids, self.vocab_size) for r in batch_pb.requests
+        ]
         length = max(len(s.input_ids) for s in states)
         input_ids = torch.full((len(states), length), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros((len(states), length), dtype=torch.long)

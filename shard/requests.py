@@ -11,6 +11,10 @@ from conveyor.shard.stopping import FinishReason, StoppingCriteria
 from conveyor.v1 import shard_pb2 as pb
 
 
+class BadRequest(ValueError):
+    """The router asked for something this shard cannot do: answered INVALID_ARGUMENT, the shard serves on."""
+
+
 @dataclass
 class RequestState:
     """What survives between steps for one request: its tokens, its text so far and why it may stop."""
@@ -24,11 +28,15 @@ class RequestState:
     generated_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_pb(cls, request: pb.Request, tokenizer, eos_token_ids: frozenset[int]) -> "RequestState":
+    def from_pb(
+        cls, request: pb.Request, tokenizer, eos_token_ids: frozenset[int], vocab_size: int
+    ) -> "RequestState":
         stop = request.stopping_parameters
         input_ids = list(request.input_ids)
         if not input_ids:
-            raise ValueError(f"request {request.id} has no input tokens")
+            raise BadRequest(f"request {request.id} has no input tokens")
+        if max(input_ids) >= vocab_size:
+            raise BadRequest(f"request {request.id} has token ids outside the vocabulary (size {vocab_size})")
         return cls(
             id=request.id,
             input_ids=input_ids,

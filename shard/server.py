@@ -15,14 +15,11 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from conveyor.shard.causal_lm import CausalLM, CausalLMBatch
+from conveyor.shard.requests import BadRequest
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-class BadRequest(ValueError):
-    """The router asked for something this shard cannot do (an unknown batch id, an empty batch)."""
 
 
 def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -51,11 +48,12 @@ class ShardService(pb_grpc.ShardServicer):
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def _take(self, batch_id: int) -> CausalLMBatch:
-        try:
-            return self.cache.pop(batch_id)
-        except KeyError:
-            raise BadRequest(f"batch {batch_id} is not cached on this shard") from None
+    def _take(self, *batch_ids: int) -> list[CausalLMBatch]:
+        """Removes the batches from the cache (a step replaces them), or none if any id is unknown."""
+        missing = [i for i in batch_ids if i not in self.cache]
+        if missing:
+            raise BadRequest(f"batches {missing} are not cached on this shard")
+        return [self.cache.pop(i) for i in batch_ids]
 
     def _keep(self, batch: CausalLMBatch | None) -> pb.CachedBatch | None:
         if batch is None:
@@ -111,7 +109,7 @@ class ShardService(pb_grpc.ShardServicer):
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         if not request.batches:
             raise BadRequest("decode needs at least one batch")
-        batches = [self._take(b.id) for b in request.batches]
+        batches = self._take(*(b.id for b in request.batches))
         generations, batch, timings = await self._run(self.model.decode, batches)
         response = pb.DecodeResponse(generations=generations, timings=timings)
         if (cached := self._keep(batch)) is not None:
@@ -120,7 +118,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     @rpc
     async def FilterBatch(self, request: pb.FilterBatchRequest, context) -> pb.FilterBatchResponse:
-        batch = self._take(request.batch_id)
+        (batch,) = self._take(request.batch_id)
         try:
             kept = await self._run(batch.filter, list(request.request_ids))
         except KeyError as exc:
@@ -141,3 +139,4 @@ async def serve(model: CausalLM, uds_path: str, rank: int, world_size: int, stop
     log.info("shard serving", extra={"url": urls[rank], "rank": rank})
     await stop.wait()
     await server.stop(grace=5)
+    log.info("shard stopped")

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +19,7 @@ import httpx
 import psutil
 import sseclient
 
-from conftest import Server, greedy_reference, start_server, wait_for
+from conftest import Server, free_port, greedy_reference, start_server, wait_for
 
 LONG = {"inputs": "def forever():", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
 
@@ -117,3 +120,23 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(tiny_model: P
     assert len(ids) == 150 and ids[: len(reference)] == reference
     assert len(children) == 2  # a shard and the router, both stopped by the launcher
     wait_for(lambda: not any(psutil.pid_exists(pid) for pid in children), 30, "the children to be gone")
+
+
+def test_a_shard_that_dies_while_loading_fails_the_launcher_clearly(tiny_model: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    launcher = subprocess.run(
+        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(broken), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=300,  # fmt: skip
+    )
+    assert launcher.returncode != 0
+    assert "shard 0 exited with code" in launcher.stderr
+
+
+def test_a_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
+    launcher = subprocess.run(
+        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(tmp_path / "nowhere")],
+        capture_output=True, text=True, timeout=60,  # fmt: skip
+    )
+    assert launcher.returncode != 0 and "no config.json" in launcher.stderr

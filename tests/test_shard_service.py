@@ -1,0 +1,131 @@
+"""A real `conveyor-shard` process driven over gRPC with the router's sharded client.
+
+Prefill, Decode over joined batches and FilterBatch must keep every request exactly on its greedy path, and a
+bad call must come back as a gRPC error while the shard keeps serving.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import grpc
+import pytest
+
+from conftest import greedy_reference, wait_for
+from conveyor.client.sharded_client import ShardedClient, ShardError
+from conveyor.v1 import shard_pb2 as pb
+from conveyor.v1 import shard_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    uds = str(tmp_path_factory.mktemp("uds") / "shard")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "conveyor.shard.main", "--model-id", str(tiny_model), "--uds-path", uds],
+        env=dict(os.environ, RANK="0", WORLD_SIZE="1"),
+    )
+
+    def healthy() -> bool:
+        assert process.poll() is None, "the shard exited while loading"
+        if not os.path.exists(f"{uds}-0"):
+            return False
+        try:
+            with grpc.insecure_channel(f"unix://{uds}-0") as channel:
+                pb_grpc.ShardStub(channel).Health(pb.HealthRequest(), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+
+    wait_for(healthy, 120, "the shard to answer Health")
+    yield f"{uds}-0"
+    process.terminate()
+    assert process.wait(30) == 0
+
+
+@pytest.fixture
+async def client(shard: str) -> AsyncIterator[ShardedClient]:
+    client = await ShardedClient.connect(shard)
+    await client.clear_cache()
+    yield client
+    await client.close()
+
+
+def request(tokenizer, n: int, prompt: str, max_new_tokens: int) -> pb.Request:
+    return pb.Request(
+        id=n,
+        input_ids=tokenizer(prompt).input_ids,
+        parameters=pb.SamplingParameters(),
+        stopping_parameters=pb.StoppingParameters(max_new_tokens=max_new_tokens, ignore_eos_token=True),
+    )
+
+
+def batch(batch_id: int, *requests: pb.Request) -> pb.Batch:
+    return pb.Batch(id=batch_id, requests=requests, size=len(requests))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+async def test_info_and_discovery(client: ShardedClient, shard: str) -> None:
+    info = await client.info()
+    assert info.requires_padding and info.engine == "padded" and info.dtype == "float32"
+    assert info.model_type == "llama" and info.world_size == 1
+    assert client.urls == [f"unix://{shard}"]
+
+
+async def test_join_filter_and_decode_keep_each_request_on_its_greedy_path(
+    client: ShardedClient, tokenizer, tiny_model: Path
+) -> None:
+    prompts = {0: ("def f(x):", 9), 1: ("import os\nimport sys", 9), 2: ("x", 9), 3: ("class A:\n    pass", 9)}
+    got: dict[int, list[int]] = {n: [] for n in prompts}
+
+    def record(result) -> pb.CachedBatch | None:
+        for g in result.generations:
+            got[g.request_id].extend(g.tokens.ids)
+        return result.batch
+
+    first = record(await client.prefill(batch(1, *(request(tokenizer, n, *prompts[n]) for n in (0, 1)))))
+    first = record(await client.decode([first]))
+    second = record(await client.prefill(batch(2, *(request(tokenizer, n, *prompts[n]) for n in (2, 3)))))
+    joined = record(await client.decode([first, second]))  # rows of different lengths, left-padded together
+    assert list(joined.request_ids) == [0, 1, 2, 3] and joined.id == 1
+    kept = await client.filter_batch(joined.id, [3, 0])  # request 1 and 2 leave; order follows the call
+    assert list(kept.request_ids) == [3, 0] and kept.size == 2
+    for _ in range(3):
+        kept = record(await client.decode([kept]))
+    assert len(got[0]) == 6 and len(got[3]) == 5
+    for n in (0, 3):
+        reference = greedy_reference(tiny_model, *prompts[n])  # may end early on an EOS the requests ignore
+        assert got[n][: len(reference)] == reference[: len(got[n])]
+    await client.clear_cache(kept.id)
+
+
+async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(client: ShardedClient, tokenizer) -> None:
+    with pytest.raises(ShardError, match="not cached"):
+        await client.decode([pb.CachedBatch(id=999, request_ids=[1], size=1)])
+    with pytest.raises(ShardError, match="no input tokens"):
+        await client.prefill(batch(5, pb.Request(id=1, stopping_parameters=pb.StoppingParameters(max_new_tokens=1))))
+    with pytest.raises(ShardError, match="outside the vocabulary"):
+        await client.prefill(batch(6, pb.Request(id=1, input_ids=[10**6])))
+    cached = (await client.prefill(batch(7, request(tokenizer, 1, "x", 5)))).batch
+    with pytest.raises(ShardError, match="no requests"):
+        await client.filter_batch(cached.id, [42])
+    # The batch survived the bad filter, and the shard still generates.
+    result = await client.decode([cached])
+    assert [g.request_id for g in result.generations] == [1]
+    await client.health()
+
+
+async def test_a_failed_grpc_call_has_invalid_argument_status(shard: str) -> None:
+    async with grpc.aio.insecure_channel(f"unix://{shard}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await pb_grpc.ShardStub(channel).FilterBatch(pb.FilterBatchRequest(batch_id=12345))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
