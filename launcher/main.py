@@ -89,6 +89,8 @@ def router_args(args: argparse.Namespace, model_dir: Path, uds_path: str) -> lis
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     conveyor_log.setup("launcher", args.log_level)
+    if args.num_shard != 1:
+        raise SystemExit("--num-shard: the padded engine runs on one rank; tensor parallelism comes with the paged engine")
     model_dir = resolve_model(args.model_id, args.demo_size)
     uds_path = args.shard_uds_path or os.path.join(tempfile.gettempdir(), f"conveyor-{os.getpid()}")
     deployment = Deployment(

@@ -75,7 +75,7 @@ class Deployment:
                 args += ["--log-level", self.log_level]
             self.shards.append(self._spawn(f"shard {rank}", "conveyor.shard.main", args, env))
         for rank, shard in enumerate(self.shards):
-            self._wait(shard, lambda r=rank: _shard_healthy(f"{self.uds_path}-{r}"), deadline, should_stop)
+            self._wait(shard, lambda r=rank: shard_healthy(f"{self.uds_path}-{r}"), deadline, should_stop)
         self.router = self._spawn("router", "conveyor.router.main", self.router_args, dict(os.environ))
         self._wait(self.router, lambda: _http_ok(f"{self.router_url}/health"), deadline, should_stop)
 
@@ -112,7 +112,8 @@ class Deployment:
             Path(f"{self.uds_path}-{rank}").unlink(missing_ok=True)
 
 
-def _shard_healthy(socket_path: str) -> bool:
+def shard_healthy(socket_path: str) -> bool:
+    """True once the shard at this socket answers Health."""
     if not os.path.exists(socket_path):
         return False
     try:

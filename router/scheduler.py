@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
+from typing import Awaitable
 
 from conveyor.client.sharded_client import ShardedClient, ShardError, StepResult
 from conveyor.router.events import ErrorEvent, events_from_generation
@@ -83,7 +84,7 @@ class Scheduler:
                 if (joined := await self._prefill(new)) is not None:
                     batches.append(joined)
                 waiting_steps = 1
-            cached = await self._step(batches, lambda: self.client.decode(batches))
+            cached = await self._step(batches, self.client.decode(batches))
             waiting_steps += 1
 
     async def _prefill(self, new: NextBatch) -> pb.CachedBatch | None:
@@ -99,12 +100,12 @@ class Scheduler:
         )
         ids = [e.id for e in new.entries]
         cached = pb.CachedBatch(id=batch.id, request_ids=ids, size=len(ids))
-        return await self._step([cached], lambda: self.client.prefill(batch))
+        return await self._step([cached], self.client.prefill(batch))
 
-    async def _step(self, batches: list[pb.CachedBatch], call) -> pb.CachedBatch | None:
-        """Runs one RPC over `batches`, streams its tokens, and filters out requests that are over."""
+    async def _step(self, batches: list[pb.CachedBatch], call: Awaitable[StepResult]) -> pb.CachedBatch | None:
+        """Awaits one RPC over `batches`, streams its tokens, and filters out requests that are over."""
         try:
-            result: StepResult = await call()
+            result = await call
         except ShardError as exc:
             await self._fail(batches, str(exc))
             return None

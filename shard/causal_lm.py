@@ -104,15 +104,13 @@ class CausalLMBatch:
         )
 
 
-def _left_pad(t: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
-    """Pads with zeros on the left of the sequence dimension (dim -2 for KV, -1 for a 2-D mask)."""
-    if t.dim() == 2:
-        dim = -1
-    missing = length - t.shape[dim]
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Zeros on the left of the sequence axis: the last of a [B, L] mask, the third of [B, H, L, D] KV."""
+    mask = t.dim() == 2
+    missing = length - t.shape[-1 if mask else -2]
     if missing == 0:
         return t
-    pad = [0, 0] * (-dim - 1) + [missing, 0]
-    return F.pad(t, pad)
+    return F.pad(t, [missing, 0] if mask else [0, 0, missing, 0])
 
 
 def _first_real_column(mask: torch.Tensor) -> int:

@@ -43,14 +43,8 @@ class SamplingParams:
 
     @property
     def sampling(self) -> bool:
-        """TGI's rule: any warper implies drawing from the distribution rather than taking the argmax."""
-        return (
-            self.do_sample
-            or self.temperature != 1.0
-            or self.top_k > 0
-            or self.top_p < 1.0
-            or self.typical_p < 1.0
-        )
+        """The router decides (TGI's rule, in validation); a row that does not sample ignores its warpers."""
+        return self.do_sample
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -78,13 +72,14 @@ class Sampler:
 
     def _tensors(self) -> None:
         p, d = self.params, self.device
-        self.temperature = _column([x.temperature if x.sampling else 1.0 for x in p], d)
         self.repetition = _column([x.repetition_penalty for x in p], d)
         self.frequency = _column([x.frequency_penalty for x in p], d)
         self.presence = _column([x.presence_penalty for x in p], d)
-        self.top_k = [x.top_k for x in p]
-        self.top_p = _column([x.top_p for x in p], d)
-        self.typical_p = _column([x.typical_p for x in p], d)
+        # Warpers act on sampling rows only: a greedy row beside a sampling one keeps its argmax.
+        self.temperature = _column([x.temperature if x.sampling else 1.0 for x in p], d)
+        self.top_k = [x.top_k if x.sampling else 0 for x in p]
+        self.top_p = _column([x.top_p if x.sampling else 1.0 for x in p], d)
+        self.typical_p = _column([x.typical_p if x.sampling else 1.0 for x in p], d)
         self.sampling_rows = [i for i, x in enumerate(p) if x.sampling]
 
     @classmethod

@@ -61,6 +61,13 @@ class ShardService(pb_grpc.ShardServicer):
         self.cache[batch.id] = batch
         return batch.to_pb()
 
+    def _respond(self, response_type, generations, batch: CausalLMBatch | None, timings: pb.Timings):
+        """A step's answer; the batch is cached for the next step unless every request in it finished."""
+        response = response_type(generations=generations, timings=timings)
+        if (cached := self._keep(batch)) is not None:
+            response.batch.CopyFrom(cached)
+        return response
+
     @rpc
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         return self.model.info()
@@ -99,22 +106,14 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest(f"batch {request.batch.id} is already cached")
         if request.HasField("cached_batch"):
             raise BadRequest("this engine does not support chunked prefill (cached_batch)")
-        generations, batch, timings = await self._run(self.model.prefill, request.batch)
-        response = pb.PrefillResponse(generations=generations, timings=timings)
-        if (cached := self._keep(batch)) is not None:
-            response.batch.CopyFrom(cached)
-        return response
+        return self._respond(pb.PrefillResponse, *await self._run(self.model.prefill, request.batch))
 
     @rpc
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         if not request.batches:
             raise BadRequest("decode needs at least one batch")
         batches = self._take(*(b.id for b in request.batches))
-        generations, batch, timings = await self._run(self.model.decode, batches)
-        response = pb.DecodeResponse(generations=generations, timings=timings)
-        if (cached := self._keep(batch)) is not None:
-            response.batch.CopyFrom(cached)
-        return response
+        return self._respond(pb.DecodeResponse, *await self._run(self.model.decode, batches))
 
     @rpc
     async def FilterBatch(self, request: pb.FilterBatchRequest, context) -> pb.FilterBatchResponse:

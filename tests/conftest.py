@@ -60,7 +60,6 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 def greedy_reference(model_dir: Path, prompt: str, max_new_tokens: int) -> list[int]:
     """What transformers' own `generate()` yields for this prompt alone: the oracle."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tokenizer = _load(model_dir)
     ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -36,13 +36,11 @@ def test_greedy_rows_take_the_argmax_with_its_logprob() -> None:
     assert torch.allclose(logprobs, expected)
 
 
-def test_sampling_rule_follows_tgi() -> None:
-    assert not SamplingParams().sampling
-    assert SamplingParams(do_sample=True).sampling
-    assert SamplingParams(temperature=0.5).sampling
-    assert SamplingParams(top_k=3).sampling
-    assert SamplingParams(top_p=0.9).sampling
-    assert SamplingParams(typical_p=0.9).sampling
+def test_greedy_rows_ignore_warpers_even_beside_sampling_rows() -> None:
+    # Typical-p would drop this argmax (it is far more likely than the entropy says is typical).
+    probs = torch.tensor([[0.6] + [0.4 / (VOCAB - 1)] * (VOCAB - 1)] * 2)
+    s = sampler(SamplingParams(typical_p=0.2, top_k=3, temperature=0.1), SamplingParams(do_sample=True, seed=1))
+    assert int(s(probs.log())[0][0]) == 0
 
 
 def test_top_k_one_is_the_argmax() -> None:

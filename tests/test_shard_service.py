@@ -17,6 +17,7 @@ import pytest
 
 from conftest import greedy_reference, wait_for
 from conveyor.client.sharded_client import ShardedClient, ShardError
+from conveyor.launcher.processes import shard_healthy
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
@@ -31,14 +32,7 @@ def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
     def healthy() -> bool:
         assert process.poll() is None, "the shard exited while loading"
-        if not os.path.exists(f"{uds}-0"):
-            return False
-        try:
-            with grpc.insecure_channel(f"unix://{uds}-0") as channel:
-                pb_grpc.ShardStub(channel).Health(pb.HealthRequest(), timeout=2)
-            return True
-        except grpc.RpcError:
-            return False
+        return shard_healthy(f"{uds}-0")
 
     wait_for(healthy, 120, "the shard to answer Health")
     yield f"{uds}-0"
