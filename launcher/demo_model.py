@@ -96,10 +96,29 @@ def _template_into_tokenizer_config(out_dir: Path) -> None:
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
-def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def _model(arch: str, config_fields: dict, initializer_range: float):
+    """A freshly initialised network. Qwen2's q/k/v biases start at zero in transformers; they get random values
+    here so that a model built to test bias handling really has biases to handle."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**config_fields))
+    model = Qwen2ForCausalLM(Qwen2Config(**config_fields))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, initializer_range)
+    return model
+
+
+def build(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama") -> Path:
     """Writes a complete model directory to `out_dir` and returns it."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     spec = SIZES[size]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +136,7 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
     _template_into_tokenizer_config(out_dir)
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = LlamaConfig(
+    config = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -131,23 +150,24 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
         pad_token_id=ids[PAD],
         tie_word_embeddings=False,
     )
-    _progress(f"initialising a {size} Llama with seed {seed}")
+    _progress(f"initialising a {size} {arch} model with seed {seed}")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = _model(arch, config, spec.initializer_range).to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD], do_sample=False
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     params = sum(p.numel() for p in model.parameters())
-    (out_dir / "conveyor_demo.json").write_text(json.dumps({"size": size, "seed": seed, "parameters": params}))
+    marker = {"size": size, "seed": seed, "arch": arch, "parameters": params}
+    (out_dir / "conveyor_demo.json").write_text(json.dumps(marker))
     _progress(f"wrote {out_dir} ({params / 1e6:.1f}M parameters)")
     return out_dir
 
 
-def ensure(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
+def ensure(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama") -> Path:
     """Builds the model unless `out_dir` already holds a finished build (the marker file is written last)."""
     if not (out_dir / "conveyor_demo.json").exists():
-        build(out_dir, size, seed)
+        build(out_dir, size, seed, arch)
     return out_dir
 
 
@@ -156,8 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
     args = parser.parse_args(argv)
-    build(args.out_dir, args.size, args.seed)
+    build(args.out_dir, args.size, args.seed, args.arch)
 
 
 if __name__ == "__main__":

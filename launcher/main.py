@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hostname", default="127.0.0.1")
     p.add_argument("--num-shard", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--engine", choices=["auto", "paged", "padded"], default="auto",
+                   help="paged: our Llama-family code with a paged KV cache and tensor parallelism; padded: any "
+                        "transformers model, one rank; auto: paged where the architecture allows")  # fmt: skip
     p.add_argument("--max-concurrent-requests", type=int, default=128)
     p.add_argument("--max-input-tokens", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
@@ -89,14 +92,15 @@ def router_args(args: argparse.Namespace, model_dir: Path, uds_path: str) -> lis
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     conveyor_log.setup("launcher", args.log_level)
-    if args.num_shard != 1:
-        raise SystemExit("--num-shard: the padded engine runs on one rank; tensor parallelism comes with the paged engine")
+    if args.num_shard < 1:
+        raise SystemExit("--num-shard must be at least 1")
     model_dir = resolve_model(args.model_id, args.demo_size)
     uds_path = args.shard_uds_path or os.path.join(tempfile.gettempdir(), f"conveyor-{os.getpid()}")
     deployment = Deployment(
         model_dir=model_dir,
         num_shard=args.num_shard,
         dtype=args.dtype,
+        engine=args.engine,
         uds_path=uds_path,
         master_addr=args.master_addr,
         master_port=args.master_port,

@@ -51,6 +51,7 @@ class Deployment:
     model_dir: Path
     num_shard: int
     dtype: str
+    engine: str
     uds_path: str
     master_addr: str
     master_port: int
@@ -70,7 +71,8 @@ class Deployment:
         for rank in range(self.num_shard):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.num_shard),
                        MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))  # fmt: skip
-            args = ["--model-id", str(self.model_dir), "--uds-path", self.uds_path, "--dtype", self.dtype]
+            args = ["--model-id", str(self.model_dir), "--uds-path", self.uds_path, "--dtype", self.dtype,
+                    "--engine", self.engine]  # fmt: skip
             if self.log_level:
                 args += ["--log-level", self.log_level]
             self.shards.append(self._spawn(f"shard {rank}", "conveyor.shard.main", args, env))

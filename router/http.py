@@ -179,7 +179,12 @@ class HttpServer:
         return web.json_response({"status": "ok"})
 
     async def get_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self.info.to_json())
+        body = self.info.to_json()
+        allocator = self.infer.scheduler.allocator
+        if allocator is not None:  # paged engine: KV use in blocks, live
+            body.update(block_size=allocator.block_size, kv_blocks_total=allocator.num_blocks,
+                        kv_blocks_free=allocator.free_blocks)  # fmt: skip
+        return web.json_response(body)
 
 
 async def _send_sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:

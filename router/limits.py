@@ -106,4 +106,5 @@ def warmup_request(limits: ResolvedLimits, tokenizer) -> pb.WarmupRequest:
         max_input_tokens=max_input,
         max_total_tokens=limits.validation.max_total_tokens,
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_total_tokens=limits.user_batch_total_tokens or 0,
     )

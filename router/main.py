@@ -18,6 +18,7 @@ from aiohttp import web
 
 from conveyor import log as conveyor_log
 from conveyor.client.sharded_client import ShardedClient
+from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
 from conveyor.router.limits import LimitArgs, resolve_limits, warmup_request
@@ -68,7 +69,10 @@ async def run(args: argparse.Namespace) -> None:
         waiting_served_ratio=args.waiting_served_ratio,
         max_waiting_tokens=args.max_waiting_tokens,
     )
-    scheduler = Scheduler(client, config)
+    allocator = None
+    if shard_info.block_size:
+        allocator = BlockAllocator(limits.max_batch_total_tokens // shard_info.block_size, shard_info.block_size)
+    scheduler = Scheduler(client, config, allocator)
     infer = Infer(scheduler, args.max_concurrent_requests)
     server = HttpServer(
         infer,

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from conveyor.router.block_allocator import Allocation, BlockAllocator
 from conveyor.router.events import Event
 from conveyor.router.policy import Admission
 from conveyor.router.validation import ValidRequest
@@ -24,6 +25,8 @@ class Entry:
     # Set by the HTTP side when the client goes away; the scheduler drops the entry at its next step.
     cancelled: bool = False
     done: bool = False
+    # Paged engine: the KV blocks this request holds from admission until it leaves the batch.
+    allocation: Allocation | None = None
 
     @property
     def input_length(self) -> int:
@@ -37,7 +40,12 @@ class Entry:
 @dataclass
 class NextBatch:
     entries: list[Entry]
-    max_tokens: int  # the padded KV tokens the batch may grow to, counted against the token budget
+    max_tokens: int  # the KV tokens the batch may grow to (padded, or in whole blocks)
+
+
+def kv_tokens(entry: Entry) -> int:
+    """KV slots a request can fill: its prompt and every generated token but the last, which is never fed back."""
+    return entry.input_length + entry.max_new_tokens - 1
 
 
 class Queue:
@@ -50,18 +58,32 @@ class Queue:
     def append(self, entry: Entry) -> None:
         self._entries.append(entry)
 
-    def next_batch(self, admission: Admission) -> NextBatch | None:
+    def next_batch(self, admission: Admission, allocator: BlockAllocator | None = None) -> NextBatch | None:
         """Takes from the front of the line the longest run of entries that fits `admission`.
 
-        Padded accounting: a batch of n prompts costs n times the longest prompt in prefill tokens, and its
-        KV may grow to that plus every request's `max_new_tokens`. An entry that does not fit stays first in
-        line, so a large request is not overtaken for ever by smaller ones behind it.
+        An entry that does not fit stays first in line, so a large request is not overtaken for ever by smaller
+        ones behind it. With an `allocator` (paged engine) the entries taken hold their KV blocks on return.
         """
         self._drop_cancelled()
         if admission.prefill_budget <= 0 or admission.token_budget <= 0 or admission.max_size == 0:
             return None
         if not self._entries or (admission.min_size and len(self._entries) < admission.min_size):
             return None
+        if allocator is None:
+            taken, max_tokens = self._take_padded(admission)
+        else:
+            taken, max_tokens = self._take_paged(admission, allocator)
+        if not taken or (admission.min_size and len(taken) < admission.min_size):
+            for entry in taken:
+                release(entry, allocator)
+            return None
+        for _ in taken:
+            self._entries.popleft()
+        return NextBatch(taken, max_tokens)
+
+    def _take_padded(self, admission: Admission) -> tuple[list[Entry], int]:
+        """A batch of n prompts costs n times the longest in prefill tokens, and its KV may grow to that plus
+        every request's `max_new_tokens`."""
         taken: list[Entry] = []
         longest = decode_tokens = 0
         for entry in self._entries:
@@ -74,11 +96,25 @@ class Queue:
             longest, decode_tokens = new_longest, decode_tokens + entry.max_new_tokens
             if admission.max_size is not None and len(taken) >= admission.max_size:
                 break
-        if not taken or (admission.min_size and len(taken) < admission.min_size):
-            return None
-        for _ in taken:
-            self._entries.popleft()
-        return NextBatch(taken, len(taken) * longest + decode_tokens)
+        return taken, len(taken) * longest + decode_tokens
+
+    def _take_paged(self, admission: Admission, allocator: BlockAllocator) -> tuple[list[Entry], int]:
+        """Prompts cost their real length in prefill tokens; KV memory is whatever blocks are free."""
+        taken: list[Entry] = []
+        prefill_tokens = blocks = 0
+        for entry in self._entries:
+            if prefill_tokens + entry.input_length > admission.prefill_budget:
+                break
+            allocation = allocator.allocate(kv_tokens(entry))
+            if allocation is None:
+                break
+            entry.allocation = allocation
+            taken.append(entry)
+            prefill_tokens += entry.input_length
+            blocks += len(allocation.blocks)
+            if admission.max_size is not None and len(taken) >= admission.max_size:
+                break
+        return taken, blocks * allocator.block_size
 
     def _drop_cancelled(self) -> None:
         """Requests whose client left while waiting never reach a shard."""
@@ -88,3 +124,10 @@ class Queue:
     def drain(self) -> list[Entry]:
         entries, self._entries = list(self._entries), deque()
         return entries
+
+
+def release(entry: Entry, allocator: BlockAllocator | None) -> None:
+    """Gives an entry's KV blocks back; safe to call on an entry that holds none."""
+    if entry.allocation is not None and allocator is not None:
+        allocator.free(entry.allocation)
+    entry.allocation = None

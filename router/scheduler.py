@@ -17,7 +17,8 @@ from typing import Awaitable
 from conveyor.client.sharded_client import ShardedClient, ShardError, StepResult
 from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.policy import BatchingConfig, admission_when_idle, admission_when_running
-from conveyor.router.queue import Entry, NextBatch, Queue
+from conveyor.router.block_allocator import BlockAllocator
+from conveyor.router.queue import Entry, NextBatch, Queue, release
 from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,18 @@ def request_pb(entry: Entry) -> pb.Request:
         ),
         prefill_logprobs=p.decoder_input_details,
         top_n_tokens=p.top_n_tokens,
+        blocks=entry.allocation.blocks if entry.allocation else (),
+        slots=entry.allocation.slots if entry.allocation else (),
     )
 
 
 class Scheduler:
-    def __init__(self, client: ShardedClient, config: BatchingConfig) -> None:
+    def __init__(
+        self, client: ShardedClient, config: BatchingConfig, allocator: BlockAllocator | None = None
+    ) -> None:
         self.client = client
         self.config = config
+        self.allocator = allocator  # paged engine: the KV blocks; None for the padded engine
         self.queue = Queue()
         self.running: dict[int, Entry] = {}
         self.healthy = True
@@ -70,7 +76,7 @@ class Scheduler:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while (new := self.queue.next_batch(admission_when_idle(self.config))) is not None:
+            while (new := self.queue.next_batch(admission_when_idle(self.config), self.allocator)) is not None:
                 cached = await self._prefill(new)
                 await self._decode_loop(cached)
 
@@ -79,7 +85,7 @@ class Scheduler:
         while cached is not None:
             batches = [cached]
             admission = admission_when_running(self.config, cached.size, cached.max_tokens, waiting_steps)
-            if (new := self.queue.next_batch(admission)) is not None:
+            if (new := self.queue.next_batch(admission, self.allocator)) is not None:
                 log.debug("pausing the running batch for a prefill", extra={"joining": len(new.entries)})
                 if (joined := await self._prefill(new)) is not None:
                     batches.append(joined)
@@ -145,17 +151,21 @@ class Scheduler:
         entry = self.running.get(request_id)
         return entry is not None and not entry.done and not entry.cancelled
 
-    def _forget(self, request_ids) -> None:
+    def _forget(self, request_ids) -> list[Entry]:
+        """Takes requests out of the running set and gives their KV blocks back."""
+        gone = []
         for request_id in list(request_ids):
-            self.running.pop(request_id, None)
+            if (entry := self.running.pop(request_id, None)) is not None:
+                release(entry, self.allocator)
+                gone.append(entry)
+        return gone
 
     async def _fail(self, batches: list[pb.CachedBatch], message: str) -> None:
         """A failed step fails every request in it; the shards drop those batches if they still can."""
         log.error("generation step failed", extra={"error": message})
         self.healthy = False
-        for request_id in [r for b in batches for r in b.request_ids]:
-            entry = self.running.pop(request_id, None)
-            if entry is not None and not entry.done:
+        for entry in self._forget(r for b in batches for r in b.request_ids):
+            if not entry.done:
                 entry.done = True
                 entry.events.put_nowait(ErrorEvent(message, "generation"))
         for batch in batches:

@@ -8,7 +8,6 @@ reference the paged engine is compared with.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,15 +15,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from conveyor.shard.requests import RequestState, prefill_tokens_pb
+from conveyor.shard.engine import Engine, all_finished, timings
+from conveyor.shard.requests import RequestState
 from conveyor.shard.sampling import Sampler
 from conveyor.v1 import shard_pb2 as pb
 
-log = logging.getLogger(__name__)
-
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, L, head_dim]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -119,63 +115,48 @@ def _first_real_column(mask: torch.Tensor) -> int:
     return int(used[0]) if len(used) else mask.shape[1]
 
 
-class CausalLM:
+class CausalLM(Engine):
     """Loads a model directory with transformers and runs padded batches through it."""
 
     engine = "padded"
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-        from transformers.utils import logging as hf_logging
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: torch.device | None = None) -> None:
+        from transformers import AutoModelForCausalLM
 
-        hf_logging.disable_progress_bar()
-        self.device = torch.device(device)
-        self.dtype_name = dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(self.device).eval()
-        self.config = self.model.config
-        self.eos_token_ids = _eos_token_ids(model_dir, self.config, self.tokenizer, GenerationConfig)
-        self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        self.vocab_size = self.config.vocab_size
+        super().__init__(model_dir, dtype, device or torch.device("cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
 
     def info(self) -> pb.InfoResponse:
-        return pb.InfoResponse(
-            requires_padding=True,
-            dtype=self.dtype_name,
-            device_type=self.device.type,
-            block_size=0,
-            support_chunking=False,
-            use_prefix_caching=False,
-            engine=self.engine,
-            model_type=self.config.model_type,
-            max_position_embeddings=getattr(self.config, "max_position_embeddings", 0) or 0,
-            world_size=1,
-        )
+        return super().info(requires_padding=True)
+
+    def warmup(self, request: pb.WarmupRequest) -> int | None:
+        """Runs the largest prefill and a decode step, so first requests do not pay for cold memory.
+        The padded engine sizes no KV pool: the router keeps its own token budget."""
+        _, batch, _ = self.prefill(request.batch)
+        if batch is not None:
+            self.decode([batch])
+        return None
 
     @torch.inference_mode()
     def prefill(self, batch_pb: pb.Batch) -> tuple[list[pb.Generation], CausalLMBatch | None, pb.Timings]:
         """Builds a left-padded batch from new requests, runs the prompt forward, samples the first tokens."""
         start = time.perf_counter_ns()
-        states = [
-            RequestState.from_pb(r, self.tokenizer, self.eos_token_ids, self.vocab_size) for r in batch_pb.requests
-        ]
+        states = self.states(batch_pb)
         length = max(len(s.input_ids) for s in states)
         input_ids = torch.full((len(states), length), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros((len(states), length), dtype=torch.long)
         for row, state in enumerate(states):
             input_ids[row, length - len(state.input_ids) :] = torch.tensor(state.input_ids)
             mask[row, length - len(state.input_ids) :] = 1
-        sampler = Sampler.build(
-            [s.params for s in states], [s.input_ids for s in states], self.vocab_size, self.device
-        )
         logits, kv = self._forward(input_ids, mask, kv=None, all_logits=any(s.prefill_logprobs for s in states))
         forward_done = time.perf_counter_ns()
-        batch = CausalLMBatch(batch_pb.id, states, input_ids[:, -1:], mask, kv, sampler)
+        batch = CausalLMBatch(batch_pb.id, states, input_ids[:, -1:], mask, kv, self.sampler(states))
         generations = self._sample(batch, logits[:, -1])
         for row, (generation, state) in enumerate(zip(generations, states)):
             if state.prefill_logprobs:
-                generation.prefill_tokens.CopyFrom(self._prefill_tokens(state, logits[row]))
-        return generations, _alive(batch, generations), _timings(start, forward_done)
+                prompt_logits = logits[row, length - len(state.input_ids) :]
+                generation.prefill_tokens.CopyFrom(self.prefill_tokens(state, prompt_logits))
+        return generations, None if all_finished(generations) else batch, timings(start, forward_done)
 
     @torch.inference_mode()
     def decode(self, batches: list[CausalLMBatch]) -> tuple[list[pb.Generation], CausalLMBatch | None, pb.Timings]:
@@ -188,9 +169,9 @@ class CausalLM:
         forward_done = time.perf_counter_ns()
         batch.attention_mask, batch.kv = mask, kv
         generations = self._sample(batch, logits[:, -1])
-        timings = _timings(start, forward_done)
-        timings.concat_ns = concat_done - start
-        return generations, _alive(batch, generations), timings
+        step_timings = timings(start, forward_done)
+        step_timings.concat_ns = concat_done - start
+        return generations, None if all_finished(generations) else batch, step_timings
 
     def _forward(
         self, input_ids: torch.Tensor, mask: torch.Tensor, kv: KV | None, all_logits: bool
@@ -212,42 +193,6 @@ class CausalLM:
         return out.logits.float(), [(layer.keys, layer.values) for layer in cache.layers]
 
     def _sample(self, batch: CausalLMBatch, logits: torch.Tensor) -> list[pb.Generation]:
-        next_ids, logprobs = batch.sampler(logits)
-        batch.next_ids = next_ids.view(-1, 1).cpu()
-        ids, lps = next_ids.tolist(), logprobs.tolist()
-        return [
-            state.step(token, lp, self.tokenizer, self.special_ids)
-            for state, token, lp in zip(batch.requests, ids, lps)
-        ]
-
-    def _prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> pb.Tokens:
-        """Log-probabilities of each prompt token under the model, from the positions before it."""
-        n = len(state.input_ids)
-        row_logits = logits[-n:-1]  # the real positions of this row, last one excluded
-        targets = torch.tensor(state.input_ids[1:], dtype=torch.long)
-        logprobs = torch.log_softmax(row_logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
-        return prefill_tokens_pb(state.input_ids, logprobs.tolist(), self.tokenizer)
-
-
-def _alive(batch: CausalLMBatch, generations: list[pb.Generation]) -> CausalLMBatch | None:
-    """The batch to cache, or None when every request finished at this step (the router frees nothing then)."""
-    return None if all(g.HasField("finished") for g in generations) else batch
-
-
-def _timings(start: int, forward_done: int) -> pb.Timings:
-    end = time.perf_counter_ns()
-    return pb.Timings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
-
-
-def _eos_token_ids(model_dir, config, tokenizer, generation_config_cls) -> frozenset[int]:
-    """EOS ids as `generate()` sees them: generation_config first (it may list several), then config, tokenizer."""
-    ids: set[int] = set()
-    try:
-        found = generation_config_cls.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        found = None
-    for source in (found, getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
-        if source is not None:
-            ids.update(source if isinstance(source, (list, tuple)) else [source])
-            break
-    return frozenset(ids)
+        generations, ids = self.generations(batch.requests, batch.sampler, logits)
+        batch.next_ids = torch.tensor(ids, dtype=torch.long).view(-1, 1)
+        return generations

@@ -12,8 +12,15 @@ import logging
 import os
 import signal
 
+import torch
+
 from conveyor import log as conveyor_log
-from conveyor.shard.causal_lm import DTYPES, CausalLM
+from conveyor.shard.causal_lm import CausalLM
+from conveyor.shard.distributed import initialize
+from conveyor.shard.engine import DTYPES
+from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
+from conveyor.shard.models.llama import MODEL_TYPES
+from conveyor.shard.paged_lm import PagedCausalLM
 from conveyor.shard.server import serve
 
 log = logging.getLogger(__name__)
@@ -24,21 +31,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-id", required=True, help="a local model directory")
     parser.add_argument("--uds-path", default="/tmp/conveyor-shard", help="socket prefix; rank r binds PREFIX-r")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--engine", choices=["auto", "paged", "padded"], default="auto",
+                        help="auto: paged for Llama-family configs, padded otherwise")  # fmt: skip
     parser.add_argument("--log-level", default=None)
     return parser.parse_args(argv)
+
+
+def choose_engine(requested: str, model_dir: str, world_size: int) -> str:
+    """The paged engine for configs our own model code implements; the padded one for everything else."""
+    if requested != "auto":
+        engine = requested
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        try:
+            frequencies(config, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+            supported = config.model_type in MODEL_TYPES
+        except UnsupportedRope:
+            supported = False
+        engine = "paged" if supported else "padded"
+    if engine == "padded" and world_size > 1:
+        raise SystemExit("the padded engine runs on one rank only: --num-shard > 1 needs a Llama-family model")
+    return engine
+
+
+def load(args: argparse.Namespace, engine: str) -> CausalLM | PagedCausalLM:
+    device = torch.device("cpu")
+    if engine == "padded":
+        return CausalLM(args.model_id, args.dtype, device)
+    group = initialize(device)
+    if group.world_size > 1:
+        # Ranks share the machine's cores; more threads than cores each would only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+    return PagedCausalLM(args.model_id, args.dtype, device, group)
 
 
 async def run(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != 1:
-        raise SystemExit("the padded engine runs on one rank only; --num-shard > 1 needs the paged engine")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype})
-    model = await asyncio.to_thread(CausalLM, args.model_id, args.dtype)
+    engine = choose_engine(args.engine, args.model_id, world_size)
+    log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype, "engine": engine})
+    model = await asyncio.to_thread(load, args, engine)
     socket_path = f"{args.uds_path}-{rank}"
     if os.path.exists(socket_path):
         os.unlink(socket_path)

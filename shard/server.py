@@ -15,11 +15,15 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from conveyor.shard.causal_lm import CausalLM, CausalLMBatch
+from conveyor.shard.paged_lm import PagedBatch, PagedCausalLM
 from conveyor.shard.requests import BadRequest
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+Model = CausalLM | PagedCausalLM
+Batch = CausalLMBatch | PagedBatch
 
 
 def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -39,29 +43,29 @@ def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
 
 
 class ShardService(pb_grpc.ShardServicer):
-    def __init__(self, model: CausalLM, urls: list[str]) -> None:
+    def __init__(self, model: Model, urls: list[str]) -> None:
         self.model = model
         self.urls = urls
-        self.cache: dict[int, CausalLMBatch] = {}
+        self.cache: dict[int, Batch] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def _take(self, *batch_ids: int) -> list[CausalLMBatch]:
+    def _take(self, *batch_ids: int) -> list[Batch]:
         """Removes the batches from the cache (a step replaces them), or none if any id is unknown."""
         missing = [i for i in batch_ids if i not in self.cache]
         if missing:
             raise BadRequest(f"batches {missing} are not cached on this shard")
         return [self.cache.pop(i) for i in batch_ids]
 
-    def _keep(self, batch: CausalLMBatch | None) -> pb.CachedBatch | None:
+    def _keep(self, batch: Batch | None) -> pb.CachedBatch | None:
         if batch is None:
             return None
         self.cache[batch.id] = batch
         return batch.to_pb()
 
-    def _respond(self, response_type, generations, batch: CausalLMBatch | None, timings: pb.Timings):
+    def _respond(self, response_type, generations, batch: Batch | None, timings: pb.Timings):
         """A step's answer; the batch is cached for the next step unless every request in it finished."""
         response = response_type(generations=generations, timings=timings)
         if (cached := self._keep(batch)) is not None:
@@ -90,13 +94,12 @@ class ShardService(pb_grpc.ShardServicer):
 
     @rpc
     async def Warmup(self, request: pb.WarmupRequest, context) -> pb.WarmupResponse:
-        """Runs the largest prefill and a decode step so that first requests do not pay for cold memory."""
+        """Runs the largest prefill (first requests then do not pay for cold memory) and sizes the KV pool."""
         if not request.batch.requests:
             raise BadRequest("warmup needs a batch")
-        _, batch, _ = await self._run(self.model.prefill, request.batch)
-        if batch is not None:
-            await self._run(self.model.decode, [batch])
-        return pb.WarmupResponse()
+        self.cache.clear()
+        capacity = await self._run(self.model.warmup, request)
+        return pb.WarmupResponse() if capacity is None else pb.WarmupResponse(max_supported_total_tokens=capacity)
 
     @rpc
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
@@ -126,7 +129,7 @@ class ShardService(pb_grpc.ShardServicer):
         return pb.FilterBatchResponse(batch=self._keep(kept))
 
 
-async def serve(model: CausalLM, uds_path: str, rank: int, world_size: int, stop: asyncio.Event) -> None:
+async def serve(model: Model, uds_path: str, rank: int, world_size: int, stop: asyncio.Event) -> None:
     """Serves until `stop` is set, then lets in-flight RPCs finish for a few seconds."""
     urls = [f"unix://{uds_path}-{r}" for r in range(world_size)]
     server = grpc.aio.server(

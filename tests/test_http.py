@@ -184,4 +184,5 @@ def test_info_and_health(server: Server) -> None:
     assert info["model_id"] == str(server.model_dir)
     assert info["model_dtype"] == "float32"
     assert info["max_total_tokens"] == 512 and info["max_input_tokens"] == 511
-    assert info["version"] and info["engine"] == "padded"
+    assert info["version"] and info["engine"] == "paged"  # auto picks it for a Llama model
+    assert info["kv_blocks_free"] == info["kv_blocks_total"] > 0 and info["block_size"] == 16

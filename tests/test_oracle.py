@@ -12,12 +12,35 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from typing import Iterator
+
 import httpx
+import pytest
 import sseclient
 
-from conftest import ORACLE_PROMPTS, Server, greedy_reference, wait_for
+from conftest import ORACLE_PROMPTS, Server, free_port, greedy_reference, start_server, wait_for
 
 PROMPTS = ORACLE_PROMPTS
+
+# (model fixture, launcher flags): every engine and sharding must pass the same oracle.
+DEPLOYMENTS = {
+    "paged-llama-gqa": ("tiny_model", ["--engine", "paged"]),
+    "paged-qwen2-bias": ("qwen2_model", ["--engine", "paged"]),
+    "padded-llama": ("tiny_model", ["--engine", "padded"]),
+    "paged-llama-2-shards": ("tiny_model", ["--engine", "paged", "--num-shard", "2"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    model_fixture, flags = DEPLOYMENTS[request.param]
+    model_dir = request.getfixturevalue(model_fixture)
+    server = start_server(model_dir, "--max-total-tokens", "512", "--master-port", str(free_port()), *flags)
+    with server.client() as client:
+        info = client.get("/info").json()
+    assert info["engine"] == flags[1] and info["num_shard"] == (2 if "--num-shard" in flags else 1)
+    yield server
+    assert server.stop() == 0
 
 
 @dataclass

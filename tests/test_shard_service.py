@@ -22,11 +22,20 @@ from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 
+BLOCKS_PER_REQUEST = 8  # paged engine: request n gets blocks [8n, 8n + 8), 128 tokens with 16-token blocks
+
+
+@pytest.fixture(scope="module", params=["padded", "paged"])
+def engine(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def shard(tiny_model: Path, engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     uds = str(tmp_path_factory.mktemp("uds") / "shard")
     process = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.shard.main", "--model-id", str(tiny_model), "--uds-path", uds],
+        [sys.executable, "-m", "conveyor.shard.main", "--model-id", str(tiny_model), "--uds-path", uds,
+         "--engine", engine],  # fmt: skip
         env=dict(os.environ, RANK="0", WORLD_SIZE="1"),
     )
 
@@ -41,19 +50,24 @@ def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture
-async def client(shard: str) -> AsyncIterator[ShardedClient]:
+async def client(shard: str, engine: str, tokenizer) -> AsyncIterator[ShardedClient]:
     client = await ShardedClient.connect(shard)
     await client.clear_cache()
+    warmup = pb.WarmupRequest(batch=batch(0, request(tokenizer, 0, "warm up", 2)), max_batch_total_tokens=1024)
+    capacity = await client.warmup(warmup)
+    assert capacity == (1024 if engine == "paged" else None)
     yield client
     await client.close()
 
 
 def request(tokenizer, n: int, prompt: str, max_new_tokens: int) -> pb.Request:
+    """Request n; the paged engine's KV blocks are the n-th run of BLOCKS_PER_REQUEST (the padded one ignores them)."""
     return pb.Request(
         id=n,
         input_ids=tokenizer(prompt).input_ids,
         parameters=pb.SamplingParameters(),
         stopping_parameters=pb.StoppingParameters(max_new_tokens=max_new_tokens, ignore_eos_token=True),
+        blocks=range(n * BLOCKS_PER_REQUEST, (n + 1) * BLOCKS_PER_REQUEST),
     )
 
 
@@ -68,9 +82,10 @@ def tokenizer(tiny_model: Path):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-async def test_info_and_discovery(client: ShardedClient, shard: str) -> None:
+async def test_info_and_discovery(client: ShardedClient, shard: str, engine: str) -> None:
     info = await client.info()
-    assert info.requires_padding and info.engine == "padded" and info.dtype == "float32"
+    assert info.engine == engine and info.dtype == "float32"
+    assert info.requires_padding == (engine == "padded") and info.block_size == (16 if engine == "paged" else 0)
     assert info.model_type == "llama" and info.world_size == 1
     assert client.urls == [f"unix://{shard}"]
 
@@ -102,13 +117,19 @@ async def test_join_filter_and_decode_keep_each_request_on_its_greedy_path(
     await client.clear_cache(kept.id)
 
 
-async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(client: ShardedClient, tokenizer) -> None:
+async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(
+    client: ShardedClient, tokenizer, engine: str
+) -> None:
     with pytest.raises(ShardError, match="not cached"):
         await client.decode([pb.CachedBatch(id=999, request_ids=[1], size=1)])
     with pytest.raises(ShardError, match="no input tokens"):
         await client.prefill(batch(5, pb.Request(id=1, stopping_parameters=pb.StoppingParameters(max_new_tokens=1))))
     with pytest.raises(ShardError, match="outside the vocabulary"):
         await client.prefill(batch(6, pb.Request(id=1, input_ids=[10**6])))
+    if engine == "paged":
+        too_long = request(tokenizer, 1, "x", 500)  # 2 prompt + 499 fed-back tokens > 128 slots
+        with pytest.raises(ShardError, match="needs 501 KV slots"):
+            await client.prefill(batch(8, too_long))
     cached = (await client.prefill(batch(7, request(tokenizer, 1, "x", 5)))).batch
     with pytest.raises(ShardError, match="no requests"):
         await client.filter_batch(cached.id, [42])

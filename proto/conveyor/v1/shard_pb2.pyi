@@ -255,16 +255,18 @@ class FilterBatchResponse(_message.Message):
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("batch", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens")
+    __slots__ = ("batch", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     max_input_tokens: int
     max_total_tokens: int
     max_batch_prefill_tokens: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ...) -> None: ...
+    max_batch_total_tokens: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
     __slots__ = ("max_supported_total_tokens",)

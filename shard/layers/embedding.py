@@ -1,0 +1,48 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds an equal slice of the vocabulary's rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.weights import Weights
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Each rank looks up the ids in its slice and writes zeros for the others; an all-reduce fills the gaps."""
+
+    def __init__(self, weight: torch.Tensor, group: ProcessGroup) -> None:
+        super().__init__()
+        self.weight = weight
+        self.group = group
+        self.start = group.rank * weight.shape[0]
+        self.end = self.start + weight.shape[0]
+
+    @classmethod
+    def load(cls, weights: Weights, name: str) -> "VocabParallelEmbedding":
+        return cls(weights.get_sharded(name, dim=0), weights.group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.end)
+        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.group.all_reduce(out)
+
+
+class ParallelLMHead(torch.nn.Module):
+    """Column-parallel over the vocabulary: each rank scores its slice, an all-gather joins the logits."""
+
+    def __init__(self, weight: torch.Tensor, group: ProcessGroup) -> None:
+        super().__init__()
+        self.weight = weight
+        self.group = group
+
+    @classmethod
+    def load(cls, weights: Weights, name: str) -> "ParallelLMHead":
+        return cls(weights.get_sharded(name, dim=0), weights.group)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(F.linear(hidden, self.weight), dim=-1)

@@ -1,0 +1,49 @@
+"""Tensor-parallel linear layers.
+
+A column-parallel layer splits its output features across ranks, so each rank computes its own slice and no
+communication is needed; fused projections (QKV, gate/up) concatenate each part's slice, so a rank's output is
+[its q heads | its k heads | its v heads]. A row-parallel layer splits its input features: each rank computes a
+partial sum, and an all-reduce adds them up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.weights import Weights
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+    @classmethod
+    def load(cls, weights: Weights, prefixes: list[str], bias: bool) -> "ColumnParallelLinear":
+        """This rank's slice of each `prefix`.weight, stacked in order into one fused projection."""
+        weight = torch.cat([weights.get_sharded(f"{p}.weight", dim=0) for p in prefixes])
+        b = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes]) if bias else None
+        return cls(weight, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.group = group
+
+    @classmethod
+    def load(cls, weights: Weights, prefix: str, bias: bool) -> "RowParallelLinear":
+        weight = weights.get_sharded(f"{prefix}.weight", dim=1)
+        return cls(weight, weights.get(f"{prefix}.bias") if bias else None, weights.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # the bias is added once, after the sum

@@ -1,0 +1,122 @@
+"""Rotary position embeddings, with the frequency scalings Llama 3 (`llama3`), long-context Qwen2 (`yarn`) and
+older fine-tunes (`linear`) declare in their configs.
+
+The frequencies are computed with the published formulas in float32, the way the reference implementations
+compute them, so our logits agree with transformers' to the last bits that matter for greedy decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedRope(ValueError):
+    pass
+
+
+def rope_parameters(config) -> dict:
+    """`rope_type`, `rope_theta` and the scaling fields, from transformers 5's `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` pair."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None) or {}
+    params = {**legacy, **params}
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _base_frequencies(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Long wavelengths are slowed by `factor`, short ones kept, the band between blended smoothly."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_context = p["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = ~(wavelength < old_context / high) * ~(wavelength > old_context / low)
+    return torch.where(middle, blended, scaled)
+
+
+def _yarn(theta: float, dim: int, p: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """NTK-by-parts interpolation with YaRN's attention temperature folded into cos/sin."""
+    factor = p.get("factor") or max_positions / p["original_max_position_embeddings"]
+    original = p["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention = float(mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"]))
+        else:
+            attention = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    positions = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * positions)) * (1 - extrapolation) + (1.0 / positions) * extrapolation
+    return inv_freq, attention
+
+
+def frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies and the factor cos/sin are multiplied by, for this config's rope type."""
+    p = rope_parameters(config)
+    kind, theta = p["rope_type"], p["rope_theta"]
+    dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+    if dim != head_dim:
+        raise UnsupportedRope("partial rotary embeddings are not supported by the paged engine")
+    if kind not in SUPPORTED:
+        raise UnsupportedRope(f"rope type {kind!r} is not supported by the paged engine (supported: {SUPPORTED})")
+    if kind == "yarn":
+        return _yarn(theta, dim, p, config.max_position_embeddings)
+    inv_freq = _base_frequencies(theta, dim)
+    if kind == "linear":
+        inv_freq = inv_freq / p["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3(inv_freq, p)
+    return inv_freq, 1.0
+
+
+@dataclass
+class RotaryEmbedding:
+    inv_freq: torch.Tensor  # [head_dim / 2]
+    attention_scaling: float
+
+    @classmethod
+    def from_config(cls, config, head_dim: int, device: torch.device) -> "RotaryEmbedding":
+        inv_freq, scaling = frequencies(config, head_dim)
+        return cls(inv_freq.to(device), scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each position, [T, 1, head_dim], computed once per forward and shared by all layers."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = (angles.cos() * self.attention_scaling).to(dtype)
+        sin = (angles.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates each head of x [T, heads, head_dim] by its token's angles (the half-split convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,113 @@
+"""The Llama family (Llama, Mistral, Qwen2) with tensor-parallel layers and a paged KV cache.
+
+The three differ only in their configs: Qwen2 has biases on q/k/v, Llama may have biases everywhere
+(`attention_bias`, `mlp_bias`), Mistral may have a sliding window. Everything runs on a flat, ragged batch of
+tokens: no padding between sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.shard.layers.attention import AttentionMetadata, KVCache, paged_attention
+from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
+from conveyor.shard.layers.norm import RMSNorm
+from conveyor.shard.layers.rotary import RotaryEmbedding, apply_rotary
+from conveyor.shard.weights import WeightError, Weights
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class Shape:
+    """Head counts per rank, with a clear error when the model does not split over the ranks."""
+
+    def __init__(self, config, world_size: int) -> None:
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        for name, count in (("attention heads", self.heads), ("key-value heads", self.kv_heads)):
+            if count % world_size:
+                raise WeightError(f"the model's {count} {name} do not divide by {world_size} shards")
+        self.heads_per_rank = self.heads // world_size
+        self.kv_heads_per_rank = self.kv_heads // world_size
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, config, shape: Shape, weights: Weights, prefix: str) -> None:
+        super().__init__()
+        qwen2 = config.model_type == "qwen2"
+        qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
+        out_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
+        self.qkv = ColumnParallelLinear.load(weights, [f"{prefix}.{p}_proj" for p in "qkv"], bias=qkv_bias)
+        self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=out_bias)
+        self.heads, self.kv_heads, self.head_dim = shape.heads_per_rank, shape.kv_heads_per_rank, shape.head_dim
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, hidden, cos, sin, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        return self.o_proj(paged_attention(q, k, v, key_cache, value_cache, meta, self.scale))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, config, weights: Weights, prefix: str) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise WeightError(f"activation {config.hidden_act!r} is not supported by the paged engine")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up = ColumnParallelLinear.load(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias)
+        self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, config, shape: Shape, weights: Weights, prefix: str) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_norm = RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"), eps)
+        self.attention = Attention(config, shape, weights, f"{prefix}.self_attn")
+        self.post_attention_norm = RMSNorm(weights.get(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.mlp = MLP(config, weights, f"{prefix}.mlp")
+
+    def forward(self, hidden, cos, sin, key_cache, value_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.attention(self.input_norm(hidden), cos, sin, key_cache, value_cache, meta)
+        return hidden + self.mlp(self.post_attention_norm(hidden))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    def __init__(self, config, weights: Weights) -> None:
+        super().__init__()
+        if config.model_type not in MODEL_TYPES:
+            raise WeightError(f"model type {config.model_type!r} is not one of {MODEL_TYPES}")
+        self.config = config
+        self.shape = Shape(config, weights.group.world_size)
+        self.embed = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight")
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(config, self.shape, weights, f"model.layers.{i}") for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(weights.get("model.norm.weight"), config.rms_norm_eps)
+        head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"  # tied
+        self.lm_head = ParallelLMHead.load(weights, head)
+        self.rotary = RotaryEmbedding.from_config(config, self.shape.head_dim, weights.device)
+        window = getattr(config, "sliding_window", None)
+        uses_window = window and getattr(config, "use_sliding_window", True) and config.model_type != "llama"
+        self.sliding_window: int | None = window if uses_window else None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last)."""
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
+            hidden = layer(hidden, cos, sin, key_cache, value_cache, meta)
+        return self.lm_head(self.norm(hidden[logits_index])).float()

@@ -1,0 +1,68 @@
+"""Reads a model directory's safetensors, each rank only the slice of each tensor it holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from conveyor.shard.distributed import ProcessGroup
+
+
+class WeightError(ValueError):
+    """A tensor is missing, or does not split across the ranks."""
+
+
+class Weights:
+    def __init__(self, model_dir: str | Path, group: ProcessGroup, dtype: torch.dtype, device: torch.device) -> None:
+        self.group = group
+        self.dtype = dtype
+        self.device = device
+        self._files = {name: Path(model_dir) / file for name, file in _weight_map(Path(model_dir)).items()}
+        self._handles: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def _handle(self, name: str):
+        if name not in self._files:
+            raise WeightError(f"tensor {name!r} is missing from the checkpoint")
+        path = self._files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt", device="cpu")
+        return self._handles[path]
+
+    def _finish(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype=self.dtype, device=self.device).contiguous()
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor (norms, biases of row-parallel layers): every rank holds it."""
+        return self._finish(self._handle(name).get_tensor(name))
+
+    def get_sharded(self, name: str, dim: int) -> torch.Tensor:
+        """This rank's equal part of `name` along `dim`, read without loading the rest."""
+        piece = self._handle(name).get_slice(name)
+        size = piece.get_shape()[dim]
+        if size % self.group.world_size:
+            raise WeightError(f"{name}: dimension {dim} of size {size} does not split into {self.group.world_size}")
+        part = size // self.group.world_size
+        start, stop = self.group.rank * part, (self.group.rank + 1) * part
+        tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
+        return self._finish(tensor)
+
+
+def _weight_map(model_dir: Path) -> dict[str, str]:
+    """Tensor name to file, from the index when the checkpoint is split in several files."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no .safetensors files in {model_dir}")
+    names: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            names.update({name: file.name for name in handle.keys()})
+    return names
