@@ -21,7 +21,7 @@ from conveyor.client.sharded_client import ShardedClient
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
-from conveyor.router.limits import LimitArgs, resolve_limits, warmup_request
+from conveyor.router.limits import LimitArgs, LimitError, resolve_limits, warmup_request
 from conveyor.router.policy import BatchingConfig
 from conveyor.router.scheduler import Scheduler
 from conveyor.router.validation import Validation
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     conveyor_log.setup("router", args.log_level)
     try:
         asyncio.run(run(args))
+    except LimitError as exc:
+        log.error("invalid limits: %s", exc)
+        sys.exit(1)
     except Exception:
         log.exception("router failed")
         sys.exit(1)
