@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,12 @@ def print_table(rows: list[Row]) -> None:
     for r in rows:
         print(f"{r.concurrency:>7} {r.requests:>8} {r.output_tokens:>10} {r.wall:>8.1f} {r.tok_per_s:>10.1f} "
               f"{r.tok_per_s / base:>7.1f}x {r.ttft_p50 * 1000:>11.0f} {r.itl_p50 * 1000:>10.0f}")  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_demo_server(port: int) -> subprocess.Popen:
