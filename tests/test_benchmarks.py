@@ -27,7 +27,8 @@ def test_engines_benchmark_prints_its_grid(tiny_model) -> None:
          "--max-new-tokens", "2"],  # fmt: skip
         capture_output=True, text=True, timeout=300, check=True,  # fmt: skip
     ).stdout
-    rows = {tuple(line.split()[:2]): line.split()[2:] for line in out.splitlines() if line.split()[:1] in (["padded"], ["paged"])}
+    lines = [line.split() for line in out.splitlines()]
+    rows = {tuple(cells[:2]): cells[2:] for cells in lines if cells[:1] in (["padded"], ["paged"])}
     assert set(rows) == {("padded", "1"), ("paged", "1")}
     assert all(len(cells) == 2 and all(float(c) > 0 for c in cells) for cells in rows.values())
     assert "paged/padded" in out
