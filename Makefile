@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the local CPU wheel, so that nothing pulls CUDA packages.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# Hugging Face's text-generation client, for compatibility tests; it pins huggingface_hub<1, which
+	# transformers 5 cannot use, and needs nothing from it that the installed one lacks.
+	$(BIN)/pip install --quiet --no-deps text-generation==0.7.0
 	touch $(STAMP)
 
 serve: $(STAMP)

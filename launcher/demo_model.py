@@ -18,8 +18,10 @@ from pathlib import Path
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
 SPECIAL_TOKENS = [BOS, EOS, UNK, PAD]  # ids 0..3, in this order
 
-# A plain role-tagged template; rendered prompts are tokenized with the BOS the tokenizer adds itself.
+# A plain role-tagged template. It writes its own BOS, as real chat templates do, so a rendered prompt is
+# tokenized without adding special tokens.
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}" + EOS + "\n"
     "{% endfor %}"

@@ -37,6 +37,7 @@ class TokenEvent:
     token: Token
     finished: Finished | None = None
     prefill: tuple[Token, ...] = ()
+    top_tokens: tuple[Token, ...] = ()  # the most likely alternatives at this step, when asked for
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,10 @@ def events_from_generation(generation: pb.Generation) -> list[TokenEvent]:
             generated_tokens=f.generated_tokens,
             seed=f.seed if f.HasField("seed") else None,
         )
+    tops = [tuple(tokens_from_pb(t)) for t in generation.top_tokens]
     events = []
     for n, token in enumerate(tokens):
         last = n == len(tokens) - 1
-        events.append(TokenEvent(token, finished if last else None, prefill if n == 0 else ()))
+        top = tops[n] if n < len(tops) else ()
+        events.append(TokenEvent(token, finished if last else None, prefill if n == 0 else (), top))
     return events

@@ -14,6 +14,7 @@ from aiohttp import web
 from conveyor import __version__
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import GenerationError, Infer, OverloadedError, Response
+from conveyor.router.openai import OpenAIRoutes
 from conveyor.router.validation import Limits, ValidationError, Validation, ValidRequest
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,10 @@ class HttpServer:
         app = web.Application(client_max_size=2_000_000)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/generate_stream", self.generate_stream)
+        app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.get_info)
+        OpenAIRoutes(self.infer, self.validation, self.info.model_id).register(app)
         return app
 
     async def _validated(self, request: web.Request, stream: bool) -> ValidRequest:
@@ -114,9 +117,9 @@ class HttpServer:
         return web.json_response(self._generate_json(valid, response))
 
     def _generate_json(self, valid: ValidRequest, response: Response) -> dict[str, Any]:
-        finished = response.last.finished if response.last else None
-        body: dict[str, Any] = {"generated_text": full_text(valid, finished.generated_text if finished else "")}
-        if valid.parameters.details and finished is not None:
+        finished = response.finished
+        body: dict[str, Any] = {"generated_text": full_text(valid, finished.generated_text)}
+        if valid.parameters.details:
             body["details"] = {
                 "finish_reason": finished.finish_reason,
                 "generated_tokens": finished.generated_tokens,
@@ -124,6 +127,8 @@ class HttpServer:
                 "prefill": [prefill_json(t) for t in response.prefill],
                 "tokens": [token_json(t) for t in response.tokens],
             }
+            if valid.parameters.top_n_tokens:
+                body["details"]["top_tokens"] = [[token_json(t) for t in e.top_tokens] for e in response.events]
         return body
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
@@ -158,6 +163,8 @@ class HttpServer:
             "generated_text": None,
             "details": None,
         }
+        if valid.parameters.top_n_tokens:
+            body["top_tokens"] = [token_json(t) for t in event.top_tokens]
         if event.finished is not None:
             body["generated_text"] = full_text(valid, event.finished.generated_text)
             if valid.parameters.details:
@@ -168,6 +175,20 @@ class HttpServer:
                     "input_length": len(valid.input_ids),
                 }
         return body
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """TGI's /tokenize: the prompt's tokens as the server would see them, with character offsets."""
+        try:
+            valid = await self._validated(request, stream=False)
+        except ValidationError as exc:
+            return error(422, str(exc), "validation")
+        encoding = self.validation.tokenizer(valid.inputs, return_offsets_mapping=True)
+        offsets = encoding["offset_mapping"][-len(valid.input_ids) :]  # as truncated
+        tokens = [
+            {"id": i, "text": valid.inputs[start:stop], "start": start, "stop": stop}
+            for i, (start, stop) in zip(valid.input_ids, offsets)
+        ]
+        return web.json_response(tokens)
 
     async def health(self, request: web.Request) -> web.Response:
         try:

@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from conveyor.router.events import ErrorEvent, Event, Token, TokenEvent
+from conveyor.router.events import ErrorEvent, Event, Finished, Token, TokenEvent
 from conveyor.router.queue import Entry
 from conveyor.router.scheduler import Scheduler
 from conveyor.router.validation import ValidRequest
@@ -24,9 +24,19 @@ class GenerationError(RuntimeError):
 class Response:
     """A whole generation, for the non-streaming routes."""
 
-    tokens: list[Token] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
     prefill: tuple[Token, ...] = ()
-    last: TokenEvent | None = None
+
+    @property
+    def tokens(self) -> list[Token]:
+        return [e.token for e in self.events]
+
+    @property
+    def finished(self) -> Finished:
+        """How the generation ended (a stream always ends with a finished event or an error)."""
+        finished = self.events[-1].finished
+        assert finished is not None
+        return finished
 
 
 class Infer:
@@ -61,8 +71,7 @@ class Infer:
                     raise GenerationError(event.message)
                 if event.prefill:
                     response.prefill = event.prefill
-                response.tokens.append(event.token)
-                response.last = event
+                response.events.append(event)
         return response
 
 

@@ -351,8 +351,11 @@ class Validation:
         inputs, parameters = _body_fields(body)
         return self.validate_prompt(inputs, parameters, stream=stream)
 
-    def validate_prompt(self, inputs: str, parameters: dict, *, stream: bool = False) -> ValidRequest:
-        """The shared core: OpenAI-style routes map their own fields onto TGI's names and call this."""
+    def validate_prompt(
+        self, inputs: str, parameters: dict, *, stream: bool = False, add_special_tokens: bool = True
+    ) -> ValidRequest:
+        """The shared core: OpenAI-style routes map their own fields onto TGI's names and call this.
+        A chat template renders its own special tokens, so chat prompts pass `add_special_tokens=False`."""
         inputs = _text("inputs", inputs)
         if not inputs:
             raise ValidationError("`inputs` cannot be empty")
@@ -361,14 +364,14 @@ class Validation:
         fields = parse_parameters(parameters, self.limits)
         if stream and fields.get("decoder_input_details"):
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
-        input_ids = self._input_ids(inputs, fields.get("truncate"))
+        input_ids = self._input_ids(inputs, fields.get("truncate"), add_special_tokens)
         fields["max_new_tokens"] = _resolve_max_new_tokens(fields.get("max_new_tokens"), len(input_ids), self.limits)
         return ValidRequest(inputs=inputs, input_ids=input_ids, parameters=_with_seed(Parameters(**fields)))
 
-    def _input_ids(self, inputs: str, truncate: int | None) -> tuple[int, ...]:
+    def _input_ids(self, inputs: str, truncate: int | None, add_special_tokens: bool) -> tuple[int, ...]:
         """Truncation keeps the end of the prompt, as TGI does: the most recent text matters most."""
         try:
-            ids = self.tokenizer.encode(inputs, add_special_tokens=True, verbose=False)
+            ids = self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens, verbose=False)
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this input's fault
             raise ValidationError(f"`inputs` could not be tokenized: {exc}") from None
         if truncate is not None:

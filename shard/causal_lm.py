@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.shard.engine import Engine, all_finished, timings
-from conveyor.shard.requests import RequestState
+from conveyor.shard.requests import RequestState, rows_of
 from conveyor.shard.sampling import Sampler
 from conveyor.v1 import shard_pb2 as pb
 
@@ -62,11 +62,7 @@ class CausalLMBatch:
 
     def filter(self, request_ids: list[int]) -> "CausalLMBatch":
         """Keeps the listed requests; drops the others' KV rows and padding columns no kept row needs."""
-        index = {r.id: i for i, r in enumerate(self.requests)}
-        missing = [i for i in request_ids if i not in index]
-        if missing:
-            raise KeyError(f"batch {self.id} has no requests {missing}")
-        rows = [index[i] for i in request_ids]
+        rows = rows_of(self.requests, request_ids, self.id)
         rows_t = torch.tensor(rows, dtype=torch.long)
         mask = self.attention_mask[rows_t]
         first = _first_real_column(mask)

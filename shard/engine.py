@@ -55,13 +55,35 @@ class Engine:
         self, states: list[RequestState], sampler: Sampler, logits: torch.Tensor
     ) -> tuple[list[pb.Generation], list[int]]:
         """Samples one token per row of `logits` [B, V] and records it in each request's state."""
-        next_ids, logprobs = sampler(logits)
-        ids = next_ids.tolist()
+        sample = sampler(logits)
+        ids = sample.ids.tolist()
         generations = [
             state.step(token, lp, self.tokenizer, self.special_ids)
-            for state, token, lp in zip(states, ids, logprobs.tolist())
+            for state, token, lp in zip(states, ids, sample.logprobs.tolist())
         ]
+        if any(s.top_n_tokens for s in states):
+            for generation, top in zip(generations, self._top_tokens(states, sample.distribution)):
+                if top is not None:
+                    generation.top_tokens.append(top)
         return generations, ids
+
+    def _top_tokens(self, states: list[RequestState], distribution: torch.Tensor) -> list[pb.Tokens | None]:
+        """Each request's `top_n_tokens` most likely tokens at this step, from the distribution it drew from."""
+        values, indices = distribution.topk(max(s.top_n_tokens for s in states), dim=-1)
+        tops: list[pb.Tokens | None] = []
+        for state, row_values, row_ids in zip(states, values.tolist(), indices.tolist()):
+            n = state.top_n_tokens
+            if not n:
+                tops.append(None)
+                continue
+            ids = row_ids[:n]
+            tops.append(pb.Tokens(
+                ids=ids,
+                logprobs=row_values[:n],
+                texts=[self.tokenizer.decode([i], skip_special_tokens=False) for i in ids],
+                is_special=[i in self.special_ids for i in ids],
+            ))  # fmt: skip
+        return tops
 
     def prefill_tokens(self, state: RequestState, prompt_logits: torch.Tensor) -> pb.Tokens:
         """Log-probabilities of each prompt token, from the logits [len(prompt), V] of every prompt position."""

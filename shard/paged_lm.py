@@ -20,7 +20,7 @@ from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.engine import Engine, all_finished, timings
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache
 from conveyor.shard.models.llama import LlamaForCausalLM
-from conveyor.shard.requests import BadRequest, RequestState
+from conveyor.shard.requests import BadRequest, RequestState, rows_of
 from conveyor.shard.sampling import Sampler
 from conveyor.shard.weights import Weights
 from conveyor.v1 import shard_pb2 as pb
@@ -56,11 +56,7 @@ class PagedBatch:
         )
 
     def filter(self, request_ids: list[int]) -> "PagedBatch":
-        index = {r.id: i for i, r in enumerate(self.requests)}
-        missing = [i for i in request_ids if i not in index]
-        if missing:
-            raise KeyError(f"batch {self.id} has no requests {missing}")
-        rows = [index[i] for i in request_ids]
+        rows = rows_of(self.requests, request_ids, self.id)
         return PagedBatch(
             self.id,
             [self.requests[r] for r in rows],

@@ -25,6 +25,7 @@ class RequestState:
     stopping: StoppingCriteria
     detokenizer: IncrementalDetokenizer
     prefill_logprobs: bool
+    top_n_tokens: int = 0  # alternatives to report with each token
     generated_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -49,6 +50,7 @@ class RequestState:
             ),
             detokenizer=IncrementalDetokenizer(tokenizer, input_ids),
             prefill_logprobs=request.prefill_logprobs,
+            top_n_tokens=request.top_n_tokens,
         )
 
     @property
@@ -79,6 +81,15 @@ class RequestState:
         if self.params.sampling:
             finished.seed = self.params.seed
         return finished
+
+
+def rows_of(requests: list[RequestState], request_ids: list[int], batch_id: int) -> list[int]:
+    """The rows of `requests` holding `request_ids`, in that order; KeyError names any the batch lacks."""
+    index = {r.id: i for i, r in enumerate(requests)}
+    missing = [i for i in request_ids if i not in index]
+    if missing:
+        raise KeyError(f"batch {batch_id} has no requests {missing}")
+    return [index[i] for i in request_ids]
 
 
 def prefill_tokens_pb(input_ids: list[int], logprobs: list[float], tokenizer) -> pb.Tokens:

@@ -8,6 +8,7 @@ its batch mates are, and keeps its stream when its batch is filtered or joined w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,12 @@ class SamplingParams:
     def sampling(self) -> bool:
         """The router decides (TGI's rule, in validation); a row that does not sample ignores its warpers."""
         return self.do_sample
+
+
+class Sample(NamedTuple):
+    ids: torch.Tensor  # [B] the chosen tokens
+    logprobs: torch.Tensor  # [B] their log-probabilities
+    distribution: torch.Tensor  # [B, V] the log-probabilities they were drawn from (for top-n alternatives)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -97,8 +104,8 @@ class Sampler:
             generated = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
         return cls(params, generators, seen, generated, device)
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the last position's logits [B, V] to (next ids [B], their log-probabilities [B])."""
+    def __call__(self, logits: torch.Tensor) -> Sample:
+        """From the last position's logits [B, V] to the next tokens and their log-probabilities."""
         scores = self._penalise(logits.float())
         if self.sampling_rows:
             scores = self._warp(scores)
@@ -109,7 +116,7 @@ class Sampler:
             for row in self.sampling_rows:
                 next_ids[row] = torch.multinomial(probs[row], 1, generator=self.generators[row])[0]
         self._record(next_ids)
-        return next_ids, logprobs.gather(1, next_ids.view(-1, 1)).view(-1)
+        return Sample(next_ids, logprobs.gather(1, next_ids.view(-1, 1)).view(-1), logprobs)
 
     def _penalise(self, scores: torch.Tensor) -> torch.Tensor:
         if self.seen is not None:

@@ -30,7 +30,8 @@ def draws(s: Sampler, scores: torch.Tensor, steps: int) -> list[list[int]]:
 
 def test_greedy_rows_take_the_argmax_with_its_logprob() -> None:
     scores = logits(3)
-    ids, logprobs = sampler(SamplingParams(), SamplingParams(), SamplingParams())(scores)
+    ids, logprobs, distribution = sampler(SamplingParams(), SamplingParams(), SamplingParams())(scores)
+    assert torch.allclose(distribution, torch.log_softmax(scores, -1))
     assert ids.tolist() == scores.argmax(-1).tolist()
     expected = torch.log_softmax(scores, -1).gather(1, ids[:, None]).squeeze(1)
     assert torch.allclose(logprobs, expected)
@@ -79,7 +80,7 @@ def test_typical_p_drops_atypical_tokens() -> None:
 
 def test_low_temperature_is_not_nan_and_sharpens() -> None:
     scores = logits(1, seed=4)
-    ids, logprobs = sampler(SamplingParams(do_sample=True, temperature=1e-4, seed=1))(scores)
+    ids, logprobs, _ = sampler(SamplingParams(do_sample=True, temperature=1e-4, seed=1))(scores)
     assert int(ids) == int(scores.argmax()) and math.isfinite(float(logprobs))
 
 
@@ -137,5 +138,5 @@ def test_concatenate_mixes_batches_with_and_without_penalties() -> None:
     assert joined.seen is not None and joined.seen.shape == (2, VOCAB)
     assert joined.seen[0].sum() == 0 and joined.seen[1, 1] == 1
     scores = logits(2)
-    ids, _ = joined(scores)
+    ids = joined(scores).ids
     assert int(ids[0]) == int(scores[0].argmax())  # the plain row is untouched by the others' penalties
