@@ -87,6 +87,7 @@ class HttpServer:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=2_000_000)
+        app.router.add_post("/", self.compat)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/generate_stream", self.generate_stream)
         app.router.add_post("/tokenize", self.tokenize)
@@ -102,7 +103,7 @@ class HttpServer:
             raise ValidationError(f"request body is not valid JSON: {exc}") from None
         return self.validation.validate(body, stream=stream)
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
         if self.draining:
             return error(503, "server is shutting down", "unavailable")
         try:
@@ -114,7 +115,19 @@ class HttpServer:
             return error(429, str(exc), "overloaded")
         except GenerationError as exc:
             return error(424, str(exc), "generation")
-        return web.json_response(self._generate_json(valid, response))
+        body = self._generate_json(valid, response)
+        return web.json_response([body] if as_list else body)
+
+    async def compat(self, request: web.Request) -> web.StreamResponse:
+        """TGI's `POST /`: `stream` in the body picks streaming; the non-streaming answer is a one-item list.
+        Hugging Face's `text-generation` client speaks only this route."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if isinstance(body, dict) and body.get("stream") is True:
+            return await self.generate_stream(request)
+        return await self.generate(request, as_list=True)
 
     def _generate_json(self, valid: ValidRequest, response: Response) -> dict[str, Any]:
         finished = response.finished
