@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for shards and router")
     p.add_argument("--graceful-termination-timeout", type=float, default=60.0)
+    p.add_argument("--api-key", default=None, help="required as a Bearer token on POST routes (or CONVEYOR_API_KEY)")
+    p.add_argument("--payload-limit", type=int, default=2_000_000, help="largest request body in bytes")
     p.add_argument("--demo-size", choices=sorted(demo_model.SIZES), default="small")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default; or CONVEYOR_LOG_LEVEL)")
     return p.parse_args(argv)
@@ -79,6 +81,7 @@ def router_args(args: argparse.Namespace, model_dir: Path, uds_path: str) -> lis
         "--max-stop-sequences", str(args.max_stop_sequences),
         "--max-top-n-tokens", str(args.max_top_n_tokens),
         "--graceful-termination-timeout", str(args.graceful_termination_timeout),
+        "--payload-limit", str(args.payload_limit),
     ]  # fmt: skip
     for name in ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
                  "max_batch_total_tokens", "max_batch_size"):  # fmt: skip
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.num_shard < 1:
         raise SystemExit("--num-shard must be at least 1")
     model_dir = resolve_model(args.model_id, args.demo_size)
+    if args.api_key:
+        os.environ["CONVEYOR_API_KEY"] = args.api_key  # the router reads it; the environment keeps it out of `ps`
     uds_path = args.shard_uds_path or os.path.join(tempfile.gettempdir(), f"conveyor-{os.getpid()}")
     deployment = Deployment(
         model_dir=model_dir,

@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from conveyor import __version__
+from conveyor.router.auth import api_key_middleware, json_errors_middleware
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import GenerationError, Infer, OverloadedError, Response
 from conveyor.router.openai import OpenAIRoutes
@@ -79,14 +80,22 @@ def full_text(request: ValidRequest, text: str) -> str:
 
 
 class HttpServer:
-    def __init__(self, infer: Infer, validation: Validation, info: ServerInfo) -> None:
+    def __init__(
+        self, infer: Infer, validation: Validation, info: ServerInfo, api_key: str | None = None,
+        payload_limit: int = 2_000_000,
+    ) -> None:  # fmt: skip
         self.infer = infer
         self.validation = validation
         self.info = info
+        self.api_key = api_key
+        self.payload_limit = payload_limit
         self.draining = False
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=2_000_000)
+        app = web.Application(
+            client_max_size=self.payload_limit,
+            middlewares=[json_errors_middleware, api_key_middleware(self.api_key)],
+        )
         app.router.add_post("/", self.compat)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/generate_stream", self.generate_stream)

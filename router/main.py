@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-stop-sequences", type=int, default=4)
     p.add_argument("--max-top-n-tokens", type=int, default=5)
     p.add_argument("--graceful-termination-timeout", type=float, default=60.0)
+    p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                   help="required as 'Authorization: Bearer KEY' on POST routes (default: $CONVEYOR_API_KEY)")
+    p.add_argument("--payload-limit", type=int, default=2_000_000, help="largest request body in bytes (413 above)")
     p.add_argument("--log-level", default=None)
     return p.parse_args(argv)
 
@@ -90,6 +94,8 @@ async def run(args: argparse.Namespace) -> None:
             max_waiting_tokens=config.max_waiting_tokens,
             num_shard=len(client.urls),
         ),
+        api_key=args.api_key,
+        payload_limit=args.payload_limit,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

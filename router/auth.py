@@ -1,0 +1,42 @@
+"""The HTTP middlewares every route shares: the API key on generation routes, and JSON bodies for the errors
+aiohttp raises itself (an oversized body, an unknown route), so that every error has one shape."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def api_key_middleware(api_key: str | None):
+    """POST routes (generation, tokenization) need `Authorization: Bearer <key>`; GET routes (health, info,
+    metrics, models, the OpenAPI document) stay open for probes and scrapers."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if api_key and request.method == "POST":
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), api_key.encode()):
+                return _json_error(401, "a valid API key is required: Authorization: Bearer <key>", "unauthorized")
+        return await handler(request)
+
+    return middleware
+
+
+@web.middleware
+async def json_errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _json_error(413, f"request body too large: {exc.text}", "payload_too_large")
+    except web.HTTPNotFound:
+        return _json_error(404, f"no route {request.method} {request.path}", "not_found")
+    except web.HTTPMethodNotAllowed as exc:
+        return _json_error(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed")
+
+
+def _json_error(status: int, message: str, error_type: str) -> web.Response:
+    return web.json_response({"error": message, "error_type": error_type}, status=status)
