@@ -94,7 +94,7 @@ class HttpServer:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.payload_limit,
-            middlewares=[json_errors_middleware, api_key_middleware(self.api_key)],
+            middlewares=[self._count_refusals, json_errors_middleware, api_key_middleware(self.api_key)],
         )
         app.router.add_post("/", self.compat)
         app.router.add_post("/generate", self.generate)
@@ -102,6 +102,7 @@ class HttpServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.get_info)
+        app.router.add_get("/metrics", self.get_metrics)
         OpenAIRoutes(self.infer, self.validation, self.info.model_id).register(app)
         return app
 
@@ -220,6 +221,18 @@ class HttpServer:
         if not self.infer.scheduler.healthy:
             return error(503, "unhealthy: a generation step failed", "healthcheck")
         return web.json_response({"status": "ok"})
+
+    @web.middleware
+    async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:
+        """Requests refused before they reach the queue (the queue and streams count the rest)."""
+        response = await handler(request)
+        if (outcome := {422: "validation", 401: "unauthorized"}.get(response.status)) is not None:
+            self.infer.metrics.requests.labels(outcome).inc()
+        return response
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.infer.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def get_info(self, request: web.Request) -> web.Response:
         body = self.info.to_json()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from conveyor.router.events import ErrorEvent, Event, Finished, Token, TokenEvent
+from conveyor.router.metrics import Metrics
 from conveyor.router.queue import Entry
 from conveyor.router.scheduler import Scheduler
 from conveyor.router.validation import ValidRequest
@@ -40,9 +42,10 @@ class Response:
 
 
 class Infer:
-    def __init__(self, scheduler: Scheduler, max_concurrent_requests: int) -> None:
+    def __init__(self, scheduler: Scheduler, max_concurrent_requests: int, metrics: Metrics) -> None:
         self.scheduler = scheduler
         self.max_concurrent_requests = max_concurrent_requests
+        self.metrics = metrics
         self.in_flight = 0
 
     @asynccontextmanager
@@ -52,15 +55,17 @@ class Infer:
         The slot is taken here, before anything is awaited, so the 429 answer is immediate.
         """
         if self.in_flight >= self.max_concurrent_requests:
+            self.metrics.requests.labels("overloaded").inc()
             raise OverloadedError("Model is overloaded")
         self.in_flight += 1
         entry = Entry(id=self.scheduler.new_request_id(), request=request)
         try:
             self.scheduler.submit(entry)
-            yield _events(entry)
+            yield _events(entry, self.metrics)
         finally:
             if not entry.done:
                 entry.cancelled = True  # the scheduler filters it out at its next step
+                self.metrics.requests.labels("cancelled").inc()
             self.in_flight -= 1
 
     async def generate(self, request: ValidRequest) -> Response:
@@ -75,9 +80,25 @@ class Infer:
         return response
 
 
-async def _events(entry: Entry) -> AsyncIterator[Event]:
+async def _events(entry: Entry, metrics: Metrics) -> AsyncIterator[Event]:
+    """The entry's events as they arrive, timed: first token, gaps between tokens, whole request."""
+    last: float | None = None
     while True:
         event = await entry.events.get()
+        now = time.monotonic()
+        if isinstance(event, ErrorEvent):
+            metrics.requests.labels("generation").inc()
+            yield event
+            return
+        metrics.generated_tokens.inc()
+        if last is None:
+            metrics.ttft.observe(now - entry.queued_at)
+        else:
+            metrics.itl.observe(now - last)
+        last = now
+        if event.finished is not None:
+            metrics.requests.labels("success").inc()
+            metrics.duration.observe(now - entry.queued_at)
         yield event
-        if isinstance(event, ErrorEvent) or event.finished is not None:
+        if event.finished is not None:
             return

@@ -22,6 +22,7 @@ from conveyor.client.sharded_client import ShardedClient
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
+from conveyor.router.metrics import Metrics
 from conveyor.router.limits import LimitArgs, LimitError, resolve_limits, warmup_request
 from conveyor.router.policy import BatchingConfig
 from conveyor.router.scheduler import Scheduler
@@ -76,8 +77,9 @@ async def run(args: argparse.Namespace) -> None:
     allocator = None
     if shard_info.block_size:
         allocator = BlockAllocator(limits.max_batch_total_tokens // shard_info.block_size, shard_info.block_size)
-    scheduler = Scheduler(client, config, allocator)
-    infer = Infer(scheduler, args.max_concurrent_requests)
+    metrics = Metrics()
+    scheduler = Scheduler(client, config, metrics, allocator)
+    infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     server = HttpServer(
         infer,
         Validation(tokenizer, limits.validation),

@@ -16,6 +16,7 @@ from typing import Awaitable
 
 from conveyor.client.sharded_client import ShardedClient, ShardError, StepResult
 from conveyor.router.events import ErrorEvent, events_from_generation
+from conveyor.router.metrics import Metrics
 from conveyor.router.policy import BatchingConfig, admission_when_idle, admission_when_running
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.queue import Entry, NextBatch, Queue, release
@@ -52,10 +53,11 @@ def request_pb(entry: Entry) -> pb.Request:
 
 class Scheduler:
     def __init__(
-        self, client: ShardedClient, config: BatchingConfig, allocator: BlockAllocator | None = None
+        self, client: ShardedClient, config: BatchingConfig, metrics: Metrics, allocator: BlockAllocator | None = None
     ) -> None:
         self.client = client
         self.config = config
+        self.metrics = metrics
         self.allocator = allocator  # paged engine: the KV blocks; None for the padded engine
         self.queue = Queue()
         self.running: dict[int, Entry] = {}
@@ -66,6 +68,7 @@ class Scheduler:
 
     def submit(self, entry: Entry) -> None:
         self.queue.append(entry)
+        self.metrics.queue_size.set(len(self.queue))
         self._wakeup.set()
 
     def new_request_id(self) -> int:
@@ -90,7 +93,7 @@ class Scheduler:
                 if (joined := await self._prefill(new)) is not None:
                     batches.append(joined)
                 waiting_steps = 1
-            cached = await self._step(batches, self.client.decode(batches))
+            cached = await self._step(batches, self.client.decode(batches), "decode")
             waiting_steps += 1
 
     async def _prefill(self, new: NextBatch) -> pb.CachedBatch | None:
@@ -98,6 +101,8 @@ class Scheduler:
         for entry in new.entries:
             entry.batched_at = now
             self.running[entry.id] = entry
+            self.metrics.queue_time.observe(now - entry.queued_at)
+            self.metrics.prompt_tokens.inc(entry.input_length)
         batch = pb.Batch(
             id=next(self._batch_ids),
             requests=[request_pb(e) for e in new.entries],
@@ -106,12 +111,23 @@ class Scheduler:
         )
         ids = [e.id for e in new.entries]
         cached = pb.CachedBatch(id=batch.id, request_ids=ids, size=len(ids))
-        return await self._step([cached], self.client.prefill(batch))
+        return await self._step([cached], self.client.prefill(batch), "prefill")
 
-    async def _step(self, batches: list[pb.CachedBatch], call: Awaitable[StepResult]) -> pb.CachedBatch | None:
+    async def _step(
+        self, batches: list[pb.CachedBatch], call: Awaitable[StepResult], method: str
+    ) -> pb.CachedBatch | None:
         """Awaits one RPC over `batches`, streams its tokens, and filters out requests that are over."""
         try:
-            result = await call
+            return await self._run_step(batches, call, method)
+        finally:
+            self._update_gauges()
+
+    async def _run_step(
+        self, batches: list[pb.CachedBatch], call: Awaitable[StepResult], method: str
+    ) -> pb.CachedBatch | None:
+        try:
+            with self.metrics.step.labels(method).time():
+                result = await call
         except ShardError as exc:
             await self._fail(batches, str(exc))
             return None
@@ -125,6 +141,13 @@ class Scheduler:
         except ShardError as exc:
             await self._fail([result.batch], str(exc))
             return None
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_size.set(len(self.queue))
+        self.metrics.batch_size.set(len(self.running))
+        if self.allocator is not None:
+            self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
+            self.metrics.kv_blocks_used.set(self.allocator.num_blocks - self.allocator.free_blocks)
 
     def _send(self, result: StepResult) -> None:
         for generation in result.generations:

@@ -1,0 +1,41 @@
+"""Prometheus metrics of the router, served at `GET /metrics`. Names are prefixed `conveyor_`.
+
+One registry per router process, so tests and several servers in one interpreter never share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Latency buckets from 1 ms to ~2 min, about x1.6 apart: decode steps on CPU are 10-300 ms, requests seconds.
+LATENCY_BUCKETS = tuple(round(0.001 * 1.6**k, 6) for k in range(26))
+
+OUTCOMES = ("success", "validation", "overloaded", "generation", "cancelled", "unauthorized")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("conveyor_requests", "Requests by outcome", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("conveyor_generated_tokens", "Tokens generated and sent", registry=r)
+        self.queue_size = Gauge("conveyor_queue_size", "Requests waiting to join a batch", registry=r)
+        self.batch_size = Gauge("conveyor_batch_current_size", "Requests in the running batch", registry=r)
+        self.kv_blocks_used = Gauge("conveyor_kv_blocks_used", "KV blocks held by requests", registry=r)
+        self.kv_blocks_total = Gauge("conveyor_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.queue_time = self._histogram("conveyor_request_queue_duration_seconds", "Time from arrival to prefill")
+        self.ttft = self._histogram("conveyor_time_to_first_token_seconds", "Time from arrival to the first token")
+        self.itl = self._histogram("conveyor_inter_token_latency_seconds", "Time between two tokens of a stream")
+        self.duration = self._histogram("conveyor_request_duration_seconds", "Time from arrival to the last token")
+        self.step = Histogram("conveyor_batch_step_duration_seconds", "Prefill and decode steps, RPC included",
+                              ["method"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+
+    def _histogram(self, name: str, documentation: str) -> Histogram:
+        return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,48 @@
+"""`/metrics` parses as Prometheus text and its numbers move as requests are served."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Server
+
+
+def scrape(server: Server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_counters_and_histograms_move_with_requests(server: Server) -> None:
+    before = scrape(server)
+    r = httpx.post(f"{server.url}/generate", json={"inputs": "def f():", "parameters": {"max_new_tokens": 5}},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200
+    assert httpx.post(f"{server.url}/generate", json={"inputs": ""}).status_code == 422
+    after = scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("conveyor_requests_total", outcome="success") == 1
+    assert delta("conveyor_requests_total", outcome="validation") == 1
+    assert delta("conveyor_generated_tokens_total") == 5
+    assert delta("conveyor_prompt_tokens_total") == len(httpx.post(f"{server.url}/tokenize",
+                                                                   json={"inputs": "def f():"}).json())  # fmt: skip
+    assert delta("conveyor_time_to_first_token_seconds_count") == 1
+    assert delta("conveyor_inter_token_latency_seconds_count") == 4
+    assert delta("conveyor_request_duration_seconds_count") == 1
+    assert delta("conveyor_request_queue_duration_seconds_count") == 1
+    assert delta("conveyor_batch_step_duration_seconds_count", method="prefill") >= 1
+    assert delta("conveyor_batch_step_duration_seconds_count", method="decode") >= 4
+    assert value(after, "conveyor_kv_blocks_total") > 0
+    assert value(after, "conveyor_kv_blocks_used") == 0  # every block is back once nothing runs
+    assert value(after, "conveyor_queue_size") == 0 and value(after, "conveyor_batch_current_size") == 0
