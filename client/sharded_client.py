@@ -15,6 +15,7 @@ from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+Metadata = list[tuple[str, str]] | None
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
@@ -76,13 +77,14 @@ class ShardedClient:
         sizes = [r.max_supported_total_tokens for r in responses if r.HasField("max_supported_total_tokens")]
         return min(sizes) if sizes else None
 
-    async def prefill(self, batch: pb.Batch) -> StepResult:
-        responses = await self._all("Prefill", lambda s: s.Prefill(pb.PrefillRequest(batch=batch)))
-        return _step_result(responses)
+    async def prefill(self, batch: pb.Batch, metadata: Metadata = None) -> StepResult:
+        """`metadata` carries the trace context, so the shards' spans join the request's trace."""
+        request = pb.PrefillRequest(batch=batch)
+        return _step_result(await self._all("Prefill", lambda s: s.Prefill(request, metadata=metadata)))
 
-    async def decode(self, batches: list[pb.CachedBatch]) -> StepResult:
-        responses = await self._all("Decode", lambda s: s.Decode(pb.DecodeRequest(batches=batches)))
-        return _step_result(responses)
+    async def decode(self, batches: list[pb.CachedBatch], metadata: Metadata = None) -> StepResult:
+        request = pb.DecodeRequest(batches=batches)
+        return _step_result(await self._all("Decode", lambda s: s.Decode(request, metadata=metadata)))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)

@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-id", default=DEMO_MODEL, help="a local model directory, or 'demo' (built on first use)")
     p.add_argument("--port", type=int, default=3000)
     p.add_argument("--hostname", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC front door on this port")
     p.add_argument("--num-shard", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--engine", choices=["auto", "paged", "padded"], default="auto",
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for shards and router")
     p.add_argument("--graceful-termination-timeout", type=float, default=60.0)
+    p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans of router and shards there")
     p.add_argument("--api-key", default=None, help="required as a Bearer token on POST routes (or CONVEYOR_API_KEY)")
     p.add_argument("--payload-limit", type=int, default=2_000_000, help="largest request body in bytes")
     p.add_argument("--demo-size", choices=sorted(demo_model.SIZES), default="small")
@@ -84,11 +86,13 @@ def router_args(args: argparse.Namespace, model_dir: Path, uds_path: str) -> lis
         "--payload-limit", str(args.payload_limit),
     ]  # fmt: skip
     for name in ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
-                 "max_batch_total_tokens", "max_batch_size"):  # fmt: skip
+                 "max_batch_total_tokens", "max_batch_size", "grpc_port"):  # fmt: skip
         if (value := getattr(args, name)) is not None:
             forwarded += ["--" + name.replace("_", "-"), str(value)]
     if args.log_level:
         forwarded += ["--log-level", args.log_level]
+    if args.otlp_endpoint:
+        forwarded += ["--otlp-endpoint", args.otlp_endpoint]
     return ["--model-id", str(model_dir), "--master-shard-uds-path", f"{uds_path}-0", *forwarded]
 
 
@@ -112,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         router_args=router_args(args, model_dir, uds_path),
         router_url=f"http://{args.hostname}:{args.port}",
         log_level=args.log_level,
+        otlp_endpoint=args.otlp_endpoint,
     )
     stopping = False
 

@@ -58,6 +58,7 @@ class Deployment:
     router_args: list[str]
     router_url: str
     log_level: str | None = None
+    otlp_endpoint: str | None = None
     shards: list[Child] = field(default_factory=list)
     router: Child | None = None
 
@@ -75,6 +76,8 @@ class Deployment:
                     "--engine", self.engine]  # fmt: skip
             if self.log_level:
                 args += ["--log-level", self.log_level]
+            if self.otlp_endpoint:
+                args += ["--otlp-endpoint", self.otlp_endpoint]
             self.shards.append(self._spawn(f"shard {rank}", "conveyor.shard.main", args, env))
         for rank, shard in enumerate(self.shards):
             self._wait(shard, lambda r=rank: shard_healthy(f"{self.uds_path}-{r}"), deadline, should_stop)

@@ -1,5 +1,6 @@
-"""The HTTP middlewares every route shares: the API key on generation routes, and JSON bodies for the errors
-aiohttp raises itself (an oversized body, an unknown route), so that every error has one shape."""
+"""The HTTP middlewares every route shares: the trace of each generation call, the API key on generation
+routes, and JSON bodies for the errors aiohttp raises itself (an oversized body, an unknown route), so that
+every error has one shape."""
 
 from __future__ import annotations
 
@@ -7,8 +8,23 @@ import hmac
 from typing import Awaitable, Callable
 
 from aiohttp import web
+from opentelemetry.trace import SpanKind
+
+from conveyor import tracing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def trace_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """POST calls get a server span, continuing the caller's trace when a W3C `traceparent` header came in."""
+    if request.method != "POST":
+        return await handler(request)
+    parent = tracing.extract(request.headers)
+    with tracing.span(f"POST {request.path}", parent, kind=SpanKind.SERVER) as span:
+        response = await handler(request)
+        span.set_attribute("http.status_code", response.status)
+        return response
 
 
 def api_key_middleware(api_key: str | None):

@@ -12,9 +12,10 @@ from typing import Any
 from aiohttp import web
 
 from conveyor import __version__
-from conveyor.router.auth import api_key_middleware, json_errors_middleware
+from conveyor.router.auth import api_key_middleware, json_errors_middleware, trace_middleware
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import GenerationError, Infer, OverloadedError, Response
+from conveyor.router import openapi
 from conveyor.router.openai import OpenAIRoutes
 from conveyor.router.validation import Limits, ValidationError, Validation, ValidRequest
 
@@ -94,7 +95,9 @@ class HttpServer:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.payload_limit,
-            middlewares=[self._count_refusals, json_errors_middleware, api_key_middleware(self.api_key)],
+            middlewares=[
+                trace_middleware, self._count_refusals, json_errors_middleware, api_key_middleware(self.api_key)
+            ],
         )
         app.router.add_post("/", self.compat)
         app.router.add_post("/generate", self.generate)
@@ -103,6 +106,7 @@ class HttpServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.get_info)
         app.router.add_get("/metrics", self.get_metrics)
+        app.router.add_get("/openapi.json", self.get_openapi)
         OpenAIRoutes(self.infer, self.validation, self.info.model_id).register(app)
         return app
 
@@ -229,6 +233,9 @@ class HttpServer:
         if (outcome := {422: "validation", 401: "unauthorized"}.get(response.status)) is not None:
             self.infer.metrics.requests.labels(outcome).inc()
         return response
+
+    async def get_openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi.document(__version__))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.infer.metrics.exposition()

@@ -7,6 +7,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from opentelemetry import trace
+
+from conveyor import tracing
 from conveyor.router.events import ErrorEvent, Event, Finished, Token, TokenEvent
 from conveyor.router.metrics import Metrics
 from conveyor.router.queue import Entry
@@ -58,7 +61,8 @@ class Infer:
             self.metrics.requests.labels("overloaded").inc()
             raise OverloadedError("Model is overloaded")
         self.in_flight += 1
-        entry = Entry(id=self.scheduler.new_request_id(), request=request)
+        entry = Entry(id=self.scheduler.new_request_id(), request=request, span=trace.get_current_span())
+        entry.queue_span = tracing.tracer().start_span("queue", context=trace.set_span_in_context(entry.span))
         try:
             self.scheduler.submit(entry)
             yield _events(entry, self.metrics)
@@ -66,6 +70,8 @@ class Infer:
             if not entry.done:
                 entry.cancelled = True  # the scheduler filters it out at its next step
                 self.metrics.requests.labels("cancelled").inc()
+            if entry.queue_span.is_recording():
+                entry.queue_span.end()  # left before it was ever batched
             self.in_flight -= 1
 
     async def generate(self, request: ValidRequest) -> Response:

@@ -18,8 +18,11 @@ import time
 from aiohttp import web
 
 from conveyor import log as conveyor_log
+from conveyor import tracing
 from conveyor.client.sharded_client import ShardedClient
 from conveyor.router.block_allocator import BlockAllocator
+from conveyor.router import grpc_server as grpc_front_door
+from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
 from conveyor.router.metrics import Metrics
@@ -37,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master-shard-uds-path", default="/tmp/conveyor-shard-0")
     p.add_argument("--hostname", default="127.0.0.1")
     p.add_argument("--port", type=int, default=3000)
+    p.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC front door on this port")
     p.add_argument("--max-concurrent-requests", type=int, default=128)
     p.add_argument("--max-input-tokens", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
@@ -52,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="required as 'Authorization: Bearer KEY' on POST routes (default: $CONVEYOR_API_KEY)")
     p.add_argument("--payload-limit", type=int, default=2_000_000, help="largest request body in bytes (413 above)")
     p.add_argument("--log-level", default=None)
+    p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans there (OTLP/gRPC)")
     return p.parse_args(argv)
 
 
@@ -106,6 +111,10 @@ async def run(args: argparse.Namespace) -> None:
     batching = asyncio.create_task(scheduler.run(), name="batching")
     batching.add_done_callback(lambda _: stop.set())
 
+    grpc_server = None
+    if args.grpc_port:
+        service = TextGenerationService(infer, server.validation, server.info, args.api_key)
+        grpc_server = await grpc_front_door.start(service, args.hostname, args.grpc_port)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.hostname, args.port).start()
@@ -118,6 +127,8 @@ async def run(args: argparse.Namespace) -> None:
         raise RuntimeError("the batching loop stopped")
     server.draining = True
     log.info("draining", extra={"in_flight": infer.in_flight})
+    if grpc_server is not None:
+        await grpc_server.stop(grace=args.graceful_termination_timeout)  # refuses new calls, finishes the rest
     await _drain(infer, args.graceful_termination_timeout)
     await runner.cleanup()
     batching.cancel()
@@ -135,6 +146,7 @@ async def _drain(infer: Infer, timeout: float) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     conveyor_log.setup("router", args.log_level)
+    tracing.setup("conveyor-router", args.otlp_endpoint)
     try:
         asyncio.run(run(args))
     except LimitError as exc:
@@ -143,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:
         log.exception("router failed")
         sys.exit(1)
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

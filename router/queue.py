@@ -7,6 +7,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Span
+
 from conveyor.router.block_allocator import Allocation, BlockAllocator
 from conveyor.router.events import Event
 from conveyor.router.policy import Admission
@@ -27,6 +29,9 @@ class Entry:
     done: bool = False
     # Paged engine: the KV blocks this request holds from admission until it leaves the batch.
     allocation: Allocation | None = None
+    # Tracing: the span of the call that made this request, and the one timing its wait in the queue.
+    span: Span | None = None
+    queue_span: Span | None = None
 
     @property
     def input_length(self) -> int:

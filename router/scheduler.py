@@ -12,8 +12,10 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Awaitable
+from contextlib import contextmanager
+from typing import Awaitable, Iterator
 
+from conveyor import tracing
 from conveyor.client.sharded_client import ShardedClient, ShardError, StepResult
 from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.metrics import Metrics
@@ -93,13 +95,15 @@ class Scheduler:
                 if (joined := await self._prefill(new)) is not None:
                     batches.append(joined)
                 waiting_steps = 1
-            cached = await self._step(batches, self.client.decode(batches), "decode")
+            with self._step_span("decode", batches) as metadata:
+                cached = await self._step(batches, self.client.decode(batches, metadata), "decode")
             waiting_steps += 1
 
     async def _prefill(self, new: NextBatch) -> pb.CachedBatch | None:
         now = time.monotonic()
         for entry in new.entries:
             entry.batched_at = now
+            entry.queue_span.end()
             self.running[entry.id] = entry
             self.metrics.queue_time.observe(now - entry.queued_at)
             self.metrics.prompt_tokens.inc(entry.input_length)
@@ -111,7 +115,16 @@ class Scheduler:
         )
         ids = [e.id for e in new.entries]
         cached = pb.CachedBatch(id=batch.id, request_ids=ids, size=len(ids))
-        return await self._step([cached], self.client.prefill(batch), "prefill")
+        with self._step_span("prefill", [cached]) as metadata:
+            return await self._step([cached], self.client.prefill(batch, metadata), "prefill")
+
+    @contextmanager
+    def _step_span(self, method: str, batches: list[pb.CachedBatch]) -> Iterator[list[tuple[str, str]]]:
+        """A span for one step, in the trace of its first request and linked to every other one; yields the
+        gRPC metadata that carries it to the shards."""
+        spans = [e.span for b in batches for r in b.request_ids if (e := self.running.get(r)) and e.span]
+        with tracing.span(method, spans[0] if spans else None, links=spans[1:], batch_size=len(spans)) as span:
+            yield tracing.inject(span)
 
     async def _step(
         self, batches: list[pb.CachedBatch], call: Awaitable[StepResult], method: str

@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from conveyor import tracing
+
 # Protobuf fields these values end up in (uint64 seed, uint32 top_k): larger values would fail at send time.
 _SEED_LIMIT = 2**64
 _UINT32_MAX = 2**32 - 1
@@ -356,6 +358,10 @@ class Validation:
     ) -> ValidRequest:
         """The shared core: OpenAI-style routes map their own fields onto TGI's names and call this.
         A chat template renders its own special tokens, so chat prompts pass `add_special_tokens=False`."""
+        with tracing.span("validate"):
+            return self._validate_prompt(inputs, parameters, stream, add_special_tokens)
+
+    def _validate_prompt(self, inputs: str, parameters: dict, stream: bool, add_special_tokens: bool) -> ValidRequest:
         inputs = _text("inputs", inputs)
         if not inputs:
             raise ValidationError("`inputs` cannot be empty")

@@ -15,6 +15,7 @@ import signal
 import torch
 
 from conveyor import log as conveyor_log
+from conveyor import tracing
 from conveyor.shard.causal_lm import CausalLM
 from conveyor.shard.distributed import initialize
 from conveyor.shard.engine import DTYPES
@@ -34,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=["auto", "paged", "padded"], default="auto",
                         help="auto: paged for Llama-family configs, padded otherwise")  # fmt: skip
     parser.add_argument("--log-level", default=None)
+    parser.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans there (OTLP/gRPC)")
     return parser.parse_args(argv)
 
 
@@ -86,7 +88,11 @@ async def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     conveyor_log.setup(f"shard-{os.environ.get('RANK', '0')}", args.log_level)
-    asyncio.run(run(args))
+    tracing.setup("conveyor-shard", args.otlp_endpoint)
+    try:
+        asyncio.run(run(args))
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,35 +1,42 @@
 """Per-request sampling inside a batch: each row has its own parameters, penalties and random stream.
 
-The logits processing is vectorised over the batch with per-row parameter tensors. Only the final draw loops
-over rows, each with its own seeded `torch.Generator`, so a seeded request draws the same numbers whatever
-its batch mates are, and keeps its stream when its batch is filtered or joined with another.
+Logits processing is vectorised over the batch with per-row parameter columns; a row whose warper is off gets
+that warper's neutral value, so it comes out bit-for-bit unchanged. Only the final draw loops over rows, each
+with its own seeded `torch.Generator`: that is what makes a seeded request's tokens independent of its batch
+mates, and lets it keep its random stream when its batch is filtered or merged with another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from conveyor.v1.shard_pb2 import SamplingParameters
+
 NEG_INF = float("-inf")
+# Dividing by a smaller temperature would overflow float32 logits to inf, and inf - inf is NaN in softmax.
+# At this floor the distribution is already a one-hot argmax for any realistic logit gap.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    typical_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    typical_p: float = 1.0  # 1.0 = off
     do_sample: bool = False
     seed: int = 0
-    repetition_penalty: float = 1.0  # CTRL's: seen tokens' logits are divided (positive) or multiplied (negative)
+    repetition_penalty: float = 1.0  # CTRL's: seen tokens' positive logits divided, negative ones multiplied
     frequency_penalty: float = 0.0  # OpenAI's: minus penalty * times generated
     presence_penalty: float = 0.0  # OpenAI's: minus penalty if generated at all
 
     @classmethod
-    def from_pb(cls, pb) -> "SamplingParams":
-        """Proto3 zeros mean unset for the multiplicative parameters."""
+    def from_pb(cls, pb: SamplingParameters) -> SamplingParams:
+        """Proto3 cannot tell 0 from unset; for the multiplicative parameters 0 is meaningless, so it means off."""
         return cls(
             temperature=pb.temperature or 1.0,
             top_k=pb.top_k,
@@ -44,14 +51,38 @@ class SamplingParams:
 
     @property
     def sampling(self) -> bool:
-        """The router decides (TGI's rule, in validation); a row that does not sample ignores its warpers."""
-        return self.do_sample
+        """TGI's rule: asking to reshape the distribution only makes sense if we then draw from it."""
+        return self.do_sample or self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
+
+    @property
+    def uses_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_generated_penalty(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
-class Sample(NamedTuple):
-    ids: torch.Tensor  # [B] the chosen tokens
-    logprobs: torch.Tensor  # [B] their log-probabilities
-    distribution: torch.Tensor  # [B, V] the log-probabilities they were drawn from (for top-n alternatives)
+class Sample(tuple):
+    """Unpacks as `(ids, logprobs)`, and also carries the log-distribution the ids were drawn from, because
+    the engine reports each request's top-n alternatives from exactly that distribution."""
+
+    distribution: torch.Tensor  # [B, V] log-probabilities after penalties and (sampling rows) warpers
+
+    def __new__(cls, ids: torch.Tensor, logprobs: torch.Tensor, distribution: torch.Tensor) -> Sample:
+        sample = super().__new__(cls, (ids, logprobs))
+        sample.distribution = distribution
+        return sample
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """[B] the chosen tokens."""
+        return self[0]
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        """[B] their log-probabilities under the distribution they were drawn from."""
+        return self[1]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -59,7 +90,8 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 class Sampler:
-    """Sampling state for the rows of one batch, in row order."""
+    """Holds, for each row of a batch, its parameters, its own torch.Generator (seeded with its seed) and the
+    token counts penalties need."""
 
     def __init__(
         self,
@@ -70,55 +102,56 @@ class Sampler:
         device: torch.device,
     ) -> None:
         self.params = params
-        self.generators = generators
-        # [B, V] counts: prompt + generated tokens (repetition penalty), generated only (frequency/presence).
+        self.generators = generators  # None for greedy rows: they never draw
+        # [B, V] token counts, allocated only when some row needs them: prompt + generated for the repetition
+        # penalty, generated only for frequency/presence. Rows whose penalty is off keep zeros there.
         self.seen = seen
         self.generated = generated
         self.device = device
-        self._tensors()
+        self._set_columns()
 
-    def _tensors(self) -> None:
+    def _set_columns(self) -> None:
+        """Per-row parameter columns, built once per batch shape rather than on every step."""
         p, d = self.params, self.device
         self.repetition = _column([x.repetition_penalty for x in p], d)
         self.frequency = _column([x.frequency_penalty for x in p], d)
         self.presence = _column([x.presence_penalty for x in p], d)
-        # Warpers act on sampling rows only: a greedy row beside a sampling one keeps its argmax.
-        self.temperature = _column([x.temperature if x.sampling else 1.0 for x in p], d)
-        self.top_k = [x.top_k if x.sampling else 0 for x in p]
-        self.top_p = _column([x.top_p if x.sampling else 1.0 for x in p], d)
-        self.typical_p = _column([x.typical_p if x.sampling else 1.0 for x in p], d)
+        self.temperature = _column([max(x.temperature, MIN_TEMPERATURE) for x in p], d)
+        self.top_k = torch.tensor([max(x.top_k, 0) for x in p], dtype=torch.long, device=d)
+        self.top_p = _column([x.top_p for x in p], d)
+        self.typical_p = _column([x.typical_p for x in p], d)
         self.sampling_rows = [i for i, x in enumerate(p) if x.sampling]
+        self.any_temperature = any(x.temperature != 1.0 for x in p)
+        self.any_top_k = any(x.top_k > 0 for x in p)
+        self.any_top_p = any(x.top_p < 1.0 for x in p)
+        self.any_typical_p = any(x.typical_p < 1.0 for x in p)
 
     @classmethod
     def build(
         cls, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int, device: torch.device
-    ) -> "Sampler":
+    ) -> Sampler:
         generators = [_generator(x, device) for x in params]
-        seen = generated = None
-        if any(x.repetition_penalty != 1.0 for x in params):
+        seen = None
+        if any(x.uses_repetition_penalty for x in params):
             seen = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
             for row, prompt in enumerate(prompts):
-                ids = torch.tensor(prompt, dtype=torch.long, device=device)
-                seen[row].index_add_(0, ids, torch.ones(len(prompt), device=device))
-        if any(x.frequency_penalty or x.presence_penalty for x in params):
+                _count(seen[row], prompt)
+        generated = None
+        if any(x.uses_generated_penalty for x in params):
             generated = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
-        return cls(params, generators, seen, generated, device)
+        return cls(list(params), generators, seen, generated, device)
 
     def __call__(self, logits: torch.Tensor) -> Sample:
-        """From the last position's logits [B, V] to the next tokens and their log-probabilities."""
-        scores = self._penalise(logits.float())
-        if self.sampling_rows:
-            scores = self._warp(scores)
+        """logits: [B, V] (each row's last position). Returns the next ids [B] and their logprobs [B], and
+        records the ids in the penalty counts."""
+        scores = self._warp(self._penalise(logits.float()))
         logprobs = torch.log_softmax(scores, dim=-1)
-        next_ids = scores.argmax(dim=-1)
-        if self.sampling_rows:
-            probs = logprobs.exp()
-            for row in self.sampling_rows:
-                next_ids[row] = torch.multinomial(probs[row], 1, generator=self.generators[row])[0]
+        next_ids = self._choose(logprobs)
         self._record(next_ids)
         return Sample(next_ids, logprobs.gather(1, next_ids.view(-1, 1)).view(-1), logprobs)
 
     def _penalise(self, scores: torch.Tensor) -> torch.Tensor:
+        """Penalties apply to greedy rows too: they change which token is best, not how we choose."""
         if self.seen is not None:
             penalised = torch.where(scores > 0, scores / self.repetition, scores * self.repetition)
             scores = torch.where(self.seen > 0, penalised, scores)
@@ -127,15 +160,27 @@ class Sampler:
         return scores
 
     def _warp(self, scores: torch.Tensor) -> torch.Tensor:
-        """Temperature, top-k, top-p, typical-p, as HF applies them; rows with a warper off are unchanged."""
-        scores = scores / self.temperature
-        if any(self.top_k):
+        """HF's warper order. Greedy rows have every warper off (else they would be sampling rows), so the
+        neutral values leave them untouched; each warper is skipped when no row uses it."""
+        if self.any_temperature:
+            scores = scores / self.temperature
+        if self.any_top_k:
             scores = _top_k(scores, self.top_k)
-        if (self.top_p < 1.0).any():
+        if self.any_top_p:
             scores = _top_p(scores, self.top_p)
-        if (self.typical_p < 1.0).any():
+        if self.any_typical_p:
             scores = _typical_p(scores, self.typical_p)
         return scores
+
+    def _choose(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Argmax for every row, then a draw from each sampling row's own generator, so that what one row
+        draws never depends on how many numbers its batch mates consumed."""
+        next_ids = logprobs.argmax(dim=-1)
+        if self.sampling_rows:
+            probs = logprobs.exp()
+            for row in self.sampling_rows:
+                next_ids[row] = torch.multinomial(probs[row], 1, generator=self.generators[row])[0]
+        return next_ids
 
     def _record(self, next_ids: torch.Tensor) -> None:
         rows = torch.arange(len(next_ids), device=self.device)
@@ -144,23 +189,28 @@ class Sampler:
         if self.generated is not None:
             self.generated[rows, next_ids] += 1
 
-    def filter(self, rows: list[int]) -> "Sampler":
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+    def filter(self, indices: list[int]) -> Sampler:
+        """Keeps these rows in this order; the generator objects move along, so no stream is restarted."""
+        params = [self.params[i] for i in indices]
+        index = torch.tensor(indices, dtype=torch.long, device=self.device)
+        seen = self.seen if any(p.uses_repetition_penalty for p in params) else None
+        generated = self.generated if any(p.uses_generated_penalty for p in params) else None
         return Sampler(
-            [self.params[r] for r in rows],
-            [self.generators[r] for r in rows],
-            None if self.seen is None else self.seen[index],
-            None if self.generated is None else self.generated[index],
+            params,
+            [self.generators[i] for i in indices],
+            None if seen is None else seen[index],
+            None if generated is None else generated[index],
             self.device,
         )
 
     @classmethod
-    def concatenate(cls, samplers: list["Sampler"]) -> "Sampler":
+    def concatenate(cls, samplers: list[Sampler]) -> Sampler:
+        sizes = [len(s.params) for s in samplers]
         return cls(
             [p for s in samplers for p in s.params],
             [g for s in samplers for g in s.generators],
-            _cat_counts([s.seen for s in samplers], [len(s.params) for s in samplers]),
-            _cat_counts([s.generated for s in samplers], [len(s.params) for s in samplers]),
+            _cat_counts([s.seen for s in samplers], sizes),
+            _cat_counts([s.generated for s in samplers], sizes),
             samplers[0].device,
         )
 
@@ -173,44 +223,51 @@ def _generator(params: SamplingParams, device: torch.device) -> torch.Generator 
     return generator
 
 
+def _count(counts: torch.Tensor, ids: list[int]) -> None:
+    if ids:
+        index = torch.tensor(ids, dtype=torch.long, device=counts.device)
+        counts.index_add_(0, index, torch.ones(len(ids), dtype=counts.dtype, device=counts.device))
+
+
 def _cat_counts(counts: list[torch.Tensor | None], sizes: list[int]) -> torch.Tensor | None:
-    """Joins count tensors; a batch that needed none contributes zero rows (its requests use no penalty)."""
-    present = [c for c in counts if c is not None]
-    if not present:
+    """A sampler without a count tensor had no row using that penalty, and its rows' neutral penalty makes
+    their counts irrelevant: zero rows stand in for them."""
+    template = next((c for c in counts if c is not None), None)
+    if template is None:
         return None
-    template = present[0]
     return torch.cat(
         [c if c is not None else template.new_zeros((n, template.shape[1])) for c, n in zip(counts, sizes)]
     )
 
 
-def _top_k(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keeps each row's k best (ties at the k-th kept); k = 0 keeps everything."""
-    vocab = scores.shape[-1]
-    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=scores.device)
-    sorted_scores = scores.sort(dim=-1, descending=True).values
-    kth = sorted_scores.gather(1, (k - 1).view(-1, 1))
+def _top_k(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's k best (ties with the k-th kept, as HF does); k = 0 keeps everything."""
+    k = top_k.clamp(max=scores.shape[-1])
+    best = scores.topk(int(k.max()), dim=-1).values
+    kth = best.gather(1, (k.clamp(min=1) - 1).view(-1, 1))
+    kth = torch.where(k.view(-1, 1) > 0, kth, torch.full_like(kth, NEG_INF))
     return scores.masked_fill(scores < kth, NEG_INF)
 
 
 def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keeps the smallest set of best tokens whose probability reaches p (always at least the best one)."""
-    sorted_scores, order = scores.sort(dim=-1, descending=False)
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    """Keeps the smallest set of best tokens whose probability reaches p, never fewer than the best one."""
+    ascending, order = scores.sort(dim=-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= (1 - top_p)
     drop[:, -1] = False
+    drop &= top_p < 1.0  # rows with the warper off stay bit-for-bit untouched
     return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
 
 
 def _typical_p(scores: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
-    """Keeps the tokens whose surprise is closest to the distribution's entropy, up to mass p."""
+    """Keeps the tokens whose surprise is closest to the entropy, until their mass reaches p (HF's typical
+    decoding); always at least one."""
     logp = torch.log_softmax(scores, dim=-1)
-    p = logp.exp()
-    entropy = -(torch.nan_to_num(logp) * p).sum(dim=-1, keepdim=True)
-    shifted = (-torch.nan_to_num(logp, neginf=-1e9) - entropy).abs()
-    sorted_shift, order = shifted.sort(dim=-1)
+    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)  # -inf * 0 is NaN for masked tokens
+    distance = (-logp - entropy).abs()
+    closest, order = distance.sort(dim=-1)
     cumulative = scores.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
-    last = (cumulative < typical_p).sum(dim=1, keepdim=True).clamp(max=scores.shape[-1] - 1)
-    drop_sorted = sorted_shift > sorted_shift.gather(1, last)
-    drop = drop_sorted.scatter(1, order, drop_sorted) & (typical_p < 1.0)  # rows with p = 1 keep everything
-    return scores.masked_fill(drop, NEG_INF)
+    last = (cumulative < typical_p).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
+    drop = closest > closest.gather(1, last)
+    drop &= typical_p < 1.0
+    return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)

@@ -13,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
 import grpc
+from opentelemetry.trace import SpanKind
 
+from conveyor import tracing
 from conveyor.shard.causal_lm import CausalLM, CausalLMBatch
 from conveyor.shard.paged_lm import PagedBatch, PagedCausalLM
 from conveyor.shard.requests import BadRequest
@@ -31,8 +33,10 @@ def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
 
     @functools.wraps(handler)
     async def wrapper(self: "ShardService", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parent = tracing.extract(dict(context.invocation_metadata() or ()))
         try:
-            return await handler(self, request, context)
+            with tracing.span(f"shard.{handler.__name__}", parent, kind=SpanKind.SERVER):
+                return await handler(self, request, context)
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 - the message goes back to the router

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 
 class FinishReason(enum.IntEnum):
-    """Values match the proto's FinishReason enum."""
+    """Values match the proto's FinishReason enum, so a reason crosses gRPC as `int(reason)`."""
 
     LENGTH = 0
     EOS_TOKEN = 1
@@ -18,32 +18,27 @@ class FinishReason(enum.IntEnum):
 class StoppingCriteria:
     eos_token_ids: frozenset[int]
     max_new_tokens: int
-    stop_sequences: list[str] = field(default_factory=list)
+    stop_sequences: list[str]
     ignore_eos: bool = False
-    generated_tokens: int = 0
-    _checked_len: int = 0  # text length already searched for stop sequences
+    generated_tokens: int = 0  # counts tokens seen by __call__
+    # Length of the text already searched: searching only past it keeps each step O(new text), not O(all text).
+    _searched: int = field(default=0, init=False, repr=False)
 
     def __call__(self, token_id: int, output_text: str) -> FinishReason | None:
-        """Called once per generated token with all the text generated so far, this token's included.
-
-        Only the new tail is searched, reaching back far enough that a stop sequence spanning several tokens
-        is still found once, when its last character arrives.
-        """
+        """Called once per generated token with the whole text generated so far (after this token). Returns why
+        the request stops now, or None. EOS beats a stop sequence, and both beat the allowance running out,
+        because they say more about why the text ended."""
         self.generated_tokens += 1
         if token_id in self.eos_token_ids and not self.ignore_eos:
             return FinishReason.EOS_TOKEN
-        if self._stop_sequence_in(output_text):
+        if self._new_stop_sequence(output_text):
             return FinishReason.STOP_SEQUENCE
         if self.generated_tokens >= self.max_new_tokens:
             return FinishReason.LENGTH
         return None
 
-    def _stop_sequence_in(self, text: str) -> bool:
-        found = False
-        for stop in self.stop_sequences:
-            start = max(0, self._checked_len - len(stop) + 1)
-            if stop in text[start:]:
-                found = True
-                break
-        self._checked_len = len(text)
-        return found
+    def _new_stop_sequence(self, text: str) -> bool:
+        """A stop sequence that ends inside the text added since the last call. It may start up to len(stop) - 1
+        characters earlier, since it can span tokens; one ending before that was already there last time."""
+        searched, self._searched = self._searched, len(text)
+        return any(stop and stop in text[max(0, searched - len(stop) + 1) :] for stop in self.stop_sequences)

@@ -125,6 +125,7 @@ class Server:
     url: str
     process: subprocess.Popen
     model_dir: Path
+    grpc: str  # host:port of the gRPC front door
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
@@ -150,15 +151,16 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_server(model_dir: Path, *extra: str) -> Server:
-    """A deployment through the real launcher; `extra` are launcher flags."""
-    port = free_port()
-    env = dict(os.environ, CONVEYOR_LOG_LEVEL=os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"))
+def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
+    """A deployment through the real launcher; `extra` are launcher flags, `env` extra environment."""
+    port, grpc_port = free_port(), free_port()
+    env = dict(os.environ, CONVEYOR_LOG_LEVEL=os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"), **(env or {}))
     process = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(model_dir), "--port", str(port), *extra],
+        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(model_dir), "--port", str(port),
+         "--grpc-port", str(grpc_port), *extra],  # fmt: skip
         env=env,
     )
-    server = Server(f"http://127.0.0.1:{port}", process, model_dir)
+    server = Server(f"http://127.0.0.1:{port}", process, model_dir, f"127.0.0.1:{grpc_port}")
 
     def ready() -> bool:
         if process.poll() is not None:

@@ -54,3 +54,12 @@ def test_an_oversized_body_is_413_json(locked: Server) -> None:
 def test_unknown_routes_are_json_404(locked: Server) -> None:
     r = httpx.get(f"{locked.url}/no/such/route")
     assert r.status_code == 404 and r.json()["error_type"] == "not_found"
+
+
+def test_grpc_front_door_needs_the_key_too(locked: Server) -> None:
+    from conveyor.client import Client, UnauthorizedError
+
+    with Client(locked.grpc, timeout=60) as anonymous, pytest.raises(UnauthorizedError):
+        anonymous.generate("x", max_new_tokens=2)
+    with Client(locked.grpc, api_key=KEY, timeout=60) as client:
+        assert client.generate("x", max_new_tokens=2).details.generated_tokens == 2

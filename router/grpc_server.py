@@ -1,0 +1,190 @@
+"""The gRPC front door (`TextGeneration`), served beside HTTP on `--grpc-port` over the same `Infer`.
+
+Internal services get the same validation, queue and batching as HTTP clients, with typed messages and
+server streaming. The standard gRPC health service reports SERVING once the router is up.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+from contextlib import AsyncExitStack
+from typing import Any, AsyncIterator
+
+import grpc
+from opentelemetry.trace import SpanKind
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from conveyor import tracing
+from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
+from conveyor.router.http import ServerInfo
+from conveyor.router.infer import GenerationError, Infer, OverloadedError, Response
+from conveyor.router.validation import ValidationError, Validation, ValidRequest
+from conveyor.v1 import generate_pb2 as pb
+from conveyor.v1 import generate_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_OPTIONAL = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty",
+             "frequency_penalty", "presence_penalty", "max_new_tokens", "ignore_eos", "truncate")  # fmt: skip
+
+
+def parameters_from_pb(p: pb.Parameters) -> dict[str, Any]:
+    """TGI's parameter dict, with only what the caller set, so validation applies the same defaults as HTTP."""
+    fields: dict[str, Any] = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+    for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        if name in fields:
+            fields[name] = float(f"{fields[name]:.7g}")  # float32 on the wire: 0.8 stays 0.8
+    if p.stop:
+        fields["stop"] = list(p.stop)
+    if p.top_n_tokens:
+        fields["top_n_tokens"] = p.top_n_tokens
+    fields.update(details=p.details, decoder_input_details=p.decoder_input_details,
+                  return_full_text=p.return_full_text)  # fmt: skip
+    return fields
+
+
+def token_pb(token: Token) -> pb.Token:
+    message = pb.Token(id=token.id, text=token.text, special=token.special)
+    if not math.isnan(token.logprob):
+        message.logprob = token.logprob
+    return message
+
+
+def details_pb(valid: ValidRequest, finished: Finished, events: list[TokenEvent], prefill=()) -> pb.Details:
+    details = pb.Details(
+        finish_reason=finished.finish_reason,
+        generated_tokens=finished.generated_tokens,
+        prefill=[token_pb(t) for t in prefill],
+        tokens=[token_pb(e.token) for e in events],
+        input_length=len(valid.input_ids),
+    )
+    if finished.seed is not None:
+        details.seed = finished.seed
+    if valid.parameters.top_n_tokens:
+        details.top_tokens.extend(pb.TopTokens(tokens=[token_pb(t) for t in e.top_tokens]) for e in events)
+    return details
+
+
+def _text(valid: ValidRequest, text: str) -> str:
+    return valid.inputs + text if valid.parameters.return_full_text else text
+
+
+class TextGenerationService(pb_grpc.TextGenerationServicer):
+    def __init__(self, infer: Infer, validation: Validation, info: ServerInfo, api_key: str | None) -> None:
+        self.infer = infer
+        self.validation = validation
+        self.info = info
+        self.api_key = api_key
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.api_key:
+            return
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), self.api_key.encode()):
+            self.infer.metrics.requests.labels("unauthorized").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required: Bearer <key>")
+
+    async def _validate(self, request: pb.GenerateRequest, context, stream: bool) -> ValidRequest:
+        await self._authorize(context)
+        try:
+            return self.validation.validate_prompt(request.inputs, parameters_from_pb(request.parameters),
+                                                   stream=stream)  # fmt: skip
+        except ValidationError as exc:
+            self.infer.metrics.requests.labels("validation").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort raises; this line is for type checkers
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        with _server_span("Generate", context):
+            return await self._generate(request, context)
+
+    async def _generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        valid = await self._validate(request, context, stream=False)
+        try:
+            response: Response = await self.infer.generate(valid)
+        except OverloadedError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except GenerationError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finished = response.finished
+        reply = pb.GenerateResponse(generated_text=_text(valid, finished.generated_text))
+        if valid.parameters.details:
+            reply.details.CopyFrom(details_pb(valid, finished, response.events, response.prefill))
+        return reply
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.StreamResponse]:
+        with _server_span("GenerateStream", context):
+            async for message in self._generate_stream(request, context):
+                yield message
+
+    async def _generate_stream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.StreamResponse]:
+        valid = await self._validate(request, context, stream=True)
+        async with AsyncExitStack() as stack:  # leaving it, a cancelled call leaves the batch at the next step
+            try:
+                events = await stack.enter_async_context(self.infer.stream(valid))
+            except OverloadedError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            index = 0
+            async for event in events:
+                if isinstance(event, ErrorEvent):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
+                index += 1
+                yield self._stream_message(valid, event, index)
+
+    def _stream_message(self, valid: ValidRequest, event: TokenEvent, index: int) -> pb.StreamResponse:
+        message = pb.StreamResponse(index=index, token=token_pb(event.token),
+                                    top_tokens=[token_pb(t) for t in event.top_tokens])  # fmt: skip
+        if event.finished is not None:
+            message.generated_text = _text(valid, event.finished.generated_text)
+            if valid.parameters.details:
+                message.details.CopyFrom(pb.Details(
+                    finish_reason=event.finished.finish_reason,
+                    generated_tokens=event.finished.generated_tokens,
+                    input_length=len(valid.input_ids),
+                    **({"seed": event.finished.seed} if event.finished.seed is not None else {}),
+                ))  # fmt: skip
+        return message
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        await self._authorize(context)
+        try:
+            valid = self.validation.validate_prompt(request.inputs, {})
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        offsets = self.validation.tokenizer(valid.inputs, return_offsets_mapping=True)["offset_mapping"]
+        return pb.TokenizeResponse(tokens=[
+            pb.TokenOffset(id=i, text=valid.inputs[start:stop], start=start, stop=stop)
+            for i, (start, stop) in zip(valid.input_ids, offsets[-len(valid.input_ids) :])
+        ])  # fmt: skip
+
+    async def Info(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
+        info = self.info.to_json()
+        return pb.ServerInfoResponse(
+            model_id=info["model_id"], model_dtype=info["model_dtype"], engine=info["engine"],
+            max_input_tokens=info["max_input_tokens"], max_total_tokens=info["max_total_tokens"],
+            max_concurrent_requests=info["max_concurrent_requests"],
+            max_batch_total_tokens=info["max_batch_total_tokens"], num_shard=info["num_shard"],
+            version=info["version"],
+        )  # fmt: skip
+
+
+def _server_span(method: str, context: grpc.aio.ServicerContext):
+    """A server span continuing the caller's trace from `traceparent` in the call's metadata."""
+    parent = tracing.extract(dict(context.invocation_metadata() or ()))
+    return tracing.span(f"conveyor.v1.TextGeneration/{method}", parent, kind=SpanKind.SERVER)
+
+
+async def start(service: TextGenerationService, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    pb_grpc.add_TextGenerationServicer_to_server(service, server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", "conveyor.v1.TextGeneration"):
+        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.warning("grpc front door listening", extra={"address": f"{host}:{port}"})
+    return server
