@@ -154,11 +154,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             valid = self.validation.validate_prompt(request.inputs, {})
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        offsets = self.validation.tokenizer(valid.inputs, return_offsets_mapping=True)["offset_mapping"]
-        return pb.TokenizeResponse(tokens=[
-            pb.TokenOffset(id=i, text=valid.inputs[start:stop], start=start, stop=stop)
-            for i, (start, stop) in zip(valid.input_ids, offsets[-len(valid.input_ids) :])
-        ])  # fmt: skip
+        tokens = self.validation.token_offsets(valid)
+        return pb.TokenizeResponse(tokens=[pb.TokenOffset(id=i, text=t, start=a, stop=b) for i, t, a, b in tokens])
 
     async def Info(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
         info = self.info.to_json()

@@ -209,13 +209,8 @@ class HttpServer:
             valid = await self._validated(request, stream=False)
         except ValidationError as exc:
             return error(422, str(exc), "validation")
-        encoding = self.validation.tokenizer(valid.inputs, return_offsets_mapping=True)
-        offsets = encoding["offset_mapping"][-len(valid.input_ids) :]  # as truncated
-        tokens = [
-            {"id": i, "text": valid.inputs[start:stop], "start": start, "stop": stop}
-            for i, (start, stop) in zip(valid.input_ids, offsets)
-        ]
-        return web.json_response(tokens)
+        tokens = self.validation.token_offsets(valid)
+        return web.json_response([dict(zip(("id", "text", "start", "stop"), t)) for t in tokens])
 
     async def health(self, request: web.Request) -> web.Response:
         try:

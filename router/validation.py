@@ -385,3 +385,12 @@ class Validation:
         input_ids = tuple(int(i) for i in ids)
         _check_input_length(len(input_ids), self.limits)
         return input_ids
+
+    def token_offsets(self, valid: ValidRequest) -> list[tuple[int, str, int, int]]:
+        """(id, text, start, stop) of each prompt token, with character offsets into the (truncated) prompt:
+        what /tokenize and the gRPC Tokenize answer."""
+        offsets = self.tokenizer(valid.inputs, return_offsets_mapping=True)["offset_mapping"]
+        return [
+            (i, valid.inputs[start:stop], start, stop)
+            for i, (start, stop) in zip(valid.input_ids, offsets[-len(valid.input_ids) :])
+        ]
