@@ -77,13 +77,19 @@ class ShardedClient:
         sizes = [r.max_supported_total_tokens for r in responses if r.HasField("max_supported_total_tokens")]
         return min(sizes) if sizes else None
 
-    async def prefill(self, batch: pb.Batch, metadata: Metadata = None) -> StepResult:
-        """`metadata` carries the trace context, so the shards' spans join the request's trace."""
-        request = pb.PrefillRequest(batch=batch)
+    async def prefill(
+        self, batch: pb.Batch, metadata: Metadata = None, cached_batch: pb.CachedBatch | None = None,
+        updates: list[pb.RequestUpdate] = (),
+    ) -> StepResult:  # fmt: skip
+        """`metadata` carries the trace context, so the shards' spans join the request's trace. With a
+        `cached_batch` the new requests join that running batch in the same forward (a mixed step)."""
+        request = pb.PrefillRequest(batch=batch, cached_batch=cached_batch, updates=updates)
         return _step_result(await self._all("Prefill", lambda s: s.Prefill(request, metadata=metadata)))
 
-    async def decode(self, batches: list[pb.CachedBatch], metadata: Metadata = None) -> StepResult:
-        request = pb.DecodeRequest(batches=batches)
+    async def decode(
+        self, batches: list[pb.CachedBatch], metadata: Metadata = None, updates: list[pb.RequestUpdate] = ()
+    ) -> StepResult:
+        request = pb.DecodeRequest(batches=batches, updates=updates)
         return _step_result(await self._all("Decode", lambda s: s.Decode(request, metadata=metadata)))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:

@@ -45,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--waiting-served-ratio", type=float, default=0.3)
     p.add_argument("--max-waiting-tokens", type=int, default=20)
     p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--scheduling", choices=["continuous", "static", "sequential"], default="continuous",
+                   help="paged engine: continuous batching (default), static batches run to completion (waiting "
+                        "for --max-batch-size requests or --static-batch-timeout), or one request at a time")
+    p.add_argument("--static-batch-timeout", type=float, default=1.0, help="seconds a static batch waits to fill")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="paged engine: reuse the KV blocks of cached prompt prefixes (default on)")
     p.add_argument("--max-stop-sequences", type=int, default=4)
     p.add_argument("--max-top-n-tokens", type=int, default=5)
     p.add_argument("--shard-uds-path", default=None, help="socket prefix for the shards (default: a private temp path)")
@@ -84,6 +90,8 @@ def router_args(args: argparse.Namespace, model_dir: Path, uds_path: str) -> lis
         "--max-top-n-tokens", str(args.max_top_n_tokens),
         "--graceful-termination-timeout", str(args.graceful_termination_timeout),
         "--payload-limit", str(args.payload_limit),
+        "--scheduling", args.scheduling, "--static-batch-timeout", str(args.static_batch_timeout),
+        "--prefix-caching" if args.prefix_caching else "--no-prefix-caching",
     ]  # fmt: skip
     for name in ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
                  "max_batch_total_tokens", "max_batch_size", "grpc_port"):  # fmt: skip

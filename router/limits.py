@@ -70,8 +70,10 @@ def resolve_limits(args: LimitArgs, info: pb.InfoResponse, tokenizer) -> Resolve
         raise LimitError(f"--max-input-tokens ({max_input}) must be below --max-total-tokens ({max_total})")
     if model_max and max_total > model_max:
         raise LimitError(f"--max-total-tokens ({max_total}) exceeds the model's {model_max} positions")
-    if prefill < max_input:
+    if prefill < max_input and not info.support_chunking:  # a chunking engine reads longer prompts in pieces
         raise LimitError(f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({max_input})")
+    if prefill < 1:
+        raise LimitError(f"--max-batch-prefill-tokens ({prefill}) must be positive")
     if total < max_total:
         raise LimitError(f"--max-batch-total-tokens ({total}) must be >= --max-total-tokens ({max_total})")
     return ResolvedLimits(

@@ -28,7 +28,9 @@ from conveyor.router.infer import Infer
 from conveyor.router.metrics import Metrics
 from conveyor.router.limits import LimitArgs, LimitError, resolve_limits, warmup_request
 from conveyor.router.policy import BatchingConfig
-from conveyor.router.scheduler import Scheduler
+from conveyor.router.paged_scheduler import PagedScheduler
+from conveyor.router.scheduler import PaddedScheduler, Scheduler
+from conveyor.router.step_planner import PlannerConfig, Scheduling
 from conveyor.router.validation import Validation
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--waiting-served-ratio", type=float, default=0.3)
     p.add_argument("--max-waiting-tokens", type=int, default=20)
+    p.add_argument("--scheduling", choices=[m.value for m in Scheduling], default=Scheduling.CONTINUOUS.value,
+                   help="paged engine: continuous (default), static (full batches run to completion) or sequential")
+    p.add_argument("--static-batch-timeout", type=float, default=1.0,
+                   help="static scheduling: seconds a batch waits to fill up to --max-batch-size")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="paged engine: share the KV blocks of common prompt prefixes (default on)")
     p.add_argument("--max-stop-sequences", type=int, default=4)
     p.add_argument("--max-top-n-tokens", type=int, default=5)
     p.add_argument("--graceful-termination-timeout", type=float, default=60.0)
@@ -79,11 +87,8 @@ async def run(args: argparse.Namespace) -> None:
         waiting_served_ratio=args.waiting_served_ratio,
         max_waiting_tokens=args.max_waiting_tokens,
     )
-    allocator = None
-    if shard_info.block_size:
-        allocator = BlockAllocator(limits.max_batch_total_tokens // shard_info.block_size, shard_info.block_size)
     metrics = Metrics()
-    scheduler = Scheduler(client, config, metrics, allocator)
+    scheduler = make_scheduler(args, client, shard_info, config, metrics)
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     server = HttpServer(
         infer,
@@ -134,6 +139,27 @@ async def run(args: argparse.Namespace) -> None:
     batching.cancel()
     await client.close()
     log.info("router stopped")
+
+
+def make_scheduler(
+    args: argparse.Namespace, client: ShardedClient, shard_info, config: BatchingConfig, metrics: Metrics
+) -> Scheduler:
+    """The paged engine gets the step scheduler (chunked prefill, prefix cache, preemption); the padded one
+    TGI's loop, which can do none of those."""
+    if not shard_info.block_size:
+        if args.scheduling != Scheduling.CONTINUOUS.value:
+            raise LimitError(f"--scheduling {args.scheduling} needs the paged engine")
+        return PaddedScheduler(client, config, metrics)
+    allocator = BlockAllocator(config.max_batch_total_tokens // shard_info.block_size, shard_info.block_size,
+                               prefix_caching=args.prefix_caching)  # fmt: skip
+    planner = PlannerConfig(
+        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_size=config.max_batch_size,
+        scheduling=Scheduling(args.scheduling),
+        static_batch_timeout=args.static_batch_timeout,
+        watermark_blocks=allocator.num_blocks // 100,
+    )
+    return PagedScheduler(client, planner, metrics, allocator)
 
 
 async def _drain(infer: Infer, timeout: float) -> None:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from conveyor.router.block_allocator import Allocation, BlockAllocator
 from conveyor.router.events import Event
 from conveyor.router.policy import Admission
 from conveyor.router.validation import ValidRequest
@@ -27,8 +26,16 @@ class Entry:
     # Set by the HTTP side when the client goes away; the scheduler drops the entry at its next step.
     cancelled: bool = False
     done: bool = False
-    # Paged engine: the KV blocks this request holds from admission until it leaves the batch.
-    allocation: Allocation | None = None
+    # Tokens generated so far, as streamed: a preempted request is recomputed from its prompt and these.
+    generated_ids: list[int] = field(default_factory=list)
+    # Paged engine, from admission until the request leaves the batch: its block table, how many of its leading
+    # blocks are in the prefix cache, how many of its tokens have KV on the shards, and how many tokens it
+    # must read before it samples (its prompt, plus what it had generated when it was preempted).
+    blocks: list[int] = field(default_factory=list)
+    cached_blocks: int = 0
+    computed: int = 0
+    target: int = 0
+    preemptions: int = 0
     # Tracing: the span of the call that made this request, and the one timing its wait in the queue.
     span: Span | None = None
     queue_span: Span | None = None
@@ -41,16 +48,20 @@ class Entry:
     def max_new_tokens(self) -> int:
         return self.request.parameters.max_new_tokens
 
+    @property
+    def tokens(self) -> list[int]:
+        """Every token whose KV the request may need: its prompt and what it has generated."""
+        return [*self.request.input_ids, *self.generated_ids]
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.target
+
 
 @dataclass
 class NextBatch:
     entries: list[Entry]
-    max_tokens: int  # the KV tokens the batch may grow to (padded, or in whole blocks)
-
-
-def kv_tokens(entry: Entry) -> int:
-    """KV slots a request can fill: its prompt and every generated token but the last, which is never fed back."""
-    return entry.input_length + entry.max_new_tokens - 1
+    max_tokens: int  # the KV tokens the batch may grow to, padding included
 
 
 class Queue:
@@ -63,24 +74,31 @@ class Queue:
     def append(self, entry: Entry) -> None:
         self._entries.append(entry)
 
-    def next_batch(self, admission: Admission, allocator: BlockAllocator | None = None) -> NextBatch | None:
-        """Takes from the front of the line the longest run of entries that fits `admission`.
+    def appendleft(self, entry: Entry) -> None:
+        """A preempted request goes back to the front: it was admitted before anyone still waiting."""
+        self._entries.appendleft(entry)
+
+    def peek(self) -> Entry | None:
+        self._drop_cancelled()
+        return self._entries[0] if self._entries else None
+
+    def popleft(self) -> Entry:
+        return self._entries.popleft()
+
+    def next_batch(self, admission: Admission) -> NextBatch | None:
+        """Takes from the front of the line the longest run of entries that fits `admission` (padded engine: a
+        batch of n prompts costs n times the longest).
 
         An entry that does not fit stays first in line, so a large request is not overtaken for ever by smaller
-        ones behind it. With an `allocator` (paged engine) the entries taken hold their KV blocks on return.
+        ones behind it.
         """
         self._drop_cancelled()
         if admission.prefill_budget <= 0 or admission.token_budget <= 0 or admission.max_size == 0:
             return None
         if not self._entries or (admission.min_size and len(self._entries) < admission.min_size):
             return None
-        if allocator is None:
-            taken, max_tokens = self._take_padded(admission)
-        else:
-            taken, max_tokens = self._take_paged(admission, allocator)
+        taken, max_tokens = self._take_padded(admission)
         if not taken or (admission.min_size and len(taken) < admission.min_size):
-            for entry in taken:
-                release(entry, allocator)
             return None
         for _ in taken:
             self._entries.popleft()
@@ -103,24 +121,6 @@ class Queue:
                 break
         return taken, len(taken) * longest + decode_tokens
 
-    def _take_paged(self, admission: Admission, allocator: BlockAllocator) -> tuple[list[Entry], int]:
-        """Prompts cost their real length in prefill tokens; KV memory is whatever blocks are free."""
-        taken: list[Entry] = []
-        prefill_tokens = blocks = 0
-        for entry in self._entries:
-            if prefill_tokens + entry.input_length > admission.prefill_budget:
-                break
-            allocation = allocator.allocate(kv_tokens(entry))
-            if allocation is None:
-                break
-            entry.allocation = allocation
-            taken.append(entry)
-            prefill_tokens += entry.input_length
-            blocks += len(allocation.blocks)
-            if admission.max_size is not None and len(taken) >= admission.max_size:
-                break
-        return taken, blocks * allocator.block_size
-
     def _drop_cancelled(self) -> None:
         """Requests whose client left while waiting never reach a shard."""
         if any(e.cancelled for e in self._entries):
@@ -129,10 +129,3 @@ class Queue:
     def drain(self) -> list[Entry]:
         entries, self._entries = list(self._entries), deque()
         return entries
-
-
-def release(entry: Entry, allocator: BlockAllocator | None) -> None:
-    """Gives an entry's KV blocks back; safe to call on an entry that holds none."""
-    if entry.allocation is not None and allocator is not None:
-        allocator.free(entry.allocation)
-    entry.allocation = None

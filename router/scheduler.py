@@ -1,9 +1,10 @@
 """The batching loop: one task owns the running batch and every prefill/decode decision.
 
-Between two decode steps it asks the policy whether queued requests may join (pausing the running batch for
-their prefill), then runs one decode step over everything. After every step each token goes to its request's
-stream at once, and requests that finished, or whose client went away, are filtered out of the batch on the
-shards so that their KV memory is freed before the next step.
+`Scheduler` holds what every loop shares: after every step each token goes to its request's stream at once,
+and requests that finished, or whose client went away, are filtered out of the batch on the shards so that
+their KV memory is freed before the next step. `PaddedScheduler` is TGI's loop for the padded engine: between
+two decode steps it asks the policy whether queued requests may join, pausing the running batch for their
+prefill. The paged engine's loop, which mixes prompt chunks into decode steps, is in `paged_scheduler.py`.
 """
 
 from __future__ import annotations
@@ -13,25 +14,26 @@ import itertools
 import logging
 import time
 from contextlib import contextmanager
-from typing import Awaitable, Iterator
+from typing import Awaitable, Iterable, Iterator
 
 from conveyor import tracing
 from conveyor.client.sharded_client import ShardedClient, ShardError, StepResult
 from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.metrics import Metrics
 from conveyor.router.policy import BatchingConfig, admission_when_idle, admission_when_running
-from conveyor.router.block_allocator import BlockAllocator
-from conveyor.router.queue import Entry, NextBatch, Queue, release
+from conveyor.router.queue import Entry, NextBatch, Queue
 from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
 def request_pb(entry: Entry) -> pb.Request:
+    """The request as a shard gets it: a resumed one (after a preemption) brings the tokens it generated."""
     p = entry.request.parameters
     return pb.Request(
         id=entry.id,
-        input_ids=entry.request.input_ids,
+        input_ids=entry.tokens,
+        resumed_tokens=len(entry.generated_ids),
         parameters=pb.SamplingParameters(
             temperature=p.temperature,
             top_k=p.top_k,
@@ -46,21 +48,16 @@ def request_pb(entry: Entry) -> pb.Request:
         stopping_parameters=pb.StoppingParameters(
             max_new_tokens=p.max_new_tokens, stop_sequences=p.stop, ignore_eos_token=p.ignore_eos
         ),
-        prefill_logprobs=p.decoder_input_details,
+        prefill_logprobs=p.decoder_input_details and not entry.generated_ids,
         top_n_tokens=p.top_n_tokens,
-        blocks=entry.allocation.blocks if entry.allocation else (),
-        slots=entry.allocation.slots if entry.allocation else (),
+        blocks=entry.blocks,
     )
 
 
 class Scheduler:
-    def __init__(
-        self, client: ShardedClient, config: BatchingConfig, metrics: Metrics, allocator: BlockAllocator | None = None
-    ) -> None:
+    def __init__(self, client: ShardedClient, metrics: Metrics) -> None:
         self.client = client
-        self.config = config
         self.metrics = metrics
-        self.allocator = allocator  # paged engine: the KV blocks; None for the padded engine
         self.queue = Queue()
         self.running: dict[int, Entry] = {}
         self.healthy = True
@@ -77,46 +74,19 @@ class Scheduler:
         return next(self._request_ids)
 
     async def run(self) -> None:
-        """Runs for ever: wait for work, prefill it, decode until the batch empties, admitting newcomers."""
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while (new := self.queue.next_batch(admission_when_idle(self.config), self.allocator)) is not None:
-                cached = await self._prefill(new)
-                await self._decode_loop(cached)
+        raise NotImplementedError
 
-    async def _decode_loop(self, cached: pb.CachedBatch | None) -> None:
-        waiting_steps = 1
-        while cached is not None:
-            batches = [cached]
-            admission = admission_when_running(self.config, cached.size, cached.max_tokens, waiting_steps)
-            if (new := self.queue.next_batch(admission, self.allocator)) is not None:
-                log.debug("pausing the running batch for a prefill", extra={"joining": len(new.entries)})
-                if (joined := await self._prefill(new)) is not None:
-                    batches.append(joined)
-                waiting_steps = 1
-            with self._step_span("decode", batches) as metadata:
-                cached = await self._step(batches, self.client.decode(batches, metadata), "decode")
-            waiting_steps += 1
+    @property
+    def allocator(self):
+        """The paged engine's KV blocks (for /info and metrics); None for the padded engine."""
+        return None
 
-    async def _prefill(self, new: NextBatch) -> pb.CachedBatch | None:
-        now = time.monotonic()
-        for entry in new.entries:
-            entry.batched_at = now
-            entry.queue_span.end()
-            self.running[entry.id] = entry
-            self.metrics.queue_time.observe(now - entry.queued_at)
-            self.metrics.prompt_tokens.inc(entry.input_length)
-        batch = pb.Batch(
-            id=next(self._batch_ids),
-            requests=[request_pb(e) for e in new.entries],
-            size=len(new.entries),
-            max_tokens=new.max_tokens,
-        )
-        ids = [e.id for e in new.entries]
-        cached = pb.CachedBatch(id=batch.id, request_ids=ids, size=len(ids))
-        with self._step_span("prefill", [cached]) as metadata:
-            return await self._step([cached], self.client.prefill(batch, metadata), "prefill")
+    def describe(self) -> dict:
+        """What /info shows of the batching policy."""
+        return {}
+
+    def _release(self, entry: Entry) -> None:
+        """Gives back whatever KV the request held (the paged engine's blocks)."""
 
     @contextmanager
     def _step_span(self, method: str, batches: list[pb.CachedBatch]) -> Iterator[list[tuple[str, str]]]:
@@ -145,6 +115,7 @@ class Scheduler:
             await self._fail(batches, str(exc))
             return None
         self.healthy = True
+        self._stepped(result)
         self._send(result)
         if result.batch is None:
             self._forget(r for b in batches for r in b.request_ids)
@@ -154,6 +125,9 @@ class Scheduler:
         except ShardError as exc:
             await self._fail([result.batch], str(exc))
             return None
+
+    def _stepped(self, result: StepResult) -> None:
+        """Hook: the step ran on every shard, before its tokens are sent."""
 
     def _update_gauges(self) -> None:
         self.metrics.queue_size.set(len(self.queue))
@@ -167,6 +141,7 @@ class Scheduler:
             entry = self.running.get(generation.request_id)
             if entry is None or entry.cancelled:
                 continue
+            entry.generated_ids.extend(generation.tokens.ids)
             for event in events_from_generation(generation):
                 entry.events.put_nowait(event)
                 if event.finished is not None:
@@ -176,6 +151,9 @@ class Scheduler:
         """Keeps on the shards only the requests that still have a listener and tokens to generate."""
         keep = [r for r in batch.request_ids if self._alive(r)]
         self._forget(r for r in batch.request_ids if r not in set(keep))
+        return await self._keep(batch, keep)
+
+    async def _keep(self, batch: pb.CachedBatch, keep: list[int]) -> pb.CachedBatch | None:
         if len(keep) == len(batch.request_ids):
             return batch
         if not keep:
@@ -187,12 +165,12 @@ class Scheduler:
         entry = self.running.get(request_id)
         return entry is not None and not entry.done and not entry.cancelled
 
-    def _forget(self, request_ids) -> list[Entry]:
+    def _forget(self, request_ids: Iterable[int]) -> list[Entry]:
         """Takes requests out of the running set and gives their KV blocks back."""
         gone = []
         for request_id in list(request_ids):
             if (entry := self.running.pop(request_id, None)) is not None:
-                release(entry, self.allocator)
+                self._release(entry)
                 gone.append(entry)
         return gone
 
@@ -209,3 +187,56 @@ class Scheduler:
                 await self.client.clear_cache(batch.id)
             except ShardError:
                 pass
+
+
+class PaddedScheduler(Scheduler):
+    """TGI's loop: prefill what the policy admits, pausing the running batch, then decode everything."""
+
+    def __init__(self, client: ShardedClient, config: BatchingConfig, metrics: Metrics) -> None:
+        super().__init__(client, metrics)
+        self.config = config
+
+    def describe(self) -> dict:
+        return {"scheduling": "continuous", "prefix_caching": False, "chunked_prefill": False}
+
+    async def run(self) -> None:
+        """Runs for ever: wait for work, prefill it, decode until the batch empties, admitting newcomers."""
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while (new := self.queue.next_batch(admission_when_idle(self.config))) is not None:
+                cached = await self._prefill(new)
+                await self._decode_loop(cached)
+
+    async def _decode_loop(self, cached: pb.CachedBatch | None) -> None:
+        waiting_steps = 1
+        while cached is not None:
+            batches = [cached]
+            admission = admission_when_running(self.config, cached.size, cached.max_tokens, waiting_steps)
+            if (new := self.queue.next_batch(admission)) is not None:
+                log.debug("pausing the running batch for a prefill", extra={"joining": len(new.entries)})
+                if (joined := await self._prefill(new)) is not None:
+                    batches.append(joined)
+                waiting_steps = 1
+            with self._step_span("decode", batches) as metadata:
+                cached = await self._step(batches, self.client.decode(batches, metadata), "decode")
+            waiting_steps += 1
+
+    async def _prefill(self, new: NextBatch) -> pb.CachedBatch | None:
+        now = time.monotonic()
+        for entry in new.entries:
+            entry.batched_at = now
+            entry.queue_span.end()
+            self.running[entry.id] = entry
+            self.metrics.queue_time.observe(now - entry.queued_at)
+            self.metrics.prompt_tokens.inc(entry.input_length)
+        batch = pb.Batch(
+            id=next(self._batch_ids),
+            requests=[request_pb(e) for e in new.entries],
+            size=len(new.entries),
+            max_tokens=new.max_tokens,
+        )
+        ids = [e.id for e in new.entries]
+        cached = pb.CachedBatch(id=batch.id, request_ids=ids, size=len(ids))
+        with self._step_span("prefill", [cached]) as metadata:
+            return await self._step([cached], self.client.prefill(batch, metadata), "prefill")

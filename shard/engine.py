@@ -49,7 +49,8 @@ class Engine:
         return [RequestState.from_pb(r, self.tokenizer, self.eos_token_ids, self.vocab_size) for r in batch.requests]
 
     def sampler(self, states: list[RequestState]) -> Sampler:
-        return Sampler.build([s.params for s in states], [s.input_ids for s in states], self.vocab_size, self.device)
+        return Sampler.build([s.params for s in states], [s.input_ids for s in states], self.vocab_size, self.device,
+                             [s.generated_ids for s in states])  # fmt: skip
 
     def generations(
         self, states: list[RequestState], sampler: Sampler, logits: torch.Tensor

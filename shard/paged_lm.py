@@ -1,8 +1,8 @@
 """The paged engine: our Llama-family model over a KV pool whose blocks the router hands out.
 
-A batch is plain bookkeeping (each request's block table, cached length and next token), so filtering and
-joining batches copy no KV at all: only lists change. Every step is one flat forward over the new tokens of all
-its sequences.
+A batch is plain bookkeeping (`paged_batch.py`), so filtering and joining batches copy no KV at all. Every step
+is one flat forward over the new tokens of all its sequences: one token for each decoding row, a prompt chunk
+for each prefilling row the router gave one (chunked prefill mixes them into the same forward).
 """
 
 from __future__ import annotations
@@ -11,17 +11,16 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.engine import Engine, all_finished, timings
+from conveyor.shard.engine import Engine, timings
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache
 from conveyor.shard.models.llama import LlamaForCausalLM
-from conveyor.shard.requests import BadRequest, RequestState, rows_of
-from conveyor.shard.sampling import Sampler
+from conveyor.shard.paged_batch import PagedBatch
+from conveyor.shard.requests import BadRequest
 from conveyor.shard.weights import Weights
 from conveyor.v1 import shard_pb2 as pb
 
@@ -30,56 +29,6 @@ log = logging.getLogger(__name__)
 BLOCK_SIZE = 16
 CPU_MEMORY_FRACTION = 0.3  # of the memory available after loading, for the KV pool on CPU
 GPU_MEMORY_FRACTION = 0.9
-
-
-@dataclass
-class PagedBatch:
-    id: int
-    requests: list[RequestState]
-    blocks: list[list[int]]  # each request's block table, as the router allocated it
-    lengths: list[int]  # tokens whose KV is in the cache, per request
-    next_ids: list[int]  # the token each request feeds next
-    sampler: Sampler
-    block_size: int
-
-    @property
-    def size(self) -> int:
-        return len(self.requests)
-
-    def to_pb(self) -> pb.CachedBatch:
-        return pb.CachedBatch(
-            id=self.id,
-            request_ids=[r.id for r in self.requests],
-            size=self.size,
-            max_tokens=sum(len(b) for b in self.blocks) * self.block_size,
-            current_tokens=self.size,
-        )
-
-    def filter(self, request_ids: list[int]) -> "PagedBatch":
-        rows = rows_of(self.requests, request_ids, self.id)
-        return PagedBatch(
-            self.id,
-            [self.requests[r] for r in rows],
-            [self.blocks[r] for r in rows],
-            [self.lengths[r] for r in rows],
-            [self.next_ids[r] for r in rows],
-            self.sampler.filter(rows),
-            self.block_size,
-        )
-
-    @classmethod
-    def concatenate(cls, batches: list["PagedBatch"]) -> "PagedBatch":
-        if len(batches) == 1:
-            return batches[0]
-        return cls(
-            batches[0].id,
-            [r for b in batches for r in b.requests],
-            [t for b in batches for t in b.blocks],
-            [n for b in batches for n in b.lengths],
-            [t for b in batches for t in b.next_ids],
-            Sampler.concatenate([b.sampler for b in batches]),
-            batches[0].block_size,
-        )
 
 
 class PagedCausalLM(Engine):
@@ -95,7 +44,8 @@ class PagedCausalLM(Engine):
         self.cache: KVCache | None = None
 
     def info(self) -> pb.InfoResponse:
-        return super().info(requires_padding=False, block_size=self.block_size)
+        return super().info(requires_padding=False, block_size=self.block_size, support_chunking=True,
+                            use_prefix_caching=True)  # fmt: skip
 
     # --- KV pool ------------------------------------------------------------------------------------------
 
@@ -131,43 +81,89 @@ class PagedCausalLM(Engine):
 
     # --- steps --------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def prefill(self, batch_pb: pb.Batch) -> tuple[list[pb.Generation], PagedBatch | None, pb.Timings]:
-        """Writes each prompt's KV into its blocks and samples its first token, in one flat forward."""
-        start = time.perf_counter_ns()
+    def prefill(
+        self, batch_pb: pb.Batch, cached: PagedBatch | None = None, updates: list[pb.RequestUpdate] = ()
+    ) -> tuple[list[pb.Generation], PagedBatch | None, pb.Timings]:
+        """New requests join (`cached`, the running batch, if any) and the step runs over all of them."""
         if self.cache is None:
             raise BadRequest("the KV pool is not allocated yet: call Warmup first")
-        states = self.states(batch_pb)
-        blocks = [list(r.blocks) for r in batch_pb.requests]
-        cached = [r.cache_len for r in batch_pb.requests]
-        for state, table in zip(states, blocks):
-            self._check_blocks(state.id, table, len(state.input_ids) + state.stopping.max_new_tokens - 1)
-        new = [s.input_ids[c:] for s, c in zip(states, cached)]
-        lengths = [len(s.input_ids) for s in states]
-        wants_all = [s.prefill_logprobs for s in states]
-        logits = self._forward(new, cached, blocks, lengths, wants_all)
-        forward_done = time.perf_counter_ns()
-        # The logits hold every new position of the sequences that asked for prompt logprobs, the last otherwise.
-        counts = [len(n) if a else 1 for n, a in zip(new, wants_all)]
-        ends = torch.cumsum(torch.tensor(counts), 0)
-        sampler = self.sampler(states)
-        generations, ids = self.generations(states, sampler, logits[ends - 1])
-        for state, generation, end, count in zip(states, generations, ends.tolist(), counts):
-            if state.prefill_logprobs:
-                generation.prefill_tokens.CopyFrom(self.prefill_tokens(state, logits[end - count : end]))
-        batch = PagedBatch(batch_pb.id, states, blocks, lengths, ids, sampler, self.block_size)
-        return generations, None if all_finished(generations) else batch, timings(start, forward_done)
+        new = PagedBatch.prefilling(batch_pb.id, self.states(batch_pb), batch_pb, self.block_size)
+        if cached is None:
+            return self.step(new)
+        cached.update(updates)
+        return self.step(PagedBatch.concatenate([cached, new]))
+
+    def decode(
+        self, batches: list[PagedBatch], updates: list[pb.RequestUpdate] = ()
+    ) -> tuple[list[pb.Generation], PagedBatch | None, pb.Timings]:
+        batch = PagedBatch.concatenate(batches)
+        batch.update(updates)
+        return self.step(batch)
 
     @torch.inference_mode()
-    def decode(self, batches: list[PagedBatch]) -> tuple[list[pb.Generation], PagedBatch | None, pb.Timings]:
+    def step(self, batch: PagedBatch) -> tuple[list[pb.Generation], PagedBatch | None, pb.Timings]:
+        """One forward: each decoding row feeds its next token, each prefilling row its chunk. Decoding rows and
+        rows whose chunk ends their prompt sample a token; the batch is gone once every request has finished."""
         start = time.perf_counter_ns()
-        batch = PagedBatch.concatenate(batches)
-        lengths = [n + 1 for n in batch.lengths]
-        logits = self._forward([[t] for t in batch.next_ids], batch.lengths, batch.blocks, lengths, None)
+        rows = list(range(batch.decoding)) + [r for r, c in zip(range(batch.decoding, batch.size), batch.chunks) if c]
+        if not rows:
+            raise BadRequest(f"batch {batch.id} has nothing to compute at this step")
+        new_tokens, ending = [], []
+        for row in rows:
+            state, length = batch.requests[row], batch.lengths[row]
+            if row < batch.decoding:
+                new_tokens.append([batch.next_ids[row]])
+            else:
+                chunk = batch.chunks[row - batch.decoding]
+                new_tokens.append(state.input_ids[length : length + chunk])
+                if length + chunk == len(state.input_ids):
+                    ending.append(row)
+            self._check_blocks(state.id, batch.blocks[row], length + len(new_tokens[-1]))
+        starts = [batch.lengths[r] for r in rows]
+        lengths = [s + len(n) for s, n in zip(starts, new_tokens)]
+        logits = self._forward(new_tokens, starts, [batch.blocks[r] for r in rows], lengths,
+                               self._logit_counts(batch, rows, new_tokens, ending))  # fmt: skip
         forward_done = time.perf_counter_ns()
-        generations, batch.next_ids = self.generations(batch.requests, batch.sampler, logits)
-        batch.lengths = lengths
-        return generations, None if all_finished(generations) else batch, timings(start, forward_done)
+        for row, length in zip(rows, lengths):
+            batch.lengths[row] = length
+        generations = self._sample(batch, ending, logits)
+        finished = all(g.HasField("finished") for g in generations) and len(generations) == batch.size
+        return generations, None if finished else batch, timings(start, forward_done)
+
+    def _logit_counts(
+        self, batch: PagedBatch, rows: list[int], new_tokens: list[list[int]], ending: list[int]
+    ) -> list[int]:
+        """How many logits each row of the forward keeps: its last for a row that samples, every position for a
+        prompt whose log-probabilities were asked for, none for a chunk that leaves its prompt unfinished."""
+        counts = []
+        for row, tokens in zip(rows, new_tokens):
+            if row < batch.decoding:
+                counts.append(1)
+            elif row not in ending:
+                counts.append(0)
+            else:
+                counts.append(len(tokens) if batch.requests[row].prefill_logprobs else 1)
+        return counts
+
+    def _sample(self, batch: PagedBatch, ending: list[int], logits: torch.Tensor) -> list[pb.Generation]:
+        """Samples the decoding rows with the batch's sampler and the rows that just finished their prompt with
+        a new one, which then joins the batch's."""
+        generations: list[pb.Generation] = []
+        decoding = batch.decoding
+        if decoding:
+            generations, batch.next_ids = self.generations(batch.requests[:decoding], batch.sampler, logits[:decoding])
+        if not ending:
+            return generations
+        states = [batch.requests[r] for r in ending]
+        counts = [len(s.input_ids) if s.prefill_logprobs else 1 for s in states]
+        ends = (decoding + torch.cumsum(torch.tensor(counts), 0)).tolist()
+        sampler = self.sampler(states)
+        new, ids = self.generations(states, sampler, logits[[e - 1 for e in ends]])
+        for state, generation, end, count in zip(states, new, ends, counts):
+            if state.prefill_logprobs:
+                generation.prefill_tokens.CopyFrom(self.prefill_tokens(state, logits[end - count : end]))
+        batch.start_decoding(ending, ids, sampler)
+        return generations + new
 
     def _check_blocks(self, request_id: int, table: list[int], tokens: int) -> None:
         if len(table) * self.block_size < tokens:
@@ -177,22 +173,18 @@ class PagedCausalLM(Engine):
 
     def _forward(
         self, new_tokens: list[list[int]], starts: list[int], blocks: list[list[int]], lengths: list[int],
-        all_logits: list[bool] | None,
+        logit_counts: list[int],
     ) -> torch.Tensor:  # fmt: skip
-        """One flat forward: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1.
-        Returns logits for each sequence's last token, or for all its tokens where `all_logits[i]`."""
+        """One flat forward: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1. Returns the
+        logits of the last `logit_counts[i]` positions of each sequence, in order."""
         device = self.device
         ids = torch.tensor([t for n in new_tokens for t in n], dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]).to(device)
         query_lens = [len(n) for n in new_tokens]
         meta = AttentionMetadata.build(blocks, lengths, query_lens, self.block_size, device,
                                        self.model.sliding_window)  # fmt: skip
-        ends = torch.cumsum(torch.tensor(query_lens), 0)
-        if all_logits and any(all_logits):
-            keep = torch.cat([torch.arange(e - q, e) if a else torch.tensor([e - 1])
-                              for e, q, a in zip(ends.tolist(), query_lens, all_logits)])  # fmt: skip
-        else:
-            keep = ends - 1
+        ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
+        keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
         return self.model(ids, positions, self.cache, meta, keep.to(device))
 
 

@@ -38,7 +38,11 @@ class RequestState:
             raise BadRequest(f"request {request.id} has no input tokens")
         if max(input_ids) >= vocab_size:
             raise BadRequest(f"request {request.id} has token ids outside the vocabulary (size {vocab_size})")
-        return cls(
+        resumed = request.resumed_tokens
+        if resumed >= len(input_ids) or resumed >= max(1, stop.max_new_tokens):
+            raise BadRequest(f"request {request.id} resumes {resumed} tokens of {len(input_ids)} inputs")
+        prompt_ids = input_ids[: len(input_ids) - resumed]
+        state = cls(
             id=request.id,
             input_ids=input_ids,
             params=SamplingParams.from_pb(request.parameters),
@@ -48,10 +52,20 @@ class RequestState:
                 stop_sequences=list(stop.stop_sequences),
                 ignore_eos=stop.ignore_eos_token,
             ),
-            detokenizer=IncrementalDetokenizer(tokenizer, input_ids),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
             prefill_logprobs=request.prefill_logprobs,
             top_n_tokens=request.top_n_tokens,
         )
+        for token_id in input_ids[len(prompt_ids) :]:
+            state.replay(token_id)
+        return state
+
+    def replay(self, token_id: int) -> None:
+        """Re-records a token generated before a preemption: the text, the stop check and the count go on from
+        where they were, and nothing is sent again (the router already streamed it)."""
+        self.generated_ids.append(token_id)
+        self.detokenizer.step(token_id)
+        self.stopping(token_id, self.detokenizer.text)
 
     @property
     def remaining_tokens(self) -> int:

@@ -128,8 +128,11 @@ class Sampler:
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int, device: torch.device
-    ) -> Sampler:
+        cls, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int, device: torch.device,
+        generated_ids: list[list[int]] | None = None,
+    ) -> Sampler:  # fmt: skip
+        """`prompts` are every token each row has seen; `generated_ids` the part of them it generated itself (a
+        request resumed after a preemption brings tokens it generated before)."""
         generators = [_generator(x, device) for x in params]
         seen = None
         if any(x.uses_repetition_penalty for x in params):
@@ -138,7 +141,10 @@ class Sampler:
                 _count(seen[row], prompt)
         generated = None
         if any(x.uses_generated_penalty for x in params):
-            generated = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
+            counts = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
+            for row, ids in enumerate(generated_ids or ()):
+                _count(counts[row], ids)
+            generated = counts
         return cls(list(params), generators, seen, generated, device)
 
     def __call__(self, logits: torch.Tensor) -> Sample:

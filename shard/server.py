@@ -17,7 +17,8 @@ from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
 from conveyor.shard.causal_lm import CausalLM, CausalLMBatch
-from conveyor.shard.paged_lm import PagedBatch, PagedCausalLM
+from conveyor.shard.paged_batch import PagedBatch
+from conveyor.shard.paged_lm import PagedCausalLM
 from conveyor.shard.requests import BadRequest
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
@@ -111,16 +112,33 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest("prefill needs at least one request")
         if request.batch.id in self.cache:
             raise BadRequest(f"batch {request.batch.id} is already cached")
-        if request.HasField("cached_batch"):
-            raise BadRequest("this engine does not support chunked prefill (cached_batch)")
-        return self._respond(pb.PrefillResponse, *await self._run(self.model.prefill, request.batch))
+        if not isinstance(self.model, PagedCausalLM):
+            if request.HasField("cached_batch") or request.updates:
+                raise BadRequest("this engine does not support chunked prefill (cached_batch, updates)")
+            return self._respond(pb.PrefillResponse, *await self._run(self.model.prefill, request.batch))
+        (cached,) = self._take(request.cached_batch.id) if request.HasField("cached_batch") else (None,)
+        try:
+            result = await self._run(self.model.prefill, request.batch, cached, list(request.updates))
+        except BadRequest:
+            if cached is not None:
+                self.cache[cached.id] = cached  # a refused step leaves the running batch as it was
+            raise
+        return self._respond(pb.PrefillResponse, *result)
 
     @rpc
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         if not request.batches:
             raise BadRequest("decode needs at least one batch")
+        if request.updates and not isinstance(self.model, PagedCausalLM):
+            raise BadRequest("this engine does not take request updates")
         batches = self._take(*(b.id for b in request.batches))
-        return self._respond(pb.DecodeResponse, *await self._run(self.model.decode, batches))
+        args = (batches, list(request.updates)) if request.updates else (batches,)
+        try:
+            result = await self._run(self.model.decode, *args)
+        except BadRequest:
+            self.cache.update((b.id, b) for b in batches)  # a refused step leaves the batches as they were
+            raise
+        return self._respond(pb.DecodeResponse, *result)
 
     @rpc
     async def FilterBatch(self, request: pb.FilterBatchRequest, context) -> pb.FilterBatchResponse:

@@ -127,10 +127,16 @@ async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(
     with pytest.raises(ShardError, match="outside the vocabulary"):
         await client.prefill(batch(6, pb.Request(id=1, input_ids=[10**6])))
     if engine == "paged":
-        too_long = request(tokenizer, 1, "x", 500)  # 2 prompt + 499 fed-back tokens > 128 slots
-        with pytest.raises(ShardError, match="needs 501 KV slots"):
+        too_long = request(tokenizer, 1, "x", 5)
+        too_long.input_ids[:] = [too_long.input_ids[-1]] * 130  # a prompt of 130 tokens > 8 blocks of 16
+        with pytest.raises(ShardError, match="needs 130 KV slots"):
             await client.prefill(batch(8, too_long))
+        with pytest.raises(ShardError, match="cache_len 9 and chunk_len 3"):
+            await client.prefill(batch(9, pb.Request(id=1, input_ids=[5] * 10, cache_len=9, chunk_len=3)))
     cached = (await client.prefill(batch(7, request(tokenizer, 1, "x", 5)))).batch
+    if engine == "paged":
+        with pytest.raises(ShardError, match="has no request 77"):
+            await client.decode([cached], updates=[pb.RequestUpdate(request_id=77)])
     with pytest.raises(ShardError, match="no requests"):
         await client.filter_batch(cached.id, [42])
     # The batch survived the bad filter, and the shard still generates.
