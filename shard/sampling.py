@@ -2,8 +2,10 @@
 
 Logits processing is vectorised over the batch with per-row parameter columns; a row whose warper is off gets
 that warper's neutral value, so it comes out bit-for-bit unchanged. Only the final draw loops over rows, each
-with its own seeded `torch.Generator`: that is what makes a seeded request's tokens independent of its batch
-mates, and lets it keep its random stream when its batch is filtered or merged with another.
+with its own seeded random stream: that is what makes a seeded request's tokens independent of its batch
+mates, and lets it keep its random stream when its batch is filtered or merged with another. A row's k-th draw
+is seeded from (seed, k), so a request recomputed after a preemption, which brings its k generated tokens,
+draws exactly what it would have drawn had it never been preempted.
 """
 
 from __future__ import annotations
@@ -85,18 +87,33 @@ class Sample(tuple):
         return self[1]
 
 
+@dataclass
+class RowStream:
+    """One sampling row's random stream: draw k comes from a generator seeded with (seed, k)."""
+
+    seed: int
+    generator: torch.Generator
+    draws: int = 0
+
+    def next_generator(self) -> torch.Generator:
+        # Tuples of ints hash the same in every process (no hash randomisation for ints).
+        self.generator.manual_seed(hash((self.seed, self.draws)) & (2**63 - 1))
+        self.draws += 1
+        return self.generator
+
+
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1)
 
 
 class Sampler:
-    """Holds, for each row of a batch, its parameters, its own torch.Generator (seeded with its seed) and the
+    """Holds, for each row of a batch, its parameters, its own random stream (`RowStream`) and the
     token counts penalties need."""
 
     def __init__(
         self,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        generators: list[RowStream | None],
         seen: torch.Tensor | None,
         generated: torch.Tensor | None,
         device: torch.device,
@@ -133,7 +150,8 @@ class Sampler:
     ) -> Sampler:  # fmt: skip
         """`prompts` are every token each row has seen; `generated_ids` the part of them it generated itself (a
         request resumed after a preemption brings tokens it generated before)."""
-        generators = [_generator(x, device) for x in params]
+        drawn = [len(ids) for ids in generated_ids] if generated_ids else [0] * len(params)
+        generators = [_generator(x, device, n) for x, n in zip(params, drawn)]
         seen = None
         if any(x.uses_repetition_penalty for x in params):
             seen = torch.zeros((len(params), vocab_size), dtype=torch.float32, device=device)
@@ -185,7 +203,7 @@ class Sampler:
         if self.sampling_rows:
             probs = logprobs.exp()
             for row in self.sampling_rows:
-                next_ids[row] = torch.multinomial(probs[row], 1, generator=self.generators[row])[0]
+                next_ids[row] = torch.multinomial(probs[row], 1, generator=self.generators[row].next_generator())[0]
         return next_ids
 
     def _record(self, next_ids: torch.Tensor) -> None:
@@ -221,12 +239,11 @@ class Sampler:
         )
 
 
-def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+def _generator(params: SamplingParams, device: torch.device, drawn: int) -> RowStream | None:
+    """`drawn`: draws the request made before (a request resumed after a preemption)."""
     if not params.sampling:
         return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed)
-    return generator
+    return RowStream(params.seed, torch.Generator(device=device), drawn)
 
 
 def _count(counts: torch.Tensor, ids: list[int]) -> None:

@@ -297,3 +297,13 @@ def test_penalty_counts_survive_filter_and_concatenate() -> None:
 def test_concatenate_of_plain_samplers_allocates_no_counts() -> None:
     joined = Sampler.concatenate([sampler(SamplingParams()), sampler(seeded(1))])
     assert joined.seen is None and joined.generated is None and len(joined.params) == 2
+
+
+def test_a_resumed_row_draws_what_it_would_have_drawn_without_a_preemption() -> None:
+    """A request recomputed after a preemption brings its generated tokens; its next draws go on unchanged."""
+    params = SamplingParams(do_sample=True, temperature=1.5, seed=21)
+    steps = [logits(seed=30 + k) for k in range(8)]
+    whole = sampler(params)
+    uninterrupted = [int(whole(s).ids) for s in steps]
+    resumed = Sampler.build([params], [[0]], VOCAB, torch.device("cpu"), generated_ids=[uninterrupted[:5]])
+    assert [int(resumed(s).ids) for s in steps[5:]] == uninterrupted[5:]
