@@ -1,13 +1,14 @@
 # Two commands do all set-up on a fresh machine:
 #   make serve   builds the venv if needed, then serves the built-in demo model
 #   make test    builds the venv if needed, then runs the test suite
+#   make bench   adds the benchmark extras, then compares Conveyor's scheduling modes and transformers serve
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test venv clean proto
+.PHONY: serve test venv clean proto bench
 
 venv: $(STAMP)
 
@@ -27,6 +28,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# Conveyor's scheduling modes vs `transformers serve` vs the bare forward (benchmarks/compare.py, ~15-20 min on CPU).
+bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
 
 proto: $(STAMP)
 	$(BIN)/python -m conveyor.v1.codegen

@@ -1,10 +1,21 @@
-"""The benchmark scripts run end to end against a live server (on the tiny model; nothing is timed here)."""
+"""The benchmarks run end to end against live servers on the tiny model (nothing is timed here), and the load
+generator's parts (workload, stream reading, metrics) are checked on known inputs."""
 
+import asyncio
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import Server
+
+from conveyor.benchmarks.backends import backend
+from conveyor.benchmarks.client import RequestRecord, sse_data
+from conveyor.benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, summarize
+from conveyor.benchmarks.serve import load_tokenizer
+from conveyor.benchmarks.workload import LengthSpec, arrival_offsets, build_prompts, count_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,3 +43,133 @@ def test_engines_benchmark_prints_its_grid(tiny_model) -> None:
     assert set(rows) == {("padded", "1"), ("paged", "1")}
     assert all(len(cells) == 2 and all(float(c) > 0 for c in cells) for cells in rows.values())
     assert "paged/padded" in out
+
+
+# --- conveyor-benchmark and compare (benchmarks/serve.py, benchmarks/compare.py) --------------------------------
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+METRICS = ["request_throughput", "output_throughput", "total_token_throughput", "request_goodput"] + [
+    f"{stat}_{name}_ms" for name in LATENCIES for stat in STATISTICS
+]
+
+
+def benchmark_command() -> list[str]:
+    """The installed console script, as a user runs it."""
+    return [str(Path(sys.executable).with_name("conveyor-benchmark"))]
+
+
+@pytest.mark.parametrize("api", ["openai-completions", "tgi"])
+def test_load_generator_measures_every_request(server: Server, tmp_path: Path, api: str) -> None:
+    out_json, out_png = tmp_path / "result.json", tmp_path / "result.png"
+    done = subprocess.run(
+        [*benchmark_command(), "--base-url", server.url, "--backend", api, "--label", f"conveyor-{api}",
+         "--num-prompts", "6", "--input-len-range", "8,24", "--output-len", "4", "--ignore-eos",
+         "--request-rate", "inf,4", "--tokenizer", str(server.model_dir), "--goodput", "ttft:600000",
+         "--json", str(out_json), "--plot", str(out_png)],  # fmt: skip
+        capture_output=True, text=True, timeout=300, check=True,  # fmt: skip
+    )
+    result = json.loads(out_json.read_text())
+    assert result["label"] == f"conveyor-{api}" and result["backend"] == api
+    assert [run["request_rate"] for run in result["runs"]] == ["inf", 4.0]
+    for run in result["runs"]:
+        assert (run["completed"], run["failed"], run["errors"]) == (6, 0, {})
+        assert run["total_output_tokens"] == 6 * 4
+        assert all(run[key] is not None for key in METRICS), [k for k in METRICS if run[k] is None]
+        assert run["request_goodput"] <= run["request_throughput"]
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+    table = {line[:27].strip(): line[27:].split() for line in done.stdout.splitlines()}
+    assert table["completed / failed"] == ["6", "/", "0", "6", "/", "0"]
+    assert "at rate inf: 6/6 requests done" in done.stderr and "at rate 4: 6/6 requests done" in done.stderr
+
+
+def test_prompts_are_seeded_and_token_exact(tiny_model: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_model))
+    inputs, outputs = LengthSpec("uniform", low=5, high=60), LengthSpec("normal", mean=16, std=4)
+    prompts = build_prompts(10, inputs, outputs, 3, tokenizer)
+    assert prompts == build_prompts(10, inputs, outputs, 3, tokenizer)
+    assert prompts != build_prompts(10, inputs, outputs, 4, tokenizer)
+    assert all(5 <= p.prompt_len <= 60 and p.prompt_len == count_tokens(tokenizer, p.text) for p in prompts)
+    assert all(p.exact and p.output_len >= 1 for p in prompts)
+    # Without a tokenizer the same seed draws the same lengths (as words).
+    assert [p.prompt_len for p in build_prompts(10, inputs, outputs, 3)] == [p.prompt_len for p in prompts]
+
+
+def test_arrivals_follow_the_rate() -> None:
+    assert arrival_offsets(5, math.inf, 1.0, 0) == [0.0] * 5
+    poisson = arrival_offsets(20, 4.0, 1.0, 7)
+    assert poisson == arrival_offsets(20, 4.0, 1.0, 7)
+    assert poisson == sorted(poisson) and poisson[-1] == pytest.approx(20 / 4.0)
+    assert arrival_offsets(4, 2.0, math.inf, 0) == pytest.approx([0.5, 1.0, 1.5, 2.0])
+
+
+async def _events(lines: list[bytes]) -> list[str]:
+    async def body():
+        for line in lines:
+            yield line
+
+    return [payload async for payload in sse_data(body())]
+
+
+def test_sse_reader_stops_at_done_or_at_the_end() -> None:
+    with_done = [b"data: {\"a\": 1}\n", b"\n", b": a comment\n", b"data: [DONE]\n", b"\n", b"data: {\"late\": 1}\n"]
+    assert asyncio.run(_events(with_done)) == ['{"a": 1}']
+    without_done = [b"event: x\n", b"data: {\"b\":\n", b"data: 2}\n", b"\n", b"data: {\"c\": 3}\n"]
+    assert asyncio.run(_events(without_done)) == ['{"b":\n2}', '{"c": 3}']
+
+
+def test_backends_count_only_content_chunks() -> None:
+    chat, completions = backend("openai-chat"), backend("openai-completions")
+    assert not chat.read({"choices": [{"delta": {"role": "assistant", "content": ""}}]}).token
+    assert chat.read({"choices": [{"delta": {"content": "x"}}]}).token
+    closing = completions.read({"choices": [{"text": "", "finish_reason": "length"}],
+                                "usage": {"prompt_tokens": 7, "completion_tokens": 4}})  # fmt: skip
+    assert (closing.token, closing.prompt_tokens, closing.completion_tokens) == (False, 7, 4)
+    assert completions.read({"error": {"message": "boom"}}).error == "boom"
+    assert backend("tgi").read({"token": {"text": ""}, "details": {"generated_tokens": 3}}).completion_tokens == 3
+
+
+def test_metrics_follow_vllm_definitions(tmp_path: Path) -> None:
+    ok = RequestRecord(0, 10, 5, True, ttft=0.1, itl=[0.05, 0.05, 0.1, 0.1], e2el=0.5)
+    slow = RequestRecord(1, 20, 1, True, ttft=0.9, itl=[], e2el=0.9)
+    failed = RequestRecord(2, 30, error="HTTP 429: overloaded")
+    run = summarize([ok, slow, failed], 2.0, math.inf, 1.0, None, {"ttft": 500.0})
+    assert (run.completed, run.failed, run.errors) == (2, 1, {"HTTP 429: overloaded": 1})
+    assert (run.total_input_tokens, run.total_output_tokens) == (30, 6)
+    assert (run.request_throughput, run.output_throughput, run.total_token_throughput) == (1.0, 3.0, 18.0)
+    assert run.request_goodput == 0.5  # only the first meets TTFT <= 500 ms
+    assert run.latencies["tpot"].mean == pytest.approx(100.0)  # (0.5 - 0.1) / (5 - 1); none for one token
+    assert run.latencies["itl"].median == pytest.approx(75.0)
+    assert run.latencies["e2el"].mean == pytest.approx(700.0)
+    # Two stored results draw into one plot, one line per system.
+    paths = []
+    for label in ("a", "b"):
+        paths.append(tmp_path / f"{label}.json")
+        BenchmarkResult(label, "tgi", "http://x", "m", {}, [run]).write(paths[-1])
+    out = tmp_path / "both.png"
+    subprocess.run([*benchmark_command(), "plot", *map(str, paths), "--out", str(out)], check=True, timeout=120,
+                   capture_output=True)  # fmt: skip
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_compare_quick_runs_every_conveyor_mode(tiny_model: Path, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "conveyor.benchmarks.compare", "--quick", "--model-id", str(tiny_model),
+         "--skip-transformers", "--out", str(tmp_path)],  # fmt: skip
+        capture_output=True, text=True, timeout=600, check=True,  # fmt: skip
+    ).stdout
+    throughput = out.split("throughput workload (latencies in ms)")[1].split("\n\n")[0]
+    rows = {line.split()[0]: line.split()[1:] for line in throughput.splitlines()[2:]}
+    for mode in ("continuous", "static", "sequential"):
+        assert rows[f"conveyor-{mode}"][0] == "8/0", out
+    assert "skipped" in rows["transformers-serve"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {s: v["status"] for s, v in summary["systems"].items()} == {
+        "conveyor-continuous": "ok", "conveyor-static": "ok", "conveyor-sequential": "ok",
+        "transformers-serve": "skipped"}  # fmt: skip
+    assert summary["bare_forward"]["output_tokens"] == summary["systems"]["conveyor-continuous"]["throughput"][
+        "total_output_tokens"]
+    verdicts = {t["name"]: t["passed"] for t in summary["targets"]}
+    assert len(verdicts) == 7 and verdicts["continuous / transformers serve, output tok/s"] is None
+    assert summary["long_prompts_short_streams"]["gaps"] > 0
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "conveyor-continuous-long.json").exists()

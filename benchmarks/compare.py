@@ -1,0 +1,270 @@
+"""Conveyor's scheduling modes, `transformers serve` and the bare forward, on one model and one workload, in one run.
+
+    make bench                                                        # the demo `small` model, ~15-20 minutes
+    .venv/bin/python -m conveyor.benchmarks.compare --quick --model-id DIR --skip-transformers   # a smoke run
+
+Every system is started here (Conveyor through its launcher with --scheduling continuous|static|sequential;
+`transformers serve DIR --continuous-batching --device cpu`), warmed up, sent the same seeded workloads over
+its OpenAI completions route (greedy, output length fixed by max_tokens, EOS ignored where the server allows;
+`transformers serve` gets only OpenAI-schema fields), then stopped:
+
+  throughput  all prompts at once under a concurrency cap (output lengths vary, so a static batch waits on its
+              longest member as it would in real traffic), on every system;
+  sweep       Poisson arrivals at a few rates, for the latency-against-load plot;
+  long        ~2k-token prompts arriving among short streams (Conveyor continuous): how much a long prefill
+              stalls the short streams' inter-token latency.
+
+The bare-forward ceiling runs the throughput workload through the same model in-process, at the concurrency cap
+as batch size. The report prints each system's metrics, then the ratios against the targets. JSON for every run,
+a summary and the sweep plot go to --out. A system that cannot run (no --scheduling in the launcher, no
+`transformers serve` installed) is reported as skipped and the rest still runs; a failed one makes the exit
+status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conveyor.benchmarks import bare, deploy
+from conveyor.benchmarks.compare_report import Outcome, print_report, summary_dict
+from conveyor.benchmarks.metrics import BenchmarkResult
+from conveyor.benchmarks.plot import plot_results
+from conveyor.benchmarks.progress import note
+from conveyor.benchmarks.serve import BenchmarkConfig, length_range, load_tokenizer, run
+from conveyor.benchmarks.workload import LengthSpec, Prompt, build_prompts
+
+MODES = ("continuous", "static", "sequential")
+TRANSFORMERS = "transformers-serve"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[Prompt]
+    rates: list[float]
+    max_concurrency: int | None
+    seed: int
+    short: set[int] = field(default_factory=set)  # long-prompt workload: indexes of the short streams
+
+
+def spec(span: tuple[int, int]) -> LengthSpec:
+    low, high = span
+    return LengthSpec("fixed", low) if low == high else LengthSpec("uniform", low=low, high=high)
+
+
+def long_mix(args: argparse.Namespace, tokenizer: Any) -> Workload:
+    """Short streams with the long prompts spread evenly among them (never first: they arrive mid-stream)."""
+    seed = args.seed + 2
+    short = build_prompts(args.short_prompts, spec(args.short_input_len), spec((args.short_output_len,) * 2),
+                          seed, tokenizer)  # fmt: skip
+    long = build_prompts(args.long_prompts, spec((args.long_len,) * 2), spec((args.long_output_len,) * 2),
+                         seed + 100, tokenizer, first_index=len(short))  # fmt: skip
+    order: list[Prompt] = list(short)
+    every = max(1, len(short) // (len(long) + 1))
+    for n, prompt in enumerate(long, start=1):
+        order.insert(min(len(order), n * every + n - 1), prompt)
+    return Workload("long", order, [args.long_rate], None, seed, {p.index for p in short})
+
+
+def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workload]:
+    inputs, outputs = spec(args.input_len), spec(args.output_len)
+    return {
+        "throughput": Workload("throughput", build_prompts(args.num_prompts, inputs, outputs, args.seed, tokenizer),
+                               [float("inf")], args.max_concurrency, args.seed),
+        "sweep": Workload("sweep", build_prompts(args.sweep_prompts, inputs, outputs, args.seed + 1, tokenizer),
+                          args.sweep_rates, args.max_concurrency, args.seed + 1),
+        "long": long_mix(args, tokenizer),
+    }  # fmt: skip
+
+
+def plan(args: argparse.Namespace, system: str) -> list[str]:
+    """Which workloads a system runs: throughput always; sweep and long where the options name it."""
+    short = system.removeprefix("conveyor-")
+    return ["throughput"] + [name for name, systems in (("sweep", args.sweep_systems), ("long", args.long_systems))
+                             if short in systems]  # fmt: skip
+
+
+def measure(args: argparse.Namespace, system: str, url: str, workloads: dict[str, Workload], model: str | None,
+            extra_fields: bool) -> dict[str, BenchmarkResult]:  # fmt: skip
+    """Runs the system's planned workloads against `url`; only the first gets the warm-up requests."""
+    results = {}
+    warmups = args.num_warmups
+    for name in plan(args, system):
+        w = workloads[name]
+        note(f"  {system}: {name} workload, {len(w.prompts)} prompts")
+        config = BenchmarkConfig(base_url=url, model=model, label=system, seed=w.seed, request_rates=w.rates,
+                                 max_concurrency=w.max_concurrency, ignore_eos=True, extra_fields=extra_fields,
+                                 tokenizer=str(args.model_dir), num_warmups=warmups,
+                                 request_timeout=args.request_timeout)  # fmt: skip
+        results[name] = asyncio.run(run(config, w.prompts))
+        warmups = 0
+    return results
+
+
+def conveyor_flags(args: argparse.Namespace, mode: str, known: set[str]) -> list[str] | None:
+    """Launcher flags for one scheduling mode; None when this launcher cannot run that mode."""
+    if "--scheduling" in known:
+        flags = ["--scheduling", mode]
+    elif mode == "continuous":
+        flags = []  # an older launcher: continuous batching is what it does anyway
+    else:
+        return None
+    if mode == "static":
+        flags += ["--max-batch-size", str(args.max_concurrency), "--static-batch-timeout", str(args.static_timeout)]
+    if not args.prefix_caching and "--no-prefix-caching" in known:
+        flags.append("--no-prefix-caching")
+    return flags + list(args.launcher_arg)
+
+
+def failed(system: str, exc: Exception) -> Outcome:
+    """A deployment failure carries the server's log tail already; anything else says where the log was kept."""
+    message = str(exc) if isinstance(exc, deploy.DeploymentFailed) else f"{type(exc).__name__}: {exc} (server log kept)"
+    note(f"FAILED: {system}: {message}")
+    return Outcome(system, "failed", message)
+
+
+def run_conveyor(args: argparse.Namespace, mode: str, workloads: dict[str, Workload], known: set[str]) -> Outcome:
+    system = f"conveyor-{mode}"
+    flags = conveyor_flags(args, mode, known)
+    if flags is None:
+        return Outcome(system, "skipped", "this launcher has no --scheduling flag, so it cannot run this mode")
+    try:
+        with deploy.conveyor(deploy.ConveyorSpec(system, args.model_dir, flags), args.startup_timeout) as url:
+            return Outcome(system, "ok", None, measure(args, system, url, workloads, None, True))
+    except Exception as exc:  # noqa: BLE001 - one system's failure is reported; the others still run
+        return failed(system, exc)
+
+
+def transformers_kv(args: argparse.Namespace, workloads: dict[str, Workload]) -> tuple[int, int]:
+    """KV blocks for the cap's worth of its longest sequences, twice over, so the cache never binds."""
+    planned = [workloads[n] for n in plan(args, TRANSFORMERS)]
+    longest = max(p.prompt_len + p.output_len for w in planned for p in w.prompts)
+    per_seq = -(-longest // args.tserve_block_size)
+    return 2 * per_seq * args.max_concurrency + 8, args.tserve_block_size
+
+
+def run_transformers(args: argparse.Namespace, workloads: dict[str, Workload]) -> Outcome:
+    if args.skip_transformers:
+        return Outcome(TRANSFORMERS, "skipped", "--skip-transformers")
+    if (problem := deploy.transformers_serve_problem()) is not None:
+        return Outcome(TRANSFORMERS, "skipped", f"transformers serve cannot run here: {problem}")
+    blocks, block_size = transformers_kv(args, workloads)
+    try:
+        with deploy.transformers_serve(args.model_dir, blocks, block_size, args.tserve_max_batch_tokens,
+                                       args.startup_timeout) as url:  # fmt: skip
+            # It serves only the pinned model, under the name it was given; it answers 422 to ignore_eos.
+            return Outcome(TRANSFORMERS, "ok", None, measure(args, TRANSFORMERS, url, workloads, str(args.model_dir),
+                                                             extra_fields=False))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - as for Conveyor's modes
+        return failed(TRANSFORMERS, exc)
+
+
+def run_bare(args: argparse.Namespace, workload: Workload) -> bare.BareResult | str:
+    """The ceiling, or why there is none."""
+    if args.skip_bare:
+        return "skipped (--skip-bare)"
+    try:
+        return bare.measure(args.model_dir, [p.text for p in workload.prompts],
+                            [p.output_len for p in workload.prompts], args.max_concurrency)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - reported in the table; the rest of the comparison stands
+        note(f"FAILED: bare forward: {type(exc).__name__}: {exc}")
+        return f"failed: {type(exc).__name__}: {exc}"
+
+
+def write_outputs(args: argparse.Namespace, outcomes: list[Outcome], summary: dict[str, Any]) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    for o in outcomes:
+        for name, result in o.results.items():
+            result.write(args.out / f"{o.system}-{name}.json", detailed=name == "long")
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    sweeps = [o.results["sweep"].to_dict() for o in outcomes if "sweep" in o.results]
+    if sweeps:
+        plot_results(sweeps, args.out / "sweep.png", "Latency and throughput against request rate (same prompts)")
+    note(f"wrote the results to {args.out}/")
+
+
+def names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+QUICK = {  # a smoke run on a tiny model: every phase, a handful of requests
+    "num_prompts": 8, "input_len": (8, 32), "output_len": (2, 8), "max_concurrency": 4, "sweep_prompts": 4,
+    "sweep_rates": [8.0, float("inf")], "short_prompts": 4, "short_input_len": (8, 16), "short_output_len": 6,
+    "long_prompts": 1, "long_len": 300, "long_output_len": 2, "long_rate": 8.0, "num_warmups": 1,
+}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-id", default="demo", help="a model directory, or 'demo' (built by the launcher)")
+    p.add_argument("--demo-size", default="small", help="the demo model's size, with --model-id demo")
+    p.add_argument("--systems", type=names, default=list(MODES), help="Conveyor scheduling modes to measure")
+    p.add_argument("--skip-transformers", action="store_true", help="leave out `transformers serve`")
+    p.add_argument("--skip-bare", action="store_true", help="leave out the bare-forward ceiling")
+    p.add_argument("--quick", action="store_true", help="tiny workloads, for a smoke test: " + ", ".join(QUICK))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=64, help="throughput workload: prompts, all sent at once")
+    p.add_argument("--input-len", type=length_range, default=(32, 256), metavar="LOW,HIGH", help="prompt tokens")
+    p.add_argument("--output-len", type=length_range, default=(8, 120), metavar="LOW,HIGH", help="output tokens")
+    p.add_argument("--max-concurrency", type=int, default=32, help="client cap; static batch and bare batch size")
+    p.add_argument("--sweep-prompts", type=int, default=20, help="sweep workload: prompts sent at every rate")
+    p.add_argument("--sweep-rates", type=lambda s: [float(x) for x in names(s)], default=[0.5, 1.0, 2.0, 4.0])
+    p.add_argument("--sweep-systems", type=names, default=["continuous", "static", TRANSFORMERS])
+    p.add_argument("--short-prompts", type=int, default=24, help="long workload: short streams")
+    p.add_argument("--short-input-len", type=length_range, default=(32, 64))
+    p.add_argument("--short-output-len", type=int, default=64)
+    p.add_argument("--long-prompts", type=int, default=3)
+    p.add_argument("--long-len", type=int, default=1900, help="long prompts' tokens")
+    p.add_argument("--long-output-len", type=int, default=8)
+    p.add_argument("--long-rate", type=float, default=3.0, help="long workload: Poisson arrivals per second")
+    p.add_argument("--long-systems", type=names, default=["continuous"])
+    p.add_argument("--static-timeout", type=float, default=0.5, help="static mode: seconds a batch waits to fill")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="keep Conveyor's prefix cache on (off by default: every rate reuses the same prompts)")
+    p.add_argument("--launcher-arg", action="append", default=[], help="one more launcher flag (repeatable)")
+    p.add_argument("--tserve-block-size", type=int, default=256, help="transformers serve --cb-block-size")
+    p.add_argument("--tserve-max-batch-tokens", type=int, default=4096, help="transformers serve --cb-max-batch-tokens")
+    p.add_argument("--num-warmups", type=int, default=4)
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--request-timeout", type=float, default=1800.0)
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON results and the plot")
+    args = p.parse_args(argv)
+    if args.quick:
+        explicit = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv or []) if a.startswith("--")}
+        for key, value in QUICK.items():
+            if key not in explicit:
+                setattr(args, key, value)
+    unknown = set(args.systems) - set(MODES)
+    if unknown:
+        p.error(f"unknown --systems {sorted(unknown)}: choose from {', '.join(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from conveyor.launcher.main import resolve_model
+
+    started = time.monotonic()
+    args.model_dir = resolve_model(args.model_id, args.demo_size)
+    workloads = build_workloads(args, load_tokenizer(str(args.model_dir)))
+    known = deploy.launcher_flags()
+    outcomes = [run_conveyor(args, mode, workloads, known) for mode in args.systems]
+    outcomes.append(run_transformers(args, workloads))
+    ceiling = run_bare(args, workloads["throughput"])
+    summary = summary_dict(args, outcomes, ceiling, workloads)
+    write_outputs(args, outcomes, summary)
+    print_report(args, outcomes, ceiling, summary, workloads)
+    note(f"compare took {time.monotonic() - started:.0f} s")
+    if any(o.status == "failed" for o in outcomes):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""What `compare` prints and stores: each system's numbers, and the ratios measured against the targets.
+
+A ratio that cannot be measured (a system skipped or failed) says why instead of passing or failing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from conveyor.benchmarks.bare import BareResult
+from conveyor.benchmarks.metrics import BenchmarkResult, RateResult
+from conveyor.benchmarks.report import number
+
+if TYPE_CHECKING:
+    from conveyor.benchmarks.compare import Workload
+
+CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS = (
+    "conveyor-continuous", "conveyor-static", "conveyor-sequential", "transformers-serve")  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    """One system: its results by workload name, or why it has none."""
+
+    system: str
+    status: str  # ok | skipped | failed
+    note: str | None = None
+    results: dict[str, BenchmarkResult] = field(default_factory=dict)
+
+    def run(self, workload: str) -> RateResult | None:
+        result = self.results.get(workload)
+        return result.runs[0] if result and result.runs and result.runs[0].completed else None
+
+    def why_missing(self) -> str:
+        return f"{self.system} {self.status}" + (f" ({self.note.splitlines()[0]})" if self.note else "")
+
+
+@dataclass
+class Target:
+    name: str
+    goal: str
+    value: float | None  # the measured ratio
+    passed: bool | None  # None: not measured
+    detail: str
+
+
+def _ratio_target(name: str, goal: str, numerator: float | None, denominator: float | None, passes, detail: str,
+                  missing: str | None) -> Target:  # fmt: skip
+    if missing or not numerator or not denominator:
+        return Target(name, goal, None, None, f"n/a: {missing or 'nothing measured'}")
+    value = numerator / denominator
+    return Target(name, goal, value, bool(passes(value)), detail)
+
+
+def short_stream_itl(outcome: Outcome | None, short: set[int]) -> dict[str, float] | None:
+    """Median and p99 of the inter-token gaps of the short streams in the long-prompt workload, in ms."""
+    run = outcome.run("long") if outcome else None
+    gaps = [g for r in (run.records if run else []) if r.success and r.index in short for g in r.itl]
+    if not gaps:
+        return None
+    ms = np.asarray(gaps) * 1000.0
+    return {"median_itl_ms": float(np.median(ms)), "p99_itl_ms": float(np.percentile(ms, 99)), "gaps": len(gaps),
+            "failed_requests": run.failed}
+
+
+def _missing(*outcomes: Outcome | None, workload: str = "throughput") -> str | None:
+    for o in outcomes:
+        if o is None:
+            return "not measured in this run"
+        if o.run(workload) is None:
+            return o.why_missing() if o.status != "ok" else f"{o.system} completed no {workload} request"
+    return None
+
+
+def targets(by: dict[str, Outcome], ceiling: BareResult | str, itl: dict[str, float] | None) -> list[Target]:
+    cont, seq, static, hf = (by.get(s) for s in (CONTINUOUS, SEQUENTIAL, STATIC, TRANSFORMERS))
+
+    def tput(o: Outcome | None) -> float | None:
+        run = o.run("throughput") if o else None
+        return run.output_throughput if run else None
+
+    def lat(o: Outcome | None, metric: str, stat: str) -> float | None:
+        run = o.run("throughput") if o else None
+        return getattr(run.latencies[metric], stat) if run else None
+
+    bare_tps = ceiling.output_throughput if isinstance(ceiling, BareResult) else None
+    return [
+        _ratio_target("continuous / sequential, output tok/s", ">= 8x", tput(cont), tput(seq),
+                      lambda v: v >= 8, "same prompts, all at once", _missing(cont, seq)),
+        _ratio_target("continuous / static, output tok/s", ">= 2x", tput(cont), tput(static),
+                      lambda v: v >= 2, "static batch = the concurrency cap", _missing(cont, static)),
+        _ratio_target("continuous / static, p50 E2EL", "< 1 (lower)", lat(cont, "e2el", "median"),
+                      lat(static, "e2el", "median"), lambda v: v < 1, "", _missing(cont, static)),
+        _ratio_target("continuous / transformers serve, output tok/s", ">= 2x", tput(cont), tput(hf),
+                      lambda v: v >= 2, "same model directory", _missing(cont, hf)),
+        _ratio_target("continuous / transformers serve, p99 TTFT", "< 1 (lower)", lat(cont, "ttft", "p99"),
+                      lat(hf, "ttft", "p99"), lambda v: v < 1, "", _missing(cont, hf)),
+        _ratio_target("server / bare forward, output tok/s", ">= 0.90", tput(cont), bare_tps,
+                      lambda v: v >= 0.9, "same workload, batch = the concurrency cap",
+                      _missing(cont) or (None if bare_tps else f"bare forward {ceiling}")),
+        _ratio_target("long prompts: short streams' p99 ITL / p50 ITL", "<= 2x", itl and itl["p99_itl_ms"],
+                      itl and itl["median_itl_ms"], lambda v: v <= 2, "ITL of the short streams only",
+                      _missing(cont, workload="long")),
+    ]  # fmt: skip
+
+
+def _workload_line(w: "Workload") -> dict[str, Any]:
+    ins, outs = [p.prompt_len for p in w.prompts], [p.output_len for p in w.prompts]
+    return {"prompts": len(w.prompts), "input_tokens": f"{min(ins)}-{max(ins)}, mean {np.mean(ins):.0f}",
+            "output_tokens": f"{min(outs)}-{max(outs)}, mean {np.mean(outs):.0f}",
+            "rates": ["inf" if math.isinf(r) else r for r in w.rates], "max_concurrency": w.max_concurrency,
+            "seed": w.seed}  # fmt: skip
+
+
+def summary_dict(args: argparse.Namespace, outcomes: list[Outcome], ceiling: BareResult | str,
+                 workloads: dict[str, "Workload"]) -> dict[str, Any]:  # fmt: skip
+    by = {o.system: o for o in outcomes}
+    itl = short_stream_itl(by.get(CONTINUOUS), workloads["long"].short)
+    return {
+        "model_dir": str(args.model_dir),
+        "workloads": {name: _workload_line(w) for name, w in workloads.items()},
+        "systems": {o.system: {"status": o.status, "note": o.note,
+                               "throughput": o.results["throughput"].runs[0].to_dict() if "throughput" in o.results
+                               else None} for o in outcomes},
+        "bare_forward": ceiling.to_dict() if isinstance(ceiling, BareResult) else ceiling,
+        "long_prompts_short_streams": itl,
+        "targets": [asdict(t) for t in targets(by, ceiling, itl)],
+    }  # fmt: skip
+
+
+THROUGHPUT_COLUMNS = (  # (heading, cell)
+    ("done/fail", lambda r: f"{r.completed}/{r.failed}"),
+    ("out tok", lambda r: str(r.total_output_tokens)),
+    ("out tok/s", lambda r: number(r.output_throughput)),
+    ("total tok/s", lambda r: number(r.total_token_throughput)),
+    ("req/s", lambda r: number(r.request_throughput, 2)),
+    ("TTFT p50", lambda r: number(r.latencies["ttft"].median, 0)),
+    ("TTFT p99", lambda r: number(r.latencies["ttft"].p99, 0)),
+    ("TPOT p50", lambda r: number(r.latencies["tpot"].median, 0)),
+    ("ITL p50", lambda r: number(r.latencies["itl"].median, 0)),
+    ("ITL p99", lambda r: number(r.latencies["itl"].p99, 0)),
+    ("E2EL p50", lambda r: number(r.latencies["e2el"].median, 0)),
+    ("E2EL p99", lambda r: number(r.latencies["e2el"].p99, 0)),
+)
+
+
+def _table(title: str, rows: list[tuple[str, RateResult | str]]) -> list[str]:
+    """Rows of (name, run or a reason there is none); latencies in ms."""
+    first = max([len(name) for name, _ in rows] + [24])
+    lines = [title, f"{'system':<{first}}" + "".join(f"{h:>12}" for h, _ in THROUGHPUT_COLUMNS)]
+    for name, run in rows:
+        if isinstance(run, str):
+            lines.append(f"{name:<{first}}  {run}")
+        else:
+            lines.append(f"{name:<{first}}" + "".join(f"{cell(run):>12}" for _, cell in THROUGHPUT_COLUMNS))
+    return lines
+
+
+def _throughput_rows(outcomes: list[Outcome], ceiling: BareResult | str) -> list[tuple[str, RateResult | str]]:
+    rows: list[tuple[str, RateResult | str]] = [(o.system, o.run("throughput") or o.why_missing()) for o in outcomes]
+    if isinstance(ceiling, BareResult):
+        decode = number(ceiling.decode_throughput)
+        rows.append(("bare forward", f"{ceiling.output_tokens} output tokens in {ceiling.duration_s:.1f} s: "
+                     f"{ceiling.output_throughput:.1f} out tok/s; decode-only steps at batch {ceiling.batch}: "
+                     f"{decode} tok/s"))  # fmt: skip
+    else:
+        rows.append(("bare forward", ceiling))
+    return rows
+
+
+def _sweep_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:
+    rows: list[tuple[str, RateResult | str]] = []
+    for o in outcomes:
+        for run in o.results["sweep"].runs if "sweep" in o.results else []:
+            rate = "inf" if math.isinf(run.request_rate) else f"{run.request_rate:g}"
+            rows.append((f"{o.system} @ {rate}/s", run))
+    return rows
+
+
+def _output_mismatches(outcomes: list[Outcome], workloads: dict[str, "Workload"]) -> list[str]:
+    """Systems that generated fewer tokens than asked (an EOS where it could not be ignored): their tok/s
+    count real tokens, but over a lighter workload."""
+    asked = sum(p.output_len for p in workloads["throughput"].prompts)
+    return [f"note: {o.system} generated {run.total_output_tokens} of the {asked} output tokens asked for "
+            f"({run.failed} failed requests; EOS is not ignored where the server rejects ignore_eos)"
+            for o in outcomes if (run := o.run("throughput")) and run.total_output_tokens != asked]  # fmt: skip
+
+
+def print_report(args: argparse.Namespace, outcomes: list[Outcome], ceiling: BareResult | str,
+                 summary: dict[str, Any], workloads: dict[str, "Workload"]) -> None:  # fmt: skip
+    lines = [f"model: {args.model_dir}"]
+    for name, w in summary["workloads"].items():
+        lines.append(f"{name} workload: {w['prompts']} prompts, input {w['input_tokens']}, output "
+                     f"{w['output_tokens']}, rates {w['rates']}, cap {w['max_concurrency']}, seed {w['seed']}")
+    lines += [""] + _table("throughput workload (latencies in ms)", _throughput_rows(outcomes, ceiling))
+    lines += _output_mismatches(outcomes, workloads)
+    if sweep := _sweep_rows(outcomes):
+        lines += [""] + _table("sweep workload (latencies in ms)", sweep)
+    itl = summary["long_prompts_short_streams"]
+    if itl:
+        lines += ["", f"long prompts among short streams (conveyor-continuous): short streams' ITL p50 "
+                      f"{itl['median_itl_ms']:.1f} ms, p99 {itl['p99_itl_ms']:.1f} ms over {itl['gaps']} gaps, "
+                      f"{itl['failed_requests']} failed requests"]
+    lines += ["", "targets"]
+    for t in summary["targets"]:
+        verdict = {True: "PASS", False: "MISS", None: "n/a "}[t["passed"]]
+        value = "" if t["value"] is None else f"{t['value']:.2f}"
+        lines.append(f"  {verdict} {t['name']:<48} {value:>7}  (target {t['goal']}) {t['detail']}")
+    print("\n".join(lines))
