@@ -75,6 +75,9 @@ def long_mix(args: argparse.Namespace, tokenizer: Any) -> Workload:
 
 def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workload]:
     inputs, outputs = spec(args.input_len), spec(args.output_len)
+    if args.output_mean:
+        low, high = args.output_len
+        outputs = LengthSpec("exponential", args.output_mean, low=low, high=high)
     return {
         "throughput": Workload("throughput", build_prompts(args.num_prompts, inputs, outputs, args.seed, tokenizer),
                                [float("inf")], args.max_concurrency, args.seed),
@@ -213,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=64, help="throughput workload: prompts, all sent at once")
     p.add_argument("--input-len", type=length_range, default=(32, 256), metavar="LOW,HIGH", help="prompt tokens")
     p.add_argument("--output-len", type=length_range, default=(8, 120), metavar="LOW,HIGH", help="output tokens")
+    p.add_argument("--output-mean", type=int, default=None,
+                   help="draw output lengths from an exponential with this mean, clipped to --output-len")
     p.add_argument("--max-concurrency", type=int, default=32, help="client cap; static batch and bare batch size")
     p.add_argument("--sweep-prompts", type=int, default=20, help="sweep workload: prompts sent at every rate")
     p.add_argument("--sweep-rates", type=lambda s: [float(x) for x in names(s)], default=[0.5, 1.0, 2.0, 4.0])

@@ -203,7 +203,8 @@ def slo(text: str) -> tuple[str, float]:
 
 
 def add_length_options(p: argparse.ArgumentParser, kind: str, default: int) -> None:
-    p.add_argument(f"--{kind}-len", type=int, default=default, help=f"{kind} tokens (the mean for normal)")
+    p.add_argument(f"--{kind}-len", type=int, default=default,
+                   help=f"{kind} tokens (the mean for normal and exponential, clipped to a range if given)")
     p.add_argument(f"--{kind}-len-range", type=length_range, default=None, metavar="LOW,HIGH",
                    help="uniform over this range (inclusive)")  # fmt: skip
     p.add_argument(f"--{kind}-len-dist", choices=KINDS, default=None,

@@ -19,13 +19,14 @@ async await with open range len str int float None True False try except raise f
 continue global assert del in is not and or result items key index count name path text line file args kwargs
 node parent child left right start stop step size total first last next prev cache queue batch token""".split())
 
-KINDS = ("fixed", "uniform", "normal")
+KINDS = ("fixed", "uniform", "normal", "exponential")
 
 
 @dataclass(frozen=True)
 class LengthSpec:
-    """How one kind of length is drawn: fixed at `mean`, uniform over [low, high], or normal(mean, std) (rounded,
-    at least 1)."""
+    """How one kind of length is drawn: fixed at `mean`, uniform over [low, high], normal(mean, std), or
+    exponential with that mean (as Anyscale's continuous-batching benchmark drew output lengths): rounded, at
+    least 1, and within [low, high] where those are set."""
 
     kind: str = "fixed"
     mean: int = 128
@@ -45,14 +46,21 @@ class LengthSpec:
         if self.kind == "uniform":
             return [rng.randint(self.low, self.high) for _ in range(count)]
         if self.kind == "normal":
-            return [max(1, round(rng.gauss(self.mean, self.std))) for _ in range(count)]
+            return [self._clip(rng.gauss(self.mean, self.std)) for _ in range(count)]
+        if self.kind == "exponential":
+            return [self._clip(rng.expovariate(1 / self.mean)) for _ in range(count)]
         return [self.mean] * count
+
+    def _clip(self, value: float) -> int:
+        return min(max(1, self.low, round(value)), self.high or 1 << 30)
 
     def describe(self) -> str:
         if self.kind == "uniform":
             return f"uniform {self.low}-{self.high}"
         if self.kind == "normal":
             return f"normal mean {self.mean} std {self.std:g}"
+        if self.kind == "exponential":
+            return f"exponential mean {self.mean} in [{max(1, self.low)}, {self.high or 'inf'}]"
         return f"fixed {self.mean}"
 
     def to_dict(self) -> dict[str, Any]:

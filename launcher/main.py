@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduling", choices=["continuous", "static", "sequential"], default="continuous",
                    help="paged engine: continuous batching (default), static batches run to completion (waiting "
                         "for --max-batch-size requests or --static-batch-timeout), or one request at a time")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="paged engine: prompt tokens per step while streams are decoding (default: 64 on CPU, "
+                        "512 on GPU)")
     p.add_argument("--static-batch-timeout", type=float, default=1.0, help="seconds a static batch waits to fill")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="paged engine: reuse the KV blocks of cached prompt prefixes (default on)")
@@ -94,7 +97,7 @@ def router_args(args: argparse.Namespace, model_dir: Path, uds_path: str) -> lis
         "--prefix-caching" if args.prefix_caching else "--no-prefix-caching",
     ]  # fmt: skip
     for name in ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
-                 "max_batch_total_tokens", "max_batch_size", "grpc_port"):  # fmt: skip
+                 "max_batch_total_tokens", "max_batch_size", "grpc_port", "prefill_chunk_tokens"):  # fmt: skip
         if (value := getattr(args, name)) is not None:
             forwarded += ["--" + name.replace("_", "-"), str(value)]
     if args.log_level:

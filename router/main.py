@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="paged engine: continuous (default), static (full batches run to completion) or sequential")
     p.add_argument("--static-batch-timeout", type=float, default=1.0,
                    help="static scheduling: seconds a batch waits to fill up to --max-batch-size")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="paged engine: prompt tokens per step while streams are decoding (default: 64 on CPU, "
+                        "512 on GPU)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="paged engine: share the KV blocks of common prompt prefixes (default on)")
     p.add_argument("--max-stop-sequences", type=int, default=4)
@@ -141,6 +144,11 @@ async def run(args: argparse.Namespace) -> None:
     log.info("router stopped")
 
 
+# Prompt tokens per step while streams decode: on CPU a step's cost grows with every token, so a chunk of 64
+# keeps a mixed step within about twice a decode step (benchmarks/compare.py, long-prompt workload).
+DEFAULT_CHUNK_TOKENS = {"cpu": 64}
+
+
 def make_scheduler(
     args: argparse.Namespace, client: ShardedClient, shard_info, config: BatchingConfig, metrics: Metrics
 ) -> Scheduler:
@@ -154,6 +162,7 @@ def make_scheduler(
                                prefix_caching=args.prefix_caching)  # fmt: skip
     planner = PlannerConfig(
         max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS.get(shard_info.device_type, 512),
         max_batch_size=config.max_batch_size,
         scheduling=Scheduling(args.scheduling),
         static_batch_timeout=args.static_batch_timeout,

@@ -43,6 +43,7 @@ class PagedScheduler(Scheduler):
             "scheduling": self.config.scheduling.value,
             "prefix_caching": self._allocator.prefix_caching,
             "chunked_prefill": True,
+            "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
         }
 
     async def run(self) -> None:

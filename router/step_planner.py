@@ -2,8 +2,8 @@
 
 There is no prefill phase and no decode phase, only steps (vLLM's view). Each step every running request gets
 tokens to compute: one for a decoding request, a chunk of its prompt for one still reading it, within a budget
-of `max_batch_prefill_tokens` prompt tokens per step. Blocks are handed out as sequences grow into them; when
-none is left the newest running request is preempted (its blocks freed, back to the front of the queue, later
+of `max_batch_prefill_tokens` prompt tokens per step (`prefill_chunk_tokens` while any request is decoding).
+Blocks are handed out as sequences grow into them; when none is left the newest running request is preempted (its blocks freed, back to the front of the queue, later
 recomputed from its prompt and the tokens it had generated), which the oldest requests never are, so they
 always progress. Waiting requests join only in a step that preempted nobody, reusing the blocks of their
 longest cached prefix and reading the rest in chunks.
@@ -33,6 +33,9 @@ class Scheduling(str, Enum):
 @dataclass(frozen=True)
 class PlannerConfig:
     max_batch_prefill_tokens: int  # prompt tokens read per step, over all requests
+    # ...at most this many while some request is decoding: a step's length is every running stream's next
+    # inter-token gap, so prompts are read in chunks that keep it near a decode step's.
+    prefill_chunk_tokens: int | None = None
     max_batch_size: int | None = None
     scheduling: Scheduling = Scheduling.CONTINUOUS
     static_batch_timeout: float = 1.0  # seconds a static batch waits to fill up
@@ -69,7 +72,7 @@ class StepPlanner:
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.config.max_batch_prefill_tokens
+        budget = self._prompt_budget()
         index = 0
         while index < len(self.running):
             entry = self.running[index]
@@ -86,6 +89,12 @@ class StepPlanner:
                 budget = 1 << 30  # a static batch reads all its prompts at once, as a padded batch would
             self._admit(budget, plan)
         return plan
+
+    def _prompt_budget(self) -> int:
+        config = self.config
+        if config.prefill_chunk_tokens and any(not e.prefilling for e in self.running):
+            return min(config.max_batch_prefill_tokens, config.prefill_chunk_tokens)
+        return config.max_batch_prefill_tokens  # nobody is waiting for a token: read as much as allowed
 
     def next_deadline(self) -> float | None:
         """When a static batch stops waiting to fill up (monotonic seconds), if one is waiting."""

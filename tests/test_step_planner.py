@@ -693,3 +693,19 @@ def test_random_workloads_all_finish_with_the_invariants_kept(
             check(sim.step())
         assert [len(e.generated_ids) for e in entries] == [e.max_new_tokens for e in entries], f"seed {seed}"
         assert sim.allocator.free_blocks == num_blocks, f"seed {seed}: blocks leaked"
+
+
+def test_prompts_are_read_in_small_chunks_only_while_someone_decodes() -> None:
+    sim = Sim(max_batch_prefill_tokens=100, prefill_chunk_tokens=8)
+    burst = [make_entry(n, 30) for n in range(3)]
+    sim.submit(*burst)
+    plan = sim.step()  # nobody decodes yet: the whole budget, for the shortest time to first token
+    assert [w.tokens for w in plan.admitted] == [30, 30, 30]
+    late = make_entry(3, 20)
+    sim.submit(late)
+    chunks = []
+    while late.prefilling or late.target == 0:
+        plan = sim.step()
+        assert all(tokens_of(plan, e) == 1 for e in burst)
+        chunks.append(tokens_of(plan, late))
+    assert chunks == [8, 8, 4]

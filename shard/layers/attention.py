@@ -41,14 +41,26 @@ class KVCache:
 
 
 @dataclass
-class AttentionMetadata:
-    """Index tensors for one forward, built once and shared by every layer."""
+class AttentionGroup:
+    """Sequences attended together, padded to the group's longest query and context.
 
-    slots: torch.Tensor  # [T] where each new token's K/V goes
+    Padding is what a batched SDPA costs: a decode row padded to a 256-token prompt chunk would do 256 times
+    its work, against a 2k-token context. So decode rows (one query each) form one group, and prompt chunks
+    are grouped by context length, a new group whenever the context halves."""
+
     context_slots: torch.Tensor  # [B, C] the slots of each sequence's whole context, padded with slot 0
     mask: torch.Tensor  # [B, 1, Q, C] which context tokens each query sees
     query_index: torch.Tensor  # [B, Q] flat token index of each sequence's k-th new token (0 for padding)
     query_valid: torch.Tensor  # [B, Q] False for padding queries
+    token_index: torch.Tensor  # [T_g] flat index of each of the group's tokens, in query_valid's order
+
+
+@dataclass
+class AttentionMetadata:
+    """Index tensors for one forward, built once and shared by every layer."""
+
+    slots: torch.Tensor  # [T] where each new token's K/V goes
+    groups: list[AttentionGroup]
 
     @classmethod
     def build(
@@ -61,28 +73,62 @@ class AttentionMetadata:
         sliding_window: int | None = None,
     ) -> "AttentionMetadata":
         """`context_lens` count each sequence's tokens after this forward; the last `query_lens` of them are new."""
-        ctx = torch.tensor(context_lens, dtype=torch.long, device=device)
-        qlen = torch.tensor(query_lens, dtype=torch.long, device=device)
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
+        starts = [0]
+        for q in query_lens[:-1]:
+            starts.append(starts[-1] + q)
+        slots = []
+        for table, ctx, q in zip(block_tables, context_lens, query_lens):
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx))
+        groups = [
+            _group([block_tables[r] for r in rows], [context_lens[r] for r in rows], [query_lens[r] for r in rows],
+                   [starts[r] for r in rows], block_size, device, sliding_window)  # fmt: skip
+            for rows in _partition(context_lens, query_lens)
+        ]
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), groups)
 
-        context = torch.arange(max(context_lens), device=device)
-        context_slots = tables[:, context // block_size] * block_size + context % block_size
 
-        k = torch.arange(max(query_lens), device=device)
-        query_valid = k[None, :] < qlen[:, None]
-        query_pos = (ctx - qlen)[:, None] + k[None, :]  # absolute position of each query
-        starts = torch.cumsum(qlen, 0) - qlen
-        query_index = torch.where(query_valid, starts[:, None] + k[None, :], torch.zeros_like(query_pos))
+def _partition(context_lens: list[int], query_lens: list[int]) -> list[list[int]]:
+    """Decode rows together; prompt chunks by context length, longest first, a new group when it halves."""
+    decode = [r for r, q in enumerate(query_lens) if q == 1]
+    chunks = sorted((r for r, q in enumerate(query_lens) if q > 1), key=lambda r: -context_lens[r])
+    groups = [decode] if decode else []
+    for r in chunks:
+        if len(groups) > (1 if decode else 0) and context_lens[r] * 2 > context_lens[groups[-1][0]]:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return [sorted(g) for g in groups]  # rows in flat order: one group's outputs are then the tokens' order
 
-        seen = (context[None, None, :] <= query_pos[:, :, None]) & (context[None, None, :] < ctx[:, None, None])
-        if sliding_window:
-            seen &= context[None, None, :] > query_pos[:, :, None] - sliding_window
-        seen &= query_valid[:, :, None]
-        seen[:, :, 0] |= ~query_valid  # padding queries look at one token rather than none (no NaN)
 
-        slots = context_slots.gather(1, query_pos.clamp(max=context_slots.shape[1] - 1))[query_valid]
-        return cls(slots, context_slots, seen[:, None], query_index, query_valid)
+def _group(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    starts: list[int],
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None,
+) -> AttentionGroup:
+    ctx = torch.tensor(context_lens, dtype=torch.long, device=device)
+    qlen = torch.tensor(query_lens, dtype=torch.long, device=device)
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
+
+    context = torch.arange(max(context_lens), device=device)
+    context_slots = tables[:, context // block_size] * block_size + context % block_size
+
+    k = torch.arange(max(query_lens), device=device)
+    query_valid = k[None, :] < qlen[:, None]
+    query_pos = (ctx - qlen)[:, None] + k[None, :]  # absolute position of each query
+    first = torch.tensor(starts, dtype=torch.long, device=device)
+    query_index = torch.where(query_valid, first[:, None] + k[None, :], torch.zeros_like(query_pos))
+
+    seen = (context[None, None, :] <= query_pos[:, :, None]) & (context[None, None, :] < ctx[:, None, None])
+    if sliding_window:
+        seen &= context[None, None, :] > query_pos[:, :, None] - sliding_window
+    seen &= query_valid[:, :, None]
+    seen[:, :, 0] |= ~query_valid  # padding queries look at one token rather than none (no NaN)
+    return AttentionGroup(context_slots, seen[:, None], query_index, query_valid, query_index[query_valid])
 
 
 def paged_attention(
@@ -101,10 +147,21 @@ def paged_attention(
     flat_keys.index_copy_(0, meta.slots, k)
     flat_values.index_copy_(0, meta.slots, v)
 
-    keys = flat_keys[meta.context_slots].transpose(1, 2)  # [B, Hkv, C, D]
-    values = flat_values[meta.context_slots].transpose(1, 2)
-    queries = q[meta.query_index].transpose(1, 2)  # [B, Hq, Q, D]
+    if len(meta.groups) == 1:
+        return _attend(q, flat_keys, flat_values, meta.groups[0], scale).reshape(q.shape[0], -1)
+    out = torch.empty_like(q)
+    for group in meta.groups:
+        out[group.token_index] = _attend(q, flat_keys, flat_values, group, scale)
+    return out.reshape(q.shape[0], -1)
+
+
+def _attend(q: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor, group: AttentionGroup,
+            scale: float) -> torch.Tensor:  # fmt: skip
+    """The group's tokens' attention outputs [T_g, Hq, D], in `token_index` order."""
+    keys = flat_keys[group.context_slots].transpose(1, 2)  # [B, Hkv, C, D]
+    values = flat_values[group.context_slots].transpose(1, 2)
+    queries = q[group.query_index].transpose(1, 2)  # [B, Hq, Q, D]
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=q.shape[1] != kv_heads
+        queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
     )
-    return out.transpose(1, 2)[meta.query_valid].reshape(q.shape[0], -1)
+    return out.transpose(1, 2)[group.query_valid]
