@@ -41,6 +41,9 @@ class Metrics:
         self.duration = self._histogram("conveyor_request_duration_seconds", "Time from arrival to the last token")
         self.step = Histogram("conveyor_batch_step_duration_seconds", "Prefill and decode steps, RPC included",
                               ["method"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.shard_step = Histogram("conveyor_shard_step_duration_seconds",
+                                    "A step inside the slowest shard: forward, sampling and detokenizing",
+                                    buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
 
     def _histogram(self, name: str, documentation: str) -> Histogram:
         return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=self.registry)

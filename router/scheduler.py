@@ -115,6 +115,7 @@ class Scheduler:
             await self._fail(batches, str(exc))
             return None
         self.healthy = True
+        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
         self._stepped(result)
         self._send(result)
         if result.batch is None:
