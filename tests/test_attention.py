@@ -24,11 +24,13 @@ def test_decode_rows_and_chunks_of_several_lengths_match_plain_attention() -> No
     # (context after this forward, new tokens): decode rows, a long chunk, a whole short prompt, a mid chunk.
     rows = [(40, 1), (100, 8), (5, 5), (9, 1), (30, 12), (2, 2)]
     cache = KVCache.allocate(1, 64, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    cache.keys[0].fill_(float("nan"))  # what a slot nobody wrote may hold: it must never reach an output
+    cache.values[0].fill_(float("nan"))
     tables, next_block = [], 1  # block 0 stays unused, so a stray padding slot would show
     keys = [torch.randn(c, KV_HEADS, DIM) for c, _ in rows]
     values = [torch.randn(c, KV_HEADS, DIM) for c, _ in rows]
     for (context, new), k, v in zip(rows, keys, values):
-        table = list(range(next_block, next_block + -(-context // BLOCK)))[::-1]  # blocks out of order
+        table = list(range(next_block, next_block + -(-context // BLOCK) + 1))[::-1]  # out of order, one spare
         next_block += len(table)
         tables.append(table)
         old = context - new

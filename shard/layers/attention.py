@@ -48,7 +48,7 @@ class AttentionGroup:
     its work, against a 2k-token context. So decode rows (one query each) form one group, and prompt chunks
     are grouped by context length, a new group whenever the context halves."""
 
-    context_slots: torch.Tensor  # [B, C] the slots of each sequence's whole context, padded with slot 0
+    context_slots: torch.Tensor  # [B, C] the slots of each sequence's whole context, padded with its first
     mask: torch.Tensor  # [B, 1, Q, C] which context tokens each query sees
     query_index: torch.Tensor  # [B, Q] flat token index of each sequence's k-th new token (0 for padding)
     query_valid: torch.Tensor  # [B, Q] False for padding queries
@@ -116,6 +116,9 @@ def _group(
 
     context = torch.arange(max(context_lens), device=device)
     context_slots = tables[:, context // block_size] * block_size + context % block_size
+    # Padding reads the row's first token, which holds real numbers: a slot nobody wrote may hold NaN bits, and
+    # a masked-out NaN still poisons the output (0 x NaN).
+    context_slots = torch.where(context[None, :] < ctx[:, None], context_slots, context_slots[:, :1])
 
     k = torch.arange(max(query_lens), device=device)
     query_valid = k[None, :] < qlen[:, None]
