@@ -22,6 +22,9 @@ from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+SETTLE_QUIET_TURNS = 3  # event-loop turns without a new arrival that end a burst
+SETTLE_SECONDS = 0.05  # the longest an idle server waits for a burst to finish arriving
+
 
 class PagedScheduler(Scheduler):
     def __init__(
@@ -48,6 +51,8 @@ class PagedScheduler(Scheduler):
 
     async def run(self) -> None:
         while True:
+            if not self.planner.running:
+                await self._settle()
             plan = self.planner.plan()
             if plan.preempted:
                 await self._drop_preempted(plan.preempted)
@@ -55,6 +60,18 @@ class PagedScheduler(Scheduler):
                 await self._idle()
                 continue
             await self._run(plan)
+
+    async def _settle(self) -> None:
+        """Requests that arrive together at an idle server join its first step together: the HTTP handlers
+        already running get a few event-loop turns to queue theirs, until turns stop bringing anyone (a few
+        microseconds when one request comes alone). Otherwise the first arrivals start decoding at once and
+        the rest of a burst is read in small chunks behind them, waiting seconds for a first token."""
+        quiet = 0
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while quiet < SETTLE_QUIET_TURNS and time.monotonic() < deadline:
+            before = len(self.queue)
+            await asyncio.sleep(0)
+            quiet = quiet + 1 if len(self.queue) == before else 0
 
     async def _idle(self) -> None:
         """Nothing to compute: wait for a request, or for a static batch's timeout."""
