@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from conveyor.benchmarks.bare import BareResult
-from conveyor.benchmarks.metrics import BenchmarkResult, RateResult
+from conveyor.benchmarks.metrics import BenchmarkResult, RateResult, Summary
 from conveyor.benchmarks.report import number
 
 if TYPE_CHECKING:
@@ -63,9 +63,8 @@ def short_stream_itl(outcome: Outcome | None, short: set[int]) -> dict[str, floa
     gaps = [g for r in (run.records if run else []) if r.success and r.index in short for g in r.itl]
     if not gaps:
         return None
-    ms = np.asarray(gaps) * 1000.0
-    return {"median_itl_ms": float(np.median(ms)), "p99_itl_ms": float(np.percentile(ms, 99)), "gaps": len(gaps),
-            "failed_requests": run.failed}
+    itl = Summary.of(gaps)
+    return {"median_itl_ms": itl.median, "p99_itl_ms": itl.p99, "gaps": len(gaps), "failed_requests": run.failed}
 
 
 def _missing(*outcomes: Outcome | None, workload: str = "throughput") -> str | None:

@@ -85,7 +85,7 @@ class PagedScheduler(Scheduler):
         self._wakeup.clear()
 
     async def _run(self, plan: StepPlan) -> None:
-        self._admit(plan.admitted)
+        self._join(w.entry for w in plan.admitted)
         self._count(plan)
         updates = [_update(w) for w in plan.running if w.new_blocks or w.entry.prefilling]
         batches = [self._batch] if self._batch is not None else []
@@ -102,17 +102,6 @@ class PagedScheduler(Scheduler):
             with self._step_span("decode", batches) as metadata:
                 self._batch = await self._step(batches, self.client.decode(batches, metadata, updates), "decode")
         self._plan = None
-
-    def _admit(self, admitted: list[Work]) -> None:
-        now = time.monotonic()
-        for work in admitted:
-            entry = work.entry
-            self.running[entry.id] = entry
-            if entry.batched_at is None:  # not when a preempted request comes back
-                entry.batched_at = now
-                entry.queue_span.end()
-                self.metrics.queue_time.observe(now - entry.queued_at)
-                self.metrics.prompt_tokens.inc(entry.input_length)
 
     def _count(self, plan: StepPlan) -> None:
         self.metrics.prefix_cache_queries.inc(plan.cache_queries)

@@ -29,8 +29,9 @@ class Entry:
     # Tokens generated so far, as streamed: a preempted request is recomputed from its prompt and these.
     generated_ids: list[int] = field(default_factory=list)
     # Paged engine, from admission until the request leaves the batch: its block table, how many of its leading
-    # blocks are in the prefix cache, how many of its tokens have KV on the shards, and how many tokens it
-    # must read before it samples (its prompt, plus what it had generated when it was preempted).
+    # full blocks were matched in or offered to the prefix cache, how many of its tokens have KV on the shards,
+    # and how many tokens it must read before it samples (its prompt, plus what it had generated when it was
+    # preempted).
     blocks: list[int] = field(default_factory=list)
     cached_blocks: int = 0
     computed: int = 0

@@ -88,6 +88,18 @@ class Scheduler:
     def _release(self, entry: Entry) -> None:
         """Gives back whatever KV the request held (the paged engine's blocks)."""
 
+    def _join(self, entries: Iterable[Entry]) -> None:
+        """Requests enter the running set; their wait in the queue ends the first time (not when a preempted
+        request comes back)."""
+        now = time.monotonic()
+        for entry in entries:
+            self.running[entry.id] = entry
+            if entry.batched_at is None:
+                entry.batched_at = now
+                entry.queue_span.end()
+                self.metrics.queue_time.observe(now - entry.queued_at)
+                self.metrics.prompt_tokens.inc(entry.input_length)
+
     @contextmanager
     def _step_span(self, method: str, batches: list[pb.CachedBatch]) -> Iterator[list[tuple[str, str]]]:
         """A span for one step, in the trace of its first request and linked to every other one; yields the
@@ -224,13 +236,7 @@ class PaddedScheduler(Scheduler):
             waiting_steps += 1
 
     async def _prefill(self, new: NextBatch) -> pb.CachedBatch | None:
-        now = time.monotonic()
-        for entry in new.entries:
-            entry.batched_at = now
-            entry.queue_span.end()
-            self.running[entry.id] = entry
-            self.metrics.queue_time.observe(now - entry.queued_at)
-            self.metrics.prompt_tokens.inc(entry.input_length)
+        self._join(new.entries)
         batch = pb.Batch(
             id=next(self._batch_ids),
             requests=[request_pb(e) for e in new.entries],

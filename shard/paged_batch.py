@@ -9,7 +9,7 @@ filtering nor joining ever touches KV or penalty counts out of line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from conveyor.shard.requests import BadRequest, RequestState, rows_of
 from conveyor.shard.sampling import Sampler
@@ -25,7 +25,7 @@ class PagedBatch:
     next_ids: list[int]  # decoding rows: the token fed next
     sampler: Sampler | None  # decoding rows only; None when there are none
     block_size: int
-    chunks: list[int] = field(default_factory=list)  # prefilling rows: prompt tokens to read at the next step
+    chunks: list[int]  # prefilling rows: prompt tokens to read at the next step
 
     @property
     def size(self) -> int:
@@ -90,7 +90,7 @@ class PagedBatch:
             [self.next_ids[r] for r in decoding],
             self.sampler.filter(decoding) if decoding and self.sampler is not None else None,
             self.block_size,
-            [self.chunks[r - self.decoding] for r in prefilling] if self.chunks else [0] * len(prefilling),
+            [self.chunks[r - self.decoding] for r in prefilling],
         )
 
     @classmethod
@@ -112,7 +112,7 @@ class PagedBatch:
             [t for b in batches for t in b.next_ids],
             Sampler.concatenate(samplers) if samplers else None,
             batches[0].block_size,
-            [c for b in batches for c in (b.chunks or [0] * (b.size - b.decoding))],
+            [c for b in batches for c in b.chunks],
         )
 
     def start_decoding(self, rows: list[int], next_ids: list[int], sampler: Sampler) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.engine import Engine, timings
+from conveyor.shard.engine import Engine, all_finished, timings
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache
 from conveyor.shard.models.llama import LlamaForCausalLM
 from conveyor.shard.paged_batch import PagedBatch
@@ -127,7 +127,7 @@ class PagedCausalLM(Engine):
         for row, length in zip(rows, lengths):
             batch.lengths[row] = length
         generations = self._sample(batch, ending, logits)
-        finished = all(g.HasField("finished") for g in generations) and len(generations) == batch.size
+        finished = all_finished(generations) and len(generations) == batch.size  # no row left prefilling
         return generations, None if finished else batch, timings(start, forward_done)
 
     def _logit_counts(

@@ -64,6 +64,14 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest(f"batches {missing} are not cached on this shard")
         return [self.cache.pop(i) for i in batch_ids]
 
+    async def _step_on(self, taken: list[Batch], fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs a step over batches taken from the cache; a refused step (BadRequest) puts them back as they were."""
+        try:
+            return await self._run(fn, *args)
+        except BadRequest:
+            self.cache.update((b.id, b) for b in taken)
+            raise
+
     def _keep(self, batch: Batch | None) -> pb.CachedBatch | None:
         if batch is None:
             return None
@@ -116,13 +124,9 @@ class ShardService(pb_grpc.ShardServicer):
             if request.HasField("cached_batch") or request.updates:
                 raise BadRequest("this engine does not support chunked prefill (cached_batch, updates)")
             return self._respond(pb.PrefillResponse, *await self._run(self.model.prefill, request.batch))
-        (cached,) = self._take(request.cached_batch.id) if request.HasField("cached_batch") else (None,)
-        try:
-            result = await self._run(self.model.prefill, request.batch, cached, list(request.updates))
-        except BadRequest:
-            if cached is not None:
-                self.cache[cached.id] = cached  # a refused step leaves the running batch as it was
-            raise
+        taken = self._take(request.cached_batch.id) if request.HasField("cached_batch") else []
+        cached = taken[0] if taken else None
+        result = await self._step_on(taken, self.model.prefill, request.batch, cached, list(request.updates))
         return self._respond(pb.PrefillResponse, *result)
 
     @rpc
@@ -133,12 +137,7 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest("this engine does not take request updates")
         batches = self._take(*(b.id for b in request.batches))
         args = (batches, list(request.updates)) if request.updates else (batches,)
-        try:
-            result = await self._run(self.model.decode, *args)
-        except BadRequest:
-            self.cache.update((b.id, b) for b in batches)  # a refused step leaves the batches as they were
-            raise
-        return self._respond(pb.DecodeResponse, *result)
+        return self._respond(pb.DecodeResponse, *await self._step_on(batches, self.model.decode, *args))
 
     @rpc
     async def FilterBatch(self, request: pb.FilterBatchRequest, context) -> pb.FilterBatchResponse:
