@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC front door on this port")
     p.add_argument("--num-shard", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the shards run: auto takes one GPU per rank when GPUs are visible, else the CPU")
     p.add_argument("--engine", choices=["auto", "paged", "padded"], default="auto",
                    help="paged: our Llama-family code with a paged KV cache and tensor parallelism; padded: any "
                         "transformers model, one rank; auto: paged where the architecture allows")  # fmt: skip
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         model_dir=model_dir,
         num_shard=args.num_shard,
         dtype=args.dtype,
+        device=args.device,
         engine=args.engine,
         uds_path=uds_path,
         master_addr=args.master_addr,

@@ -17,6 +17,8 @@ import torch
 from conveyor import log as conveyor_log
 from conveyor import tracing
 from conveyor.shard.causal_lm import CausalLM
+from conveyor.shard.device import CHOICES as DEVICES
+from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import initialize
 from conveyor.shard.engine import DTYPES
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
@@ -32,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-id", required=True, help="a local model directory")
     parser.add_argument("--uds-path", default="/tmp/conveyor-shard", help="socket prefix; rank r binds PREFIX-r")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", choices=DEVICES, default="auto", help="auto: a GPU when one is visible, else the CPU")
     parser.add_argument("--engine", choices=["auto", "paged", "padded"], default="auto",
                         help="auto: paged for Llama-family configs, padded otherwise")  # fmt: skip
     parser.add_argument("--log-level", default=None)
@@ -59,11 +62,14 @@ def choose_engine(requested: str, model_dir: str, world_size: int) -> str:
 
 
 def load(args: argparse.Namespace, engine: str) -> CausalLM | PagedCausalLM:
-    device = torch.device("cpu")
+    device = choose_device(args.device, int(os.environ.get("RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    log.info("device", extra={"device": str(device)})
     if engine == "padded":
         return CausalLM(args.model_id, args.dtype, device)
     group = initialize(device)
-    if group.world_size > 1:
+    if group.world_size > 1 and device.type == "cpu":
         # Ranks share the machine's cores; more threads than cores each would only thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     return PagedCausalLM(args.model_id, args.dtype, device, group)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from conveyor.shard.device import to_device
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.engine import Engine, all_finished, timings
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache
@@ -67,6 +68,8 @@ class PagedCausalLM(Engine):
         if batch is not None:
             self.decode([batch])
         self.cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the scratch pool's memory goes back before the free memory is read
         num_blocks = self.group.min(self._pool_blocks(request.max_batch_total_tokens))
         self.cache = self._allocate(num_blocks)
         log.info("kv pool", extra={"blocks": num_blocks, "tokens": num_blocks * self.block_size})
@@ -178,14 +181,14 @@ class PagedCausalLM(Engine):
         """One flat forward: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1. Returns the
         logits of the last `logit_counts[i]` positions of each sequence, in order."""
         device = self.device
-        ids = torch.tensor([t for n in new_tokens for t in n], dtype=torch.long, device=device)
-        positions = torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]).to(device)
+        ids = to_device(torch.tensor([t for n in new_tokens for t in n], dtype=torch.long), device)
+        positions = to_device(torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]), device)
         query_lens = [len(n) for n in new_tokens]
         meta = AttentionMetadata.build(blocks, lengths, query_lens, self.block_size, device,
                                        self.model.sliding_window)  # fmt: skip
         ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
         keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
-        return self.model(ids, positions, self.cache, meta, keep.to(device))
+        return self.model(ids, positions, self.cache, meta, to_device(keep, device))
 
 
 def _free_memory(device: torch.device) -> float:

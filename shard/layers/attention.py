@@ -10,10 +10,12 @@ go through the same code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.shard.device import to_device
 
 
 @dataclass
@@ -54,6 +56,9 @@ class AttentionGroup:
     query_valid: torch.Tensor  # [B, Q] False for padding queries
     token_index: torch.Tensor  # [T_g] flat index of each of the group's tokens, in query_valid's order
 
+    def to(self, device: torch.device) -> "AttentionGroup":
+        return AttentionGroup(**{f.name: to_device(getattr(self, f.name), device) for f in fields(self)})
+
 
 @dataclass
 class AttentionMetadata:
@@ -79,12 +84,14 @@ class AttentionMetadata:
         slots = []
         for table, ctx, q in zip(block_tables, context_lens, query_lens):
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx))
+        # Built on the host, then moved (from pinned memory on a GPU) in one go per tensor.
+        host = torch.device("cpu")
         groups = [
             _group([block_tables[r] for r in rows], [context_lens[r] for r in rows], [query_lens[r] for r in rows],
-                   [starts[r] for r in rows], block_size, device, sliding_window)  # fmt: skip
+                   [starts[r] for r in rows], block_size, host, sliding_window)  # fmt: skip
             for rows in _partition(context_lens, query_lens)
         ]
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), groups)
+        return cls(to_device(torch.tensor(slots, dtype=torch.long), device), [g.to(device) for g in groups])
 
 
 def _partition(context_lens: list[int], query_lens: list[int]) -> list[list[int]]:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.weights import Weights
 
 
@@ -37,7 +38,7 @@ class ParallelLMHead(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, group: ProcessGroup) -> None:
         super().__init__()
-        self.weight = weight
+        self.gemm = Gemm(weight)
         self.group = group
 
     @classmethod
@@ -45,4 +46,4 @@ class ParallelLMHead(torch.nn.Module):
         return cls(weights.get_sharded(name, dim=0), weights.group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(F.linear(hidden, self.weight), dim=-1)
+        return self.group.all_gather(self.gemm(hidden), dim=-1)

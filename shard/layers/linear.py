@@ -9,16 +9,16 @@ partial sum, and an all-reduce adds them up.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.weights import Weights
 
 
 class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight = weight
+        self.gemm = Gemm(weight)
         self.bias = bias
 
     @classmethod
@@ -29,13 +29,13 @@ class ColumnParallelLinear(torch.nn.Module):
         return cls(weight, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.bias)
 
 
 class RowParallelLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup) -> None:
         super().__init__()
-        self.weight = weight
+        self.gemm = Gemm(weight)
         self.bias = bias
         self.group = group
 
@@ -45,5 +45,5 @@ class RowParallelLinear(torch.nn.Module):
         return cls(weight, weights.get(f"{prefix}.bias") if bias else None, weights.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.all_reduce(F.linear(x, self.weight))
+        out = self.group.all_reduce(self.gemm(x))
         return out if self.bias is None else out + self.bias  # the bias is added once, after the sum

@@ -1,0 +1,61 @@
+"""The shard's device choice (one function, so the CPU-only CI checks every branch but the GPU itself) and the
+oneDNN GEMM every CPU linear layer runs on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.shard.device import DeviceUnavailable, choose_device, to_device
+from conveyor.shard.layers.gemm import Gemm, onednn_packs
+
+
+def test_auto_picks_the_cpu_on_this_machine():
+    assert choose_device("auto", rank=0) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("rank, expected", [(0, "cuda:0"), (1, "cuda:1"), (2, "cuda:0"), (3, "cuda:1")])
+def test_auto_and_cuda_give_each_rank_its_own_gpu(rank: int, expected: str):
+    assert choose_device("auto", rank, cuda_devices=2) == torch.device(expected)
+    assert choose_device("cuda", rank, cuda_devices=2) == torch.device(expected)
+
+
+def test_cpu_is_taken_when_asked_even_beside_gpus():
+    assert choose_device("cpu", 1, cuda_devices=4) == torch.device("cpu")
+
+
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(DeviceUnavailable, match="no CUDA device"):
+        choose_device("cuda", 0, cuda_devices=0)
+    with pytest.raises(DeviceUnavailable, match="must be one of"):
+        choose_device("tpu", 0, cuda_devices=0)
+
+
+def test_host_tensors_stay_put_on_the_cpu():
+    values = torch.arange(5)
+    assert to_device(values, torch.device("cpu")) is values
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 32, 300])
+def test_packed_gemm_matches_f_linear(rows: int):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    gemm = Gemm(weight)
+    assert gemm.packed == onednn_packs(weight)  # float32 on a CPU: packed wherever torch has oneDNN
+    assert torch.equal(gemm.dense(), weight)
+    torch.testing.assert_close(gemm(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gemm(x[None]), F.linear(x, weight)[None], rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_backend_switch(monkeypatch: pytest.MonkeyPatch):
+    weight = torch.randn(8, 4)
+    monkeypatch.setenv("CONVEYOR_GEMM", "torch")
+    assert not Gemm(weight).packed
+    monkeypatch.setenv("CONVEYOR_GEMM", "bogus")
+    with pytest.raises(ValueError, match="CONVEYOR_GEMM"):
+        Gemm(weight)
+    monkeypatch.setenv("CONVEYOR_GEMM", "onednn")
+    with pytest.raises(ValueError, match="cannot pack"):
+        Gemm(weight.to(torch.float16))
