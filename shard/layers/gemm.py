@@ -40,7 +40,7 @@ class Gemm:
 
     def __init__(self, weight: torch.Tensor) -> None:
         choice = backend()
-        self.out_features, self.in_features = weight.shape
+        self.out_features = weight.shape[0]
         self.packed = choice != "torch" and onednn_packs(weight)
         if choice == "onednn" and not self.packed:
             raise ValueError(f"CONVEYOR_GEMM=onednn, but oneDNN cannot pack a {weight.dtype} weight on {weight.device}")
