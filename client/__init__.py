@@ -1,5 +1,5 @@
-"""Conveyor's Python clients: `Client` and `AsyncClient` over the gRPC front door (see `client.py`), and the
-sharded client the router drives its shards with (`sharded_client.py`)."""
+"""Conveyor's Python clients: `Client` and `AsyncClient` over the gRPC front door (see `client.py`). The router's
+own transport to its shards is not public API and lives with it (`conveyor.router.shard_client`)."""
 
 from conveyor.client.client import (
     AsyncClient,

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from conveyor import log as conveyor_log
 from conveyor import tracing
-from conveyor.client.sharded_client import ShardedClient
+from conveyor.router.shard_client import ShardedClient
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router import grpc_server as grpc_front_door
 from conveyor.router.grpc_server import TextGenerationService

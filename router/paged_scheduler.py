@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 
-from conveyor.client.sharded_client import ShardedClient, ShardError, StepResult
+from conveyor.router.shard_client import ShardedClient, ShardError, StepResult
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.metrics import Metrics
 from conveyor.router.queue import Entry

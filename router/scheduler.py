@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Awaitable, Iterable, Iterator
 
 from conveyor import tracing
-from conveyor.client.sharded_client import ShardedClient, ShardError, StepResult
+from conveyor.router.shard_client import ShardedClient, ShardError, StepResult
 from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.metrics import Metrics
 from conveyor.router.policy import BatchingConfig, admission_when_idle, admission_when_running

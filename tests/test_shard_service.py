@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from conftest import greedy_reference, wait_for
-from conveyor.client.sharded_client import ShardedClient, ShardError
+from conveyor.router.shard_client import ShardedClient, ShardError
 from conveyor.launcher.processes import shard_healthy
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
