@@ -64,9 +64,9 @@ class _Row:
 class BareLoop:
     def __init__(self, model_dir: Path, batch: int, dtype: str = "float32") -> None:
         from conveyor.shard.distributed import ProcessGroup
-        from conveyor.shard.paged_lm import PagedCausalLM
+        from conveyor.shard.engine import Engine
 
-        self.engine = PagedCausalLM(model_dir, dtype, torch.device("cpu"), ProcessGroup(0, 1))
+        self.engine = Engine(model_dir, dtype, torch.device("cpu"), ProcessGroup(0, 1))
         self.model, self.block_size, self.batch = self.engine.model, self.engine.block_size, batch
         self.blocks_per_slot = 0
         self.cache = None

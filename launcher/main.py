@@ -36,9 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where the shards run: auto takes one GPU per rank when GPUs are visible, else the CPU")
-    p.add_argument("--engine", choices=["auto", "paged", "padded"], default="auto",
-                   help="paged: our Llama-family code with a paged KV cache and tensor parallelism; padded: any "
-                        "transformers model, one rank; auto: paged where the architecture allows")  # fmt: skip
     p.add_argument("--max-concurrent-requests", type=int, default=128)
     p.add_argument("--max-input-tokens", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
@@ -123,7 +120,6 @@ def main(argv: list[str] | None = None) -> None:
         num_shard=args.num_shard,
         dtype=args.dtype,
         device=args.device,
-        engine=args.engine,
         uds_path=uds_path,
         master_addr=args.master_addr,
         master_port=args.master_port,

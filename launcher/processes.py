@@ -52,7 +52,6 @@ class Deployment:
     num_shard: int
     dtype: str
     device: str
-    engine: str
     uds_path: str
     master_addr: str
     master_port: int
@@ -74,7 +73,7 @@ class Deployment:
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.num_shard),
                        MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))  # fmt: skip
             args = ["--model-id", str(self.model_dir), "--uds-path", self.uds_path, "--dtype", self.dtype,
-                    "--device", self.device, "--engine", self.engine]  # fmt: skip
+                    "--device", self.device]  # fmt: skip
             if self.log_level:
                 args += ["--log-level", self.log_level]
             if self.otlp_endpoint:

@@ -12,8 +12,8 @@ from opentelemetry import trace
 from conveyor import tracing
 from conveyor.router.events import ErrorEvent, Event, Finished, Token, TokenEvent
 from conveyor.router.metrics import Metrics
-from conveyor.router.queue import Entry
 from conveyor.router.scheduler import Scheduler
+from conveyor.router.sequence import Sequence
 from conveyor.router.validation import ValidRequest
 
 
@@ -61,17 +61,17 @@ class Infer:
             self.metrics.requests.labels("overloaded").inc()
             raise OverloadedError("Model is overloaded")
         self.in_flight += 1
-        entry = Entry(id=self.scheduler.new_request_id(), request=request, span=trace.get_current_span())
-        entry.queue_span = tracing.tracer().start_span("queue", context=trace.set_span_in_context(entry.span))
+        sequence = Sequence(id=self.scheduler.new_request_id(), request=request, span=trace.get_current_span())
+        sequence.queue_span = tracing.tracer().start_span("queue", context=trace.set_span_in_context(sequence.span))
         try:
-            self.scheduler.submit(entry)
-            yield _events(entry, self.metrics)
+            self.scheduler.submit(sequence)
+            yield _events(sequence, self.metrics)
         finally:
-            if not entry.done:
-                entry.cancelled = True  # the scheduler filters it out at its next step
+            if not sequence.is_finished:
+                sequence.cancelled = True  # the scheduler filters it out at its next step
                 self.metrics.requests.labels("cancelled").inc()
-            if entry.queue_span.is_recording():
-                entry.queue_span.end()  # left before it was ever batched
+            if sequence.queue_span.is_recording():
+                sequence.queue_span.end()  # left before it was ever batched
             self.in_flight -= 1
 
     async def generate(self, request: ValidRequest) -> Response:
@@ -86,11 +86,11 @@ class Infer:
         return response
 
 
-async def _events(entry: Entry, metrics: Metrics) -> AsyncIterator[Event]:
-    """The entry's events as they arrive, timed: first token, gaps between tokens, whole request."""
+async def _events(sequence: Sequence, metrics: Metrics) -> AsyncIterator[Event]:
+    """The sequence's events as they arrive, timed: first token, gaps between tokens, whole request."""
     last: float | None = None
     while True:
-        event = await entry.events.get()
+        event = await sequence.events.get()
         now = time.monotonic()
         if isinstance(event, ErrorEvent):
             metrics.requests.labels("generation").inc()
@@ -98,13 +98,13 @@ async def _events(entry: Entry, metrics: Metrics) -> AsyncIterator[Event]:
             return
         metrics.generated_tokens.inc()
         if last is None:
-            metrics.ttft.observe(now - entry.queued_at)
+            metrics.ttft.observe(now - sequence.queued_at)
         else:
             metrics.itl.observe(now - last)
         last = now
         if event.finished is not None:
             metrics.requests.labels("success").inc()
-            metrics.duration.observe(now - entry.queued_at)
+            metrics.duration.observe(now - sequence.queued_at)
         yield event
         if event.finished is not None:
             return

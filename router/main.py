@@ -26,10 +26,8 @@ from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
 from conveyor.router.metrics import Metrics
-from conveyor.router.limits import LimitArgs, LimitError, resolve_limits, warmup_request
-from conveyor.router.policy import BatchingConfig
-from conveyor.router.paged_scheduler import PagedScheduler
-from conveyor.router.scheduler import PaddedScheduler, Scheduler
+from conveyor.router.limits import LimitArgs, LimitError, ResolvedLimits, resolve_limits, warmup_request
+from conveyor.router.scheduler import Scheduler
 from conveyor.router.step_planner import PlannerConfig, Scheduling
 from conveyor.router.validation import Validation
 
@@ -83,15 +81,8 @@ async def run(args: argparse.Namespace) -> None:
     capacity = await client.warmup(warmup_request(limits, tokenizer))
     limits = limits.with_capacity(capacity)
 
-    config = BatchingConfig(
-        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
-        max_batch_total_tokens=limits.max_batch_total_tokens,
-        max_batch_size=args.max_batch_size,
-        waiting_served_ratio=args.waiting_served_ratio,
-        max_waiting_tokens=args.max_waiting_tokens,
-    )
     metrics = Metrics()
-    scheduler = make_scheduler(args, client, shard_info, config, metrics)
+    scheduler = make_scheduler(args, client, shard_info, limits, metrics)
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     server = HttpServer(
         infer,
@@ -102,11 +93,11 @@ async def run(args: argparse.Namespace) -> None:
             engine=shard_info.engine,
             limits=limits.validation,
             max_concurrent_requests=args.max_concurrent_requests,
-            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-            max_batch_total_tokens=config.max_batch_total_tokens,
-            max_batch_size=config.max_batch_size,
-            waiting_served_ratio=config.waiting_served_ratio,
-            max_waiting_tokens=config.max_waiting_tokens,
+            max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+            max_batch_total_tokens=limits.max_batch_total_tokens,
+            max_batch_size=args.max_batch_size,
+            waiting_served_ratio=args.waiting_served_ratio,
+            max_waiting_tokens=args.max_waiting_tokens,
             num_shard=len(client.urls),
         ),
         api_key=args.api_key,
@@ -150,25 +141,19 @@ DEFAULT_CHUNK_TOKENS = {"cpu": 64}
 
 
 def make_scheduler(
-    args: argparse.Namespace, client: ShardedClient, shard_info, config: BatchingConfig, metrics: Metrics
+    args: argparse.Namespace, client: ShardedClient, shard_info, limits: ResolvedLimits, metrics: Metrics
 ) -> Scheduler:
-    """The paged engine gets the step scheduler (chunked prefill, prefix cache, preemption); the padded one
-    TGI's loop, which can do none of those."""
-    if not shard_info.block_size:
-        if args.scheduling != Scheduling.CONTINUOUS.value:
-            raise LimitError(f"--scheduling {args.scheduling} needs the paged engine")
-        return PaddedScheduler(client, config, metrics)
-    allocator = BlockAllocator(config.max_batch_total_tokens // shard_info.block_size, shard_info.block_size,
+    allocator = BlockAllocator(limits.max_batch_total_tokens // shard_info.block_size, shard_info.block_size,
                                prefix_caching=args.prefix_caching)  # fmt: skip
     planner = PlannerConfig(
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS.get(shard_info.device_type, 512),
-        max_batch_size=config.max_batch_size,
+        max_batch_size=args.max_batch_size,
         scheduling=Scheduling(args.scheduling),
         static_batch_timeout=args.static_batch_timeout,
         watermark_blocks=allocator.num_blocks // 100,
     )
-    return PagedScheduler(client, planner, metrics, allocator)
+    return Scheduler(client, planner, allocator, metrics)
 
 
 async def _drain(infer: Infer, timeout: float) -> None:

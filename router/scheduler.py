@@ -1,10 +1,12 @@
-"""The batching loop: one task owns the running batch and every prefill/decode decision.
+"""The batching loop: one task owns the shards' batch, and each step is planned, posted and applied here.
 
-`Scheduler` holds what every loop shares: after every step each token goes to its request's stream at once,
-and requests that finished, or whose client went away, are filtered out of the batch on the shards so that
-their KV memory is freed before the next step. `PaddedScheduler` is TGI's loop for the padded engine: between
-two decode steps it asks the policy whether queued requests may join, pausing the running batch for their
-prefill. The paged engine's loop, which mixes prompt chunks into decode steps, is in `paged_scheduler.py`.
+`StepPlanner` decides what a step computes (it owns the running set and the blocks); this loop turns the plan
+into one RPC and applies its result. If sequences join at a step, the RPC is a `Prefill` carrying them with
+the running batch as `cached_batch` (a mixed step: their prompt chunks go through the same forward as the
+running decodes); otherwise a `Decode`. Either way it carries `updates`: the blocks each running sequence grows
+into and the next chunk of each prompt still being read. A preemption is a `FilterBatch` before the step.
+After every step each token goes to its sequence's stream at once, and sequences that finished, or whose client
+went away, are filtered out of the shards' batch so that their blocks are free for the next step.
 """
 
 from __future__ import annotations
@@ -14,26 +16,235 @@ import itertools
 import logging
 import time
 from contextlib import contextmanager
-from typing import Awaitable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 from conveyor import tracing
-from conveyor.router.shard_client import ShardedClient, ShardError, StepResult
+from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.metrics import Metrics
-from conveyor.router.policy import BatchingConfig, admission_when_idle, admission_when_running
-from conveyor.router.queue import Entry, NextBatch, Queue
+from conveyor.router.queue import Queue
+from conveyor.router.sequence import Sequence, SequenceStatus
+from conveyor.router.shard_client import Metadata, ShardedClient, ShardError, StepResult
+from conveyor.router.step_planner import PlannerConfig, StepPlan, StepPlanner
 from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+SETTLE_QUIET_SECONDS = 0.01  # a burst has finished arriving when nobody new came for this long
+SETTLE_SECONDS = 0.1  # the longest an idle server waits for a burst to finish arriving
 
-def request_pb(entry: Entry) -> pb.Request:
-    """The request as a shard gets it: a resumed one (after a preemption) brings the tokens it generated."""
-    p = entry.request.parameters
+
+class Scheduler:
+    def __init__(
+        self, client: ShardedClient, config: PlannerConfig, allocator: BlockAllocator, metrics: Metrics
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.allocator = allocator
+        self.metrics = metrics
+        self.queue = Queue()
+        self.planner = StepPlanner(config, allocator, self.queue)
+        self.healthy = True
+        self._batch: pb.CachedBatch | None = None  # the running batch on the shards
+        self._wakeup = asyncio.Event()
+        self._request_ids = itertools.count()
+        self._batch_ids = itertools.count()
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Every sequence in the shards' batch, in admission order (the planner's list: there is no other)."""
+        return self.planner.running
+
+    def submit(self, sequence: Sequence) -> None:
+        self.queue.append(sequence)
+        self.metrics.queue_size.set(len(self.queue))
+        self._wakeup.set()
+
+    def new_request_id(self) -> int:
+        return next(self._request_ids)
+
+    def describe(self) -> dict:
+        """What /info shows of the batching policy."""
+        return {
+            "scheduling": self.config.scheduling.value,
+            "prefix_caching": self.allocator.prefix_caching,
+            "chunked_prefill": True,
+            "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+        }
+
+    async def run(self) -> None:
+        """Runs for ever: plan a step, drop what it preempted, post it, apply its result."""
+        while True:
+            if not self.running:
+                await self._settle()
+            plan = self.planner.plan()
+            if plan.preempted:
+                await self._drop_preempted(plan.preempted)
+            if plan.empty:
+                await self._idle()
+                continue
+            await self._step(plan)
+            self._update_gauges()
+
+    async def _settle(self) -> None:
+        """Requests that arrive together at an idle server join its first step together: the step waits until
+        nobody new has been queued for SETTLE_QUIET_SECONDS (at most SETTLE_SECONDS in all). Otherwise the first
+        arrivals start decoding at once and the rest of a burst is read in small chunks behind them, waiting
+        seconds for a first token. Counting event-loop turns instead was not enough: a client sending 32
+        requests takes several milliseconds to get them all through HTTP parsing and validation, and on a
+        2-core machine the first step then took 1 or 2 of them (measured: first tokens spread over 6 s)."""
+        start = last_arrival = time.monotonic()
+        queued = len(self.queue)
+        while (now := time.monotonic()) - last_arrival < SETTLE_QUIET_SECONDS and now - start < SETTLE_SECONDS:
+            await asyncio.sleep(SETTLE_QUIET_SECONDS / 10)
+            if len(self.queue) != queued:
+                queued, last_arrival = len(self.queue), time.monotonic()
+
+    async def _idle(self) -> None:
+        """Nothing to compute: wait for a request, or for a static batch's timeout."""
+        self._update_gauges()
+        deadline = self.planner.next_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self._wakeup.clear()
+
+    # --- one step -----------------------------------------------------------------------------------------
+
+    async def _step(self, plan: StepPlan) -> None:
+        self._join(plan.admitted)
+        self._count(plan)
+        method = "prefill" if plan.admitted else "decode"
+        in_batch = list(self.running)
+        with self._step_span(method, in_batch) as metadata:
+            try:
+                with self.metrics.step.labels(method).time():
+                    result = await self._post(plan, metadata)
+            except ShardError as exc:
+                await self._fail(str(exc))
+                return
+        self.healthy = True
+        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
+        self.planner.advance(plan)
+        self._send(result)
+        if result.batch is None:  # every sequence of the batch finished
+            self._batch = None
+            self._forget(in_batch)
+            return
+        try:
+            self._batch = await self._keep(result.batch, [s for s in in_batch if self._alive(s)])
+        except ShardError as exc:
+            await self._fail(str(exc))
+
+    async def _post(self, plan: StepPlan, metadata: Metadata) -> StepResult:
+        updates = [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling]
+        if not plan.admitted:
+            return await self.client.decode([self._batch], metadata, updates)
+        requests = [request_pb(s) for s in plan.admitted]
+        batch = pb.Batch(id=next(self._batch_ids), requests=requests, size=len(requests))
+        return await self.client.prefill(batch, metadata, self._batch, updates)
+
+    def _join(self, sequences: Iterable[Sequence]) -> None:
+        """Their wait in the queue ends the first time they join (not when a preempted one comes back)."""
+        now = time.monotonic()
+        for sequence in sequences:
+            if sequence.batched_at is None:
+                sequence.batched_at = now
+                sequence.queue_span.end()
+                self.metrics.queue_time.observe(now - sequence.queued_at)
+                self.metrics.prompt_tokens.inc(sequence.num_prompt_tokens)
+
+    def _count(self, plan: StepPlan) -> None:
+        self.metrics.prefix_cache_queries.inc(plan.cache_queries)
+        self.metrics.prefix_cache_hits.inc(plan.cache_hits)
+        chunks = [s for s in plan.sequences if s.num_computed_tokens + s.step_tokens < s.num_prefill_tokens]
+        self.metrics.prefill_chunks.inc(len(chunks))
+
+    @contextmanager
+    def _step_span(self, method: str, sequences: list[Sequence]) -> Iterator[Metadata]:
+        """A span for one step, in the trace of its first request and linked to every other one; yields the
+        gRPC metadata that carries it to the shards."""
+        spans = [s.span for s in sequences if s.span]
+        with tracing.span(method, spans[0] if spans else None, links=spans[1:], batch_size=len(spans)) as span:
+            yield tracing.inject(span)
+
+    def _send(self, result: StepResult) -> None:
+        by_id = {s.id: s for s in self.running}
+        for generation in result.generations:
+            sequence = by_id.get(generation.request_id)
+            if sequence is None or sequence.cancelled:
+                continue
+            sequence.generated_ids.extend(generation.tokens.ids)
+            for event in events_from_generation(generation):
+                sequence.events.put_nowait(event)
+                if event.finished is not None:
+                    sequence.status = SequenceStatus.FINISHED
+
+    # --- leaving the batch --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _alive(sequence: Sequence) -> bool:
+        return not sequence.is_finished and not sequence.cancelled
+
+    async def _keep(self, batch: pb.CachedBatch, keep: list[Sequence]) -> pb.CachedBatch | None:
+        """Keeps on the shards only `keep`; the rest of the batch's sequences leave the running set."""
+        kept, in_batch = {s.id for s in keep}, set(batch.request_ids)
+        self._forget([s for s in self.running if s.id not in kept and s.id in in_batch])
+        if len(kept) == len(batch.request_ids):
+            return batch
+        if not kept:
+            await self.client.clear_cache(batch.id)
+            return None
+        return await self.client.filter_batch(batch.id, [r for r in batch.request_ids if r in kept])
+
+    def _forget(self, sequences: Iterable[Sequence]) -> None:
+        for sequence in list(sequences):
+            self.planner.remove(sequence)
+
+    async def _drop_preempted(self, preempted: list[Sequence]) -> None:
+        """The planner took the preempted sequences' blocks: the shards must forget them before the next step."""
+        self.metrics.preemptions.inc(len(preempted))
+        log.info("preempted", extra={"requests": [s.id for s in preempted]})
+        if self._batch is None:
+            return
+        gone = {s.id for s in preempted}
+        try:
+            self._batch = await self._keep(self._batch, [s for s in self.running if s.id not in gone])
+        except ShardError as exc:
+            await self._fail(str(exc))
+
+    async def _fail(self, message: str) -> None:
+        """A failed RPC fails every sequence in the batch; the shards drop their batches if they still can."""
+        log.error("generation step failed", extra={"error": message})
+        self.healthy = False
+        self._batch = None
+        for sequence in list(self.running):
+            self.planner.remove(sequence)
+            if not sequence.is_finished:
+                sequence.status = SequenceStatus.FINISHED
+                sequence.events.put_nowait(ErrorEvent(message, "generation"))
+        try:
+            await self.client.clear_cache()
+        except ShardError:
+            pass
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_size.set(len(self.queue))
+        self.metrics.batch_size.set(len(self.running))
+        self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
+        self.metrics.kv_blocks_used.set(self.allocator.num_blocks - self.allocator.free_blocks)
+
+
+def request_pb(sequence: Sequence) -> pb.Request:
+    """The sequence as a shard gets it when it joins: a resumed one (after a preemption) brings the tokens it
+    generated; its prefix-cache hit is the KV it starts with, and `step_tokens` the first chunk it reads."""
+    p = sequence.request.parameters
     return pb.Request(
-        id=entry.id,
-        input_ids=entry.tokens,
-        resumed_tokens=len(entry.generated_ids),
+        id=sequence.id,
+        input_ids=sequence.token_ids,
+        resumed_tokens=len(sequence.generated_ids),
         parameters=pb.SamplingParameters(
             temperature=p.temperature,
             top_k=p.top_k,
@@ -48,202 +259,14 @@ def request_pb(entry: Entry) -> pb.Request:
         stopping_parameters=pb.StoppingParameters(
             max_new_tokens=p.max_new_tokens, stop_sequences=p.stop, ignore_eos_token=p.ignore_eos
         ),
-        prefill_logprobs=p.decoder_input_details and not entry.generated_ids,
+        prefill_logprobs=p.decoder_input_details and not sequence.generated_ids,
         top_n_tokens=p.top_n_tokens,
-        blocks=entry.blocks,
+        blocks=sequence.block_table,
+        cache_len=sequence.num_computed_tokens,
+        chunk_len=sequence.step_tokens,
     )
 
 
-class Scheduler:
-    def __init__(self, client: ShardedClient, metrics: Metrics) -> None:
-        self.client = client
-        self.metrics = metrics
-        self.queue = Queue()
-        self.running: dict[int, Entry] = {}
-        self.healthy = True
-        self._wakeup = asyncio.Event()
-        self._request_ids = itertools.count()
-        self._batch_ids = itertools.count()
-
-    def submit(self, entry: Entry) -> None:
-        self.queue.append(entry)
-        self.metrics.queue_size.set(len(self.queue))
-        self._wakeup.set()
-
-    def new_request_id(self) -> int:
-        return next(self._request_ids)
-
-    async def run(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def allocator(self):
-        """The paged engine's KV blocks (for /info and metrics); None for the padded engine."""
-        return None
-
-    def describe(self) -> dict:
-        """What /info shows of the batching policy."""
-        return {}
-
-    def _release(self, entry: Entry) -> None:
-        """Gives back whatever KV the request held (the paged engine's blocks)."""
-
-    def _join(self, entries: Iterable[Entry]) -> None:
-        """Requests enter the running set; their wait in the queue ends the first time (not when a preempted
-        request comes back)."""
-        now = time.monotonic()
-        for entry in entries:
-            self.running[entry.id] = entry
-            if entry.batched_at is None:
-                entry.batched_at = now
-                entry.queue_span.end()
-                self.metrics.queue_time.observe(now - entry.queued_at)
-                self.metrics.prompt_tokens.inc(entry.input_length)
-
-    @contextmanager
-    def _step_span(self, method: str, batches: list[pb.CachedBatch]) -> Iterator[list[tuple[str, str]]]:
-        """A span for one step, in the trace of its first request and linked to every other one; yields the
-        gRPC metadata that carries it to the shards."""
-        spans = [e.span for b in batches for r in b.request_ids if (e := self.running.get(r)) and e.span]
-        with tracing.span(method, spans[0] if spans else None, links=spans[1:], batch_size=len(spans)) as span:
-            yield tracing.inject(span)
-
-    async def _step(
-        self, batches: list[pb.CachedBatch], call: Awaitable[StepResult], method: str
-    ) -> pb.CachedBatch | None:
-        """Awaits one RPC over `batches`, streams its tokens, and filters out requests that are over."""
-        try:
-            return await self._run_step(batches, call, method)
-        finally:
-            self._update_gauges()
-
-    async def _run_step(
-        self, batches: list[pb.CachedBatch], call: Awaitable[StepResult], method: str
-    ) -> pb.CachedBatch | None:
-        try:
-            with self.metrics.step.labels(method).time():
-                result = await call
-        except ShardError as exc:
-            await self._fail(batches, str(exc))
-            return None
-        self.healthy = True
-        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
-        self._stepped(result)
-        self._send(result)
-        if result.batch is None:
-            self._forget(r for b in batches for r in b.request_ids)
-            return None
-        try:
-            return await self._filter(result.batch)
-        except ShardError as exc:
-            await self._fail([result.batch], str(exc))
-            return None
-
-    def _stepped(self, result: StepResult) -> None:
-        """Hook: the step ran on every shard, before its tokens are sent."""
-
-    def _update_gauges(self) -> None:
-        self.metrics.queue_size.set(len(self.queue))
-        self.metrics.batch_size.set(len(self.running))
-        if self.allocator is not None:
-            self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
-            self.metrics.kv_blocks_used.set(self.allocator.num_blocks - self.allocator.free_blocks)
-
-    def _send(self, result: StepResult) -> None:
-        for generation in result.generations:
-            entry = self.running.get(generation.request_id)
-            if entry is None or entry.cancelled:
-                continue
-            entry.generated_ids.extend(generation.tokens.ids)
-            for event in events_from_generation(generation):
-                entry.events.put_nowait(event)
-                if event.finished is not None:
-                    entry.done = True
-
-    async def _filter(self, batch: pb.CachedBatch) -> pb.CachedBatch | None:
-        """Keeps on the shards only the requests that still have a listener and tokens to generate."""
-        keep = [r for r in batch.request_ids if self._alive(r)]
-        self._forget(r for r in batch.request_ids if r not in set(keep))
-        return await self._keep(batch, keep)
-
-    async def _keep(self, batch: pb.CachedBatch, keep: list[int]) -> pb.CachedBatch | None:
-        if len(keep) == len(batch.request_ids):
-            return batch
-        if not keep:
-            await self.client.clear_cache(batch.id)
-            return None
-        return await self.client.filter_batch(batch.id, keep)
-
-    def _alive(self, request_id: int) -> bool:
-        entry = self.running.get(request_id)
-        return entry is not None and not entry.done and not entry.cancelled
-
-    def _forget(self, request_ids: Iterable[int]) -> list[Entry]:
-        """Takes requests out of the running set and gives their KV blocks back."""
-        gone = []
-        for request_id in list(request_ids):
-            if (entry := self.running.pop(request_id, None)) is not None:
-                self._release(entry)
-                gone.append(entry)
-        return gone
-
-    async def _fail(self, batches: list[pb.CachedBatch], message: str) -> None:
-        """A failed step fails every request in it; the shards drop those batches if they still can."""
-        log.error("generation step failed", extra={"error": message})
-        self.healthy = False
-        for entry in self._forget(r for b in batches for r in b.request_ids):
-            if not entry.done:
-                entry.done = True
-                entry.events.put_nowait(ErrorEvent(message, "generation"))
-        for batch in batches:
-            try:
-                await self.client.clear_cache(batch.id)
-            except ShardError:
-                pass
-
-
-class PaddedScheduler(Scheduler):
-    """TGI's loop: prefill what the policy admits, pausing the running batch, then decode everything."""
-
-    def __init__(self, client: ShardedClient, config: BatchingConfig, metrics: Metrics) -> None:
-        super().__init__(client, metrics)
-        self.config = config
-
-    def describe(self) -> dict:
-        return {"scheduling": "continuous", "prefix_caching": False, "chunked_prefill": False}
-
-    async def run(self) -> None:
-        """Runs for ever: wait for work, prefill it, decode until the batch empties, admitting newcomers."""
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while (new := self.queue.next_batch(admission_when_idle(self.config))) is not None:
-                cached = await self._prefill(new)
-                await self._decode_loop(cached)
-
-    async def _decode_loop(self, cached: pb.CachedBatch | None) -> None:
-        waiting_steps = 1
-        while cached is not None:
-            batches = [cached]
-            admission = admission_when_running(self.config, cached.size, cached.max_tokens, waiting_steps)
-            if (new := self.queue.next_batch(admission)) is not None:
-                log.debug("pausing the running batch for a prefill", extra={"joining": len(new.entries)})
-                if (joined := await self._prefill(new)) is not None:
-                    batches.append(joined)
-                waiting_steps = 1
-            with self._step_span("decode", batches) as metadata:
-                cached = await self._step(batches, self.client.decode(batches, metadata), "decode")
-            waiting_steps += 1
-
-    async def _prefill(self, new: NextBatch) -> pb.CachedBatch | None:
-        self._join(new.entries)
-        batch = pb.Batch(
-            id=next(self._batch_ids),
-            requests=[request_pb(e) for e in new.entries],
-            size=len(new.entries),
-            max_tokens=new.max_tokens,
-        )
-        ids = [e.id for e in new.entries]
-        cached = pb.CachedBatch(id=batch.id, request_ids=ids, size=len(ids))
-        with self._step_span("prefill", [cached]) as metadata:
-            return await self._step([cached], self.client.prefill(batch, metadata), "prefill")
+def _update(sequence: Sequence) -> pb.RequestUpdate:
+    chunk = sequence.step_tokens if sequence.is_prefilling else 0
+    return pb.RequestUpdate(request_id=sequence.id, new_blocks=sequence.step_new_blocks, chunk_len=chunk)

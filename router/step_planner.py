@@ -9,7 +9,7 @@ always progress. Waiting requests join only in a step that preempted nobody, reu
 longest cached prefix and reading the rest in chunks.
 
 The planner mutates block tables and the queue as it decides; the scheduler sends the plan to the shards and
-advances each request's `computed` count when the step succeeds.
+advances each sequence's `num_computed_tokens` when the step succeeds.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from conveyor.router.block_allocator import BlockAllocator
-from conveyor.router.queue import Entry, Queue
+from conveyor.router.queue import Queue
+from conveyor.router.sequence import Sequence, SequenceStatus
 
 DEFAULT_STATIC_BATCH_SIZE = 32
 
@@ -43,18 +44,13 @@ class PlannerConfig:
 
 
 @dataclass
-class Work:
-    entry: Entry
-    tokens: int  # tokens computed for this request at this step
-    new_blocks: list[int] = field(default_factory=list)  # appended to its block table at this step
-    cache_len: int = 0  # admitted now: prompt tokens found in the prefix cache
-
-
-@dataclass
 class StepPlan:
-    running: list[Work] = field(default_factory=list)  # requests already in the shards' batch
-    admitted: list[Work] = field(default_factory=list)  # requests joining it at this step
-    preempted: list[Entry] = field(default_factory=list)  # requests to drop from the shards' batch first
+    """The sequences a step computes; what each computes is on the sequence itself (`step_tokens`,
+    `step_new_blocks`)."""
+
+    running: list[Sequence] = field(default_factory=list)  # already in the shards' batch
+    admitted: list[Sequence] = field(default_factory=list)  # joining it at this step
+    preempted: list[Sequence] = field(default_factory=list)  # to drop from the shards' batch first
     cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     cache_hits: int = 0  # ...and found there
 
@@ -62,27 +58,34 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.running and not self.admitted
 
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [*self.running, *self.admitted]
+
 
 class StepPlanner:
+    """Owns the running set (in admission order: the newest is preempted first) and the blocks it holds."""
+
     def __init__(self, config: PlannerConfig, allocator: BlockAllocator, queue: Queue) -> None:
         self.config = config
         self.allocator = allocator
         self.queue = queue
-        self.running: list[Entry] = []  # in admission order: the newest is preempted first
+        self.running: list[Sequence] = []
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
+        for sequence in self.running:
+            sequence.plan_step(0)
         budget = self._prompt_budget()
         index = 0
         while index < len(self.running):
-            entry = self.running[index]
-            work = self._grow(entry, budget, plan)
-            if work is None:  # preempted itself: nothing older is left to preempt
+            sequence = self.running[index]
+            if not self._grow(sequence, budget, plan):  # preempted itself: nothing older is left to preempt
                 continue
-            if work.tokens:
-                plan.running.append(work)
-            if entry.prefilling:
-                budget -= work.tokens
+            if sequence.step_tokens:
+                plan.running.append(sequence)
+            if sequence.is_prefilling:
+                budget -= sequence.step_tokens
             index += 1
         if not plan.preempted:
             if self.config.scheduling is Scheduling.STATIC:
@@ -92,7 +95,7 @@ class StepPlanner:
 
     def _prompt_budget(self) -> int:
         config = self.config
-        if config.prefill_chunk_tokens and any(not e.prefilling for e in self.running):
+        if config.prefill_chunk_tokens and any(not s.is_prefilling for s in self.running):
             return min(config.max_batch_prefill_tokens, config.prefill_chunk_tokens)
         return config.max_batch_prefill_tokens  # nobody is waiting for a token: read as much as allowed
 
@@ -102,60 +105,61 @@ class StepPlanner:
             return None
         return first.queued_at + self.config.static_batch_timeout
 
-    # --- running requests ---------------------------------------------------------------------------------
+    # --- running sequences --------------------------------------------------------------------------------
 
-    def _grow(self, entry: Entry, budget: int, plan: StepPlan) -> Work | None:
-        """Tokens and blocks for a running request; preempts the newest requests (maybe itself) for blocks."""
-        wanted = min(entry.target - entry.computed, budget) if entry.prefilling else 1
+    def _grow(self, sequence: Sequence, budget: int, plan: StepPlan) -> bool:
+        """Tokens and blocks for a running sequence; preempts the newest sequences (maybe itself) for blocks.
+        False when it preempted itself."""
+        wanted = min(sequence.num_prefill_tokens - sequence.num_computed_tokens, budget) if sequence.is_prefilling else 1
         if wanted <= 0:
-            return Work(entry, 0)
+            return True
         while True:
-            tokens = min(wanted, self._room(entry))
+            tokens = min(wanted, self._room(sequence))
             if tokens > 0 or not self.running:
                 break
             victim = self.running.pop()
             self._preempt(victim, plan)
-            if victim is entry:
-                return None
-        work = Work(entry, tokens)
-        missing = self.allocator.blocks_for(entry.computed + tokens) - len(entry.blocks)
-        if missing > 0:
-            work.new_blocks = self.allocator.allocate(missing) or []
-            entry.blocks.extend(work.new_blocks)
-        return work
+            if victim is sequence:
+                return False
+        missing = self.allocator.blocks_for(sequence.num_computed_tokens + tokens) - len(sequence.block_table)
+        sequence.plan_step(tokens, (self.allocator.allocate(missing) or []) if missing > 0 else [])
+        return True
 
-    def _room(self, entry: Entry) -> int:
-        """Tokens the request can compute with its blocks and every free one."""
-        capacity = (len(entry.blocks) + self.allocator.free_blocks) * self.allocator.block_size
-        return capacity - entry.computed
+    def _room(self, sequence: Sequence) -> int:
+        """Tokens the sequence can compute with its blocks and every free one."""
+        capacity = (len(sequence.block_table) + self.allocator.free_blocks) * self.allocator.block_size
+        return capacity - sequence.num_computed_tokens
 
-    def _preempt(self, entry: Entry, plan: StepPlan) -> None:
-        self.release(entry)
-        entry.preemptions += 1
-        plan.preempted.append(entry)
-        self.queue.appendleft(entry)
+    def _preempt(self, sequence: Sequence, plan: StepPlan) -> None:
+        self.release(sequence)
+        sequence.num_preemptions += 1
+        sequence.status = SequenceStatus.WAITING
+        plan.preempted.append(sequence)
+        self.queue.appendleft(sequence)
 
-    def release(self, entry: Entry) -> None:
-        """Gives back the request's blocks (cached ones stay cached); it then holds nothing."""
-        self.allocator.release(entry.blocks)
-        entry.blocks, entry.cached_blocks, entry.computed, entry.target = [], 0, 0, 0
+    def release(self, sequence: Sequence) -> None:
+        """Gives back the sequence's blocks (cached ones stay cached); it then holds nothing."""
+        self.allocator.release(sequence.block_table)
+        sequence.block_table, sequence.num_cached_blocks = [], 0
+        sequence.num_computed_tokens = sequence.num_prefill_tokens = 0
+        sequence.plan_step(0)
 
     # --- admission ----------------------------------------------------------------------------------------
 
     def _admit(self, budget: int, plan: StepPlan) -> None:
         limit = self._admission_limit()
         whole_budget = budget
-        while budget > 0 and len(self.running) < limit and (entry := self.queue.peek()) is not None:
-            work = self._start(entry, budget, first=budget == whole_budget, plan=plan)
-            if work is None:
+        while budget > 0 and len(self.running) < limit and (sequence := self.queue.peek()) is not None:
+            if not self._start(sequence, budget, first=budget == whole_budget, plan=plan):
                 break
             self.queue.popleft()
-            self.running.append(entry)
-            plan.admitted.append(work)
-            budget -= work.tokens
+            sequence.status = SequenceStatus.RUNNING
+            self.running.append(sequence)
+            plan.admitted.append(sequence)
+            budget -= sequence.step_tokens
 
     def _admission_limit(self) -> int:
-        """How many requests may be running once this step's newcomers joined."""
+        """How many sequences may be running once this step's newcomers joined."""
         config, running = self.config, len(self.running)
         if config.scheduling is Scheduling.SEQUENTIAL:
             return 0 if running else 1
@@ -168,15 +172,16 @@ class StepPlanner:
             return size if full or (deadline is not None and time.monotonic() >= deadline) else 0
         return config.max_batch_size or 1 << 30
 
-    def _start(self, entry: Entry, budget: int, first: bool, plan: StepPlan) -> Work | None:
-        """The first chunk of a waiting request, after its cached prefix; None (nothing held) if it must wait."""
-        tokens = entry.tokens
-        whole = entry.request.parameters.decoder_input_details and not entry.generated_ids
-        matched = [] if whole else self.allocator.match(tokens, (len(tokens) - 1) // self.allocator.block_size)
-        cache_len = len(matched) * self.allocator.block_size
+    def _start(self, sequence: Sequence, budget: int, first: bool, plan: StepPlan) -> bool:
+        """The first chunk of a waiting sequence, after its cached prefix; False (nothing held) if it must wait."""
+        tokens = sequence.token_ids
+        size = self.allocator.block_size
+        whole = sequence.request.parameters.decoder_input_details and not sequence.generated_ids
+        matched = [] if whole else self.allocator.match(tokens, (len(tokens) - 1) // size)
+        cache_len = len(matched) * size
         chunk = min(len(tokens) - cache_len, budget)
         if whole and chunk < len(tokens) and not first:
-            return None  # prompt logprobs need the whole prompt in one step: wait for a step of its own
+            return False  # prompt logprobs need the whole prompt in one step: wait for a step of its own
         if whole:
             chunk = len(tokens)
         needed = self.allocator.blocks_for(cache_len + chunk) - len(matched)
@@ -184,30 +189,30 @@ class StepPlanner:
         blocks = self.allocator.allocate(needed) if self.allocator.free_blocks - needed >= reserve else None
         if blocks is None:
             self.allocator.release(matched)
-            return None
-        entry.blocks, entry.cached_blocks = [*matched, *blocks], len(matched)  # matched blocks are cached already
-        entry.computed, entry.target = cache_len, len(tokens)
+            return False
+        sequence.block_table, sequence.num_cached_blocks = matched, len(matched)  # matched blocks are cached already
+        sequence.num_computed_tokens, sequence.num_prefill_tokens = cache_len, len(tokens)
+        sequence.plan_step(chunk, blocks)
         plan.cache_queries += len(tokens)
         plan.cache_hits += cache_len
-        return Work(entry, chunk, cache_len=cache_len)
+        return True
 
     # --- after a step -------------------------------------------------------------------------------------
 
     def advance(self, plan: StepPlan) -> None:
-        """The step ran: each request's computed tokens move on, and its full blocks enter the prefix cache."""
+        """The step ran: each sequence's computed tokens move on, and its full blocks enter the prefix cache."""
         size = self.allocator.block_size
-        for work in (*plan.running, *plan.admitted):
-            entry = work.entry
-            entry.computed += work.tokens
-            full = entry.computed // size
-            if full > entry.cached_blocks:
+        for sequence in plan.sequences:
+            sequence.num_computed_tokens += sequence.step_tokens
+            full = sequence.num_computed_tokens // size
+            if full > sequence.num_cached_blocks:
                 # Past a conflict (the same content cached in another block) insert stops; trying again at
                 # every step would only stop there again, so the count moves on either way.
-                self.allocator.insert(entry.tokens[: full * size], entry.blocks[:full])
-                entry.cached_blocks = full
+                self.allocator.insert(sequence.token_ids[: full * size], sequence.block_table[:full])
+                sequence.num_cached_blocks = full
 
-    def remove(self, entry: Entry) -> None:
-        """A request left the batch (finished, cancelled or failed): its blocks go back."""
-        if entry in self.running:
-            self.running.remove(entry)
-        self.release(entry)
+    def remove(self, sequence: Sequence) -> None:
+        """A sequence left the batch (finished, cancelled or failed): its blocks go back."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        self.release(sequence)

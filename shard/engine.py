@@ -1,106 +1,211 @@
-"""What both engines share: the tokenizer and EOS ids a model directory declares, and turning a step's sampled
-tokens into the `Generation` records the router streams."""
+"""The engine: our Llama-family model over a KV pool whose blocks the router hands out, one step at a time.
+
+A batch is plain bookkeeping (`batch.py`), so filtering and joining batches copy no KV at all. Every step is one
+flat forward over the new tokens of all its requests: one token for each decoding row, a prompt chunk for each
+prefilling row the router gave one (chunked prefill mixes them into the same forward).
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 import time
 from pathlib import Path
 
 import torch
 
-from conveyor.shard.requests import RequestState, prefill_tokens_pb
+from conveyor.shard.batch import Batch
+from conveyor.shard.device import to_device
+from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.generations import Generations
+from conveyor.shard.layers.attention import AttentionMetadata, KVCache
+from conveyor.shard.models.llama import LlamaForCausalLM
+from conveyor.shard.requests import BadRequest, RequestState
 from conveyor.shard.sampling import Sampler
+from conveyor.shard.weights import Weights
 from conveyor.v1 import shard_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BLOCK_SIZE = 16
+CPU_MEMORY_FRACTION = 0.3  # of the memory available after loading, for the KV pool on CPU
+GPU_MEMORY_FRACTION = 0.9
+
+StepOutput = tuple[list[pb.Generation], Batch | None, pb.Timings]
 
 
 class Engine:
-    engine = "base"
-
-    def __init__(self, model_dir: str | Path, dtype: str, device: torch.device, world_size: int = 1) -> None:
+    def __init__(self, model_dir: str | Path, dtype: str, device: torch.device, group: ProcessGroup) -> None:
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        self.model_dir = Path(model_dir)
         self.device = device
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
-        self.world_size = world_size
+        self.group = group
+        self.block_size = BLOCK_SIZE
         self.config = AutoConfig.from_pretrained(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config, self.tokenizer, GenerationConfig)
-        self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.vocab_size = self.config.vocab_size
+        self.generations = Generations(self.tokenizer)
+        self.model = LlamaForCausalLM(self.config, Weights(model_dir, group, self.dtype, device)).eval()
+        shape = self.model.shape
+        self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
+        self.cache: KVCache | None = None
 
-    def info(self, **engine_fields) -> pb.InfoResponse:
+    def info(self) -> pb.InfoResponse:
         return pb.InfoResponse(
             dtype=self.dtype_name,
             device_type=self.device.type,
-            engine=self.engine,
+            engine="paged",
             model_type=self.config.model_type,
             max_position_embeddings=getattr(self.config, "max_position_embeddings", 0) or 0,
-            world_size=self.world_size,
-            **engine_fields,
+            world_size=self.group.world_size,
+            block_size=self.block_size,
         )
 
     def states(self, batch: pb.Batch) -> list[RequestState]:
         return [RequestState.from_pb(r, self.tokenizer, self.eos_token_ids, self.vocab_size) for r in batch.requests]
 
-    def sampler(self, states: list[RequestState]) -> Sampler:
-        return Sampler.build([s.params for s in states], [s.input_ids for s in states], self.vocab_size, self.device,
-                             [s.generated_ids for s in states])  # fmt: skip
+    # --- KV pool ------------------------------------------------------------------------------------------
 
-    def generations(
-        self, states: list[RequestState], sampler: Sampler, logits: torch.Tensor
-    ) -> tuple[list[pb.Generation], list[int]]:
-        """Samples one token per row of `logits` [B, V] and records it in each request's state."""
+    def _allocate(self, num_blocks: int) -> KVCache:
+        layers, kv_heads, head_dim = self._cache_shape
+        return KVCache.allocate(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device)
+
+    def warmup(self, request: pb.WarmupRequest) -> int:
+        """Runs the largest prefill on a scratch pool, then sizes the real pool from the memory left (or from
+        the token budget the router was given) and returns its capacity in tokens, agreed by all ranks."""
+        next_block = 0
+        for r in request.batch.requests:
+            count = math.ceil((len(r.input_ids) + r.stopping_parameters.max_new_tokens) / self.block_size)
+            del r.blocks[:]
+            r.blocks.extend(range(next_block, next_block + count))
+            next_block += count
+        self.cache = self._allocate(next_block)
+        _, batch, _ = self.step(Batch.from_pb(request.batch, self.states(request.batch)))
+        if batch is not None:
+            self.step(batch)
+        self.cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the scratch pool's memory goes back before the free memory is read
+        num_blocks = self.group.min(self._pool_blocks(request.max_batch_total_tokens))
+        self.cache = self._allocate(num_blocks)
+        log.info("kv pool", extra={"blocks": num_blocks, "tokens": num_blocks * self.block_size})
+        return num_blocks * self.block_size
+
+    def _pool_blocks(self, requested_tokens: int) -> int:
+        if requested_tokens:
+            return math.ceil(requested_tokens / self.block_size)
+        layers, kv_heads, head_dim = self._cache_shape
+        per_block = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
+        return max(1, int(_free_memory(self.device) // per_block))
+
+    # --- a step -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> StepOutput:
+        """One forward: each decoding row feeds its next token, each prefilling row its chunk. Decoding rows and
+        rows whose chunk ends their prompt sample a token; the batch is gone once every request has finished."""
+        if self.cache is None:
+            raise BadRequest("the KV pool is not allocated yet: call Warmup first")
+        start = time.perf_counter_ns()
+        decoding = batch.decoding
+        rows = decoding + [r for r in batch.prefilling if r.chunk_len]
+        if not rows:
+            raise BadRequest(f"batch {batch.id} has nothing to compute at this step")
+        new_tokens = [r.step_tokens() for r in rows]
+        ending = [r for r, n in zip(rows, new_tokens) if not r.is_decoding and r.num_computed_tokens + len(n) == len(r.input_ids)]
+        for state, tokens in zip(rows, new_tokens):
+            self._check_blocks(state, state.num_computed_tokens + len(tokens))
+        logits = self._forward(rows, new_tokens, self._logit_counts(rows, new_tokens, ending))
+        forward_done = time.perf_counter_ns()
+        for state, tokens in zip(rows, new_tokens):
+            state.num_computed_tokens += len(tokens)
+        generations = self._sample(batch, decoding, ending, logits)
+        finished = all(g.HasField("finished") for g in generations) and len(generations) == batch.size
+        end = time.perf_counter_ns()
+        timings = pb.Timings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
+        return generations, None if finished else batch, timings
+
+    @staticmethod
+    def _logit_counts(rows: list[RequestState], new_tokens: list[list[int]], ending: list[RequestState]) -> list[int]:
+        """How many logits each row of the forward keeps: its last for a row that samples, every position for a
+        prompt whose log-probabilities were asked for, none for a chunk that leaves its prompt unfinished."""
+        ends = {id(r) for r in ending}
+        counts = []
+        for state, tokens in zip(rows, new_tokens):
+            if state.is_decoding:
+                counts.append(1)
+            elif id(state) not in ends:
+                counts.append(0)
+            else:
+                counts.append(len(tokens) if state.prefill_logprobs else 1)
+        return counts
+
+    def _sample(
+        self, batch: Batch, decoding: list[RequestState], ending: list[RequestState], logits: torch.Tensor
+    ) -> list[pb.Generation]:
+        """Samples the decoding rows with the batch's sampler and the rows that just finished their prompt with
+        a new one, which then joins the batch's."""
+        generations: list[pb.Generation] = []
+        if decoding:
+            generations = self._record(decoding, batch.sampler, logits[: len(decoding)])
+        if not ending:
+            return generations
+        counts = [len(s.input_ids) if s.prefill_logprobs else 1 for s in ending]
+        ends = (len(decoding) + torch.cumsum(torch.tensor(counts), 0)).tolist()
+        sampler = Sampler.build([s.params for s in ending], [s.input_ids for s in ending], self.vocab_size,
+                                self.device, [s.generated_ids for s in ending])
+        new = self._record(ending, sampler, logits[[e - 1 for e in ends]])
+        for state, generation, end, count in zip(ending, new, ends, counts):
+            if state.prefill_logprobs:
+                generation.prefill_tokens.CopyFrom(self.generations.prefill_tokens(state, logits[end - count : end]))
+        batch.start_decoding(ending, sampler)
+        return generations + new
+
+    def _record(self, states: list[RequestState], sampler: Sampler, logits: torch.Tensor) -> list[pb.Generation]:
+        """Samples one token per row of `logits` [B, V]; each request feeds it at its next step."""
         sample = sampler(logits)
-        ids = sample.ids.tolist()
-        generations = [
-            state.step(token, lp, self.tokenizer, self.special_ids)
-            for state, token, lp in zip(states, ids, sample.logprobs.tolist())
-        ]
-        if any(s.top_n_tokens for s in states):
-            for generation, top in zip(generations, self._top_tokens(states, sample.distribution)):
-                if top is not None:
-                    generation.top_tokens.append(top)
-        return generations, ids
+        for state, token in zip(states, sample.ids.tolist()):
+            state.next_token = token
+        return self.generations.record(states, sample)
 
-    def _top_tokens(self, states: list[RequestState], distribution: torch.Tensor) -> list[pb.Tokens | None]:
-        """Each request's `top_n_tokens` most likely tokens at this step, from the distribution it drew from."""
-        values, indices = distribution.topk(max(s.top_n_tokens for s in states), dim=-1)
-        tops: list[pb.Tokens | None] = []
-        for state, row_values, row_ids in zip(states, values.tolist(), indices.tolist()):
-            n = state.top_n_tokens
-            if not n:
-                tops.append(None)
-                continue
-            ids = row_ids[:n]
-            tops.append(pb.Tokens(
-                ids=ids,
-                logprobs=row_values[:n],
-                texts=[self.tokenizer.decode([i], skip_special_tokens=False) for i in ids],
-                is_special=[i in self.special_ids for i in ids],
-            ))  # fmt: skip
-        return tops
+    def _check_blocks(self, state: RequestState, tokens: int) -> None:
+        table = state.block_table
+        if len(table) * self.block_size < tokens:
+            raise BadRequest(f"request {state.id} needs {tokens} KV slots but has {len(table)} blocks")
+        if table and max(table) >= self.cache.num_blocks:
+            raise BadRequest(f"request {state.id} names blocks beyond the pool of {self.cache.num_blocks}")
 
-    def prefill_tokens(self, state: RequestState, prompt_logits: torch.Tensor) -> pb.Tokens:
-        """Log-probabilities of each prompt token, from the logits [len(prompt), V] of every prompt position."""
-        targets = torch.tensor(state.input_ids[1:], dtype=torch.long, device=prompt_logits.device)
-        logprobs = torch.log_softmax(prompt_logits[:-1].float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
-        return prefill_tokens_pb(state.input_ids, logprobs.tolist(), self.tokenizer)
+    def _forward(self, rows: list[RequestState], new_tokens: list[list[int]], logit_counts: list[int]) -> torch.Tensor:
+        """One flat forward: row i feeds `new_tokens[i]` after its `num_computed_tokens`. Returns the logits of
+        the last `logit_counts[i]` positions of each row, in order."""
+        starts = [r.num_computed_tokens for r in rows]
+        lengths = [s + len(n) for s, n in zip(starts, new_tokens)]
+        return self.forward(new_tokens, starts, [r.block_table for r in rows], lengths, logit_counts)
 
-
-def all_finished(generations: list[pb.Generation]) -> bool:
-    """Every request ended at this step: nothing to cache, nothing for the router to filter."""
-    return all(g.HasField("finished") for g in generations)
-
-
-def timings(start: int, forward_done: int) -> pb.Timings:
-    end = time.perf_counter_ns()
-    return pb.Timings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
+    def forward(
+        self,
+        new_tokens: list[list[int]],
+        starts: list[int],
+        blocks: list[list[int]],
+        lengths: list[int],
+        logit_counts: list[int],
+    ) -> torch.Tensor:
+        """The model over the KV pool: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1."""
+        device = self.device
+        ids = to_device(torch.tensor([t for n in new_tokens for t in n], dtype=torch.long), device)
+        positions = to_device(torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]), device)
+        query_lens = [len(n) for n in new_tokens]
+        meta = AttentionMetadata.build(blocks, lengths, query_lens, self.block_size, device, self.model.sliding_window)
+        ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
+        keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
+        return self.model(ids, positions, self.cache, meta, to_device(keep, device))
 
 
 def _eos_token_ids(model_dir, config, tokenizer, generation_config_cls) -> frozenset[int]:
@@ -113,3 +218,19 @@ def _eos_token_ids(model_dir, config, tokenizer, generation_config_cls) -> froze
         if source is not None:
             return frozenset(source if isinstance(source, (list, tuple)) else [source])
     return frozenset()
+
+
+def _free_memory(device: torch.device) -> float:
+    """Bytes the KV pool may take: a share of what is free now."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * GPU_MEMORY_FRACTION
+    return _available_ram() * CPU_MEMORY_FRACTION / max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _available_ram() -> float:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30

@@ -16,14 +16,12 @@ import torch
 
 from conveyor import log as conveyor_log
 from conveyor import tracing
-from conveyor.shard.causal_lm import CausalLM
 from conveyor.shard.device import CHOICES as DEVICES
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import initialize
-from conveyor.shard.engine import DTYPES
+from conveyor.shard.engine import DTYPES, Engine
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models.llama import MODEL_TYPES
-from conveyor.shard.paged_lm import PagedCausalLM
 from conveyor.shard.server import serve
 
 log = logging.getLogger(__name__)
@@ -35,44 +33,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--uds-path", default="/tmp/conveyor-shard", help="socket prefix; rank r binds PREFIX-r")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", choices=DEVICES, default="auto", help="auto: a GPU when one is visible, else the CPU")
-    parser.add_argument("--engine", choices=["auto", "paged", "padded"], default="auto",
-                        help="auto: paged for Llama-family configs, padded otherwise")  # fmt: skip
     parser.add_argument("--log-level", default=None)
     parser.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans there (OTLP/gRPC)")
     return parser.parse_args(argv)
 
 
-def choose_engine(requested: str, model_dir: str, world_size: int) -> str:
-    """The paged engine for configs our own model code implements; the padded one for everything else."""
-    if requested != "auto":
-        engine = requested
-    else:
-        from transformers import AutoConfig
+def check_supported(model_dir: str) -> None:
+    """Refuses, with the reason, a model our Llama-family code does not implement."""
+    from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_dir)
-        try:
-            frequencies(config, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-            supported = config.model_type in MODEL_TYPES
-        except UnsupportedRope:
-            supported = False
-        engine = "paged" if supported else "padded"
-    if engine == "padded" and world_size > 1:
-        raise SystemExit("the padded engine runs on one rank only: --num-shard > 1 needs a Llama-family model")
-    return engine
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in MODEL_TYPES:
+        raise SystemExit(
+            f"model type {config.model_type!r} is not supported (supported: {', '.join(sorted(MODEL_TYPES))})"
+        )
+    try:
+        frequencies(config, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    except UnsupportedRope as exc:
+        raise SystemExit(f"model {model_dir}: {exc}") from None
 
 
-def load(args: argparse.Namespace, engine: str) -> CausalLM | PagedCausalLM:
+def load(args: argparse.Namespace) -> Engine:
     device = choose_device(args.device, int(os.environ.get("RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("device", extra={"device": str(device)})
-    if engine == "padded":
-        return CausalLM(args.model_id, args.dtype, device)
     group = initialize(device)
     if group.world_size > 1 and device.type == "cpu":
         # Ranks share the machine's cores; more threads than cores each would only thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
-    return PagedCausalLM(args.model_id, args.dtype, device, group)
+    return Engine(args.model_id, args.dtype, device, group)
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -82,13 +72,13 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    engine = choose_engine(args.engine, args.model_id, world_size)
-    log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype, "engine": engine})
-    model = await asyncio.to_thread(load, args, engine)
+    check_supported(args.model_id)
+    log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype})
+    engine = await asyncio.to_thread(load, args)
     socket_path = f"{args.uds_path}-{rank}"
     if os.path.exists(socket_path):
         os.unlink(socket_path)
-    await serve(model, args.uds_path, rank, world_size, stop)
+    await serve(engine, args.uds_path, rank, world_size, stop)
 
 
 def main(argv: list[str] | None = None) -> None:

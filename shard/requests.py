@@ -1,4 +1,4 @@
-"""Per-request state a shard keeps across steps, whatever engine holds the request's KV."""
+"""Per-request state a shard keeps across steps: its tokens, its text so far, why it may stop, and where its KV is."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ class BadRequest(ValueError):
 
 @dataclass
 class RequestState:
-    """What survives between steps for one request: its tokens, its text so far and why it may stop."""
+    """What survives between steps for one request. A request *prefills* (reads its prompt, maybe in chunks the
+    router sets at each step) until the chunk that ends its prompt samples its first token; from then on it
+    *decodes*, feeding `next_token` at each step."""
 
     id: int
     input_ids: list[int]
@@ -27,6 +29,14 @@ class RequestState:
     prefill_logprobs: bool
     top_n_tokens: int = 0  # alternatives to report with each token
     generated_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # its KV blocks, as the router allocated them
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    chunk_len: int = 0  # prefilling: prompt tokens to read at the next step (0: none)
+    next_token: int | None = None  # decoding: the token fed at the next step
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.next_token is not None
 
     @classmethod
     def from_pb(
@@ -55,10 +65,40 @@ class RequestState:
             detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
             prefill_logprobs=request.prefill_logprobs,
             top_n_tokens=request.top_n_tokens,
+            block_table=list(request.blocks),
         )
+        state._start_prefill(request.cache_len, request.chunk_len if request.HasField("chunk_len") else None)
         for token_id in input_ids[len(prompt_ids) :]:
             state.replay(token_id)
         return state
+
+    def _start_prefill(self, cache_len: int, chunk_len: int | None) -> None:
+        """From its cached prefix on, reading `chunk_len` (or all the rest) at its first step."""
+        prompt = len(self.input_ids)
+        chunk = prompt - cache_len if chunk_len is None else chunk_len
+        if not 0 <= cache_len < prompt or not 0 < chunk <= prompt - cache_len:
+            raise BadRequest(f"request {self.id}: cache_len {cache_len} and chunk_len {chunk} do not fit its {prompt} input tokens")
+        if self.prefill_logprobs and (cache_len or chunk < prompt):
+            raise BadRequest(f"request {self.id}: prompt logprobs need the whole prompt in one chunk")
+        self.num_computed_tokens, self.chunk_len = cache_len, chunk
+
+    def update(self, update: pb.RequestUpdate) -> None:
+        """Grows the block table and sets this step's prompt chunk."""
+        self.block_table.extend(update.new_blocks)
+        if not update.chunk_len:
+            return
+        if self.is_decoding:
+            raise BadRequest(f"request {self.id} has read its prompt: no chunk to give it")
+        if self.num_computed_tokens + update.chunk_len > len(self.input_ids):
+            raise BadRequest(f"request {self.id}: chunk_len {update.chunk_len} runs past its prompt")
+        self.chunk_len = update.chunk_len
+
+    def step_tokens(self) -> list[int]:
+        """The tokens this step feeds: the next token when decoding, else the prompt chunk (maybe none)."""
+        if self.is_decoding:
+            return [self.next_token]
+        start = self.num_computed_tokens
+        return self.input_ids[start : start + self.chunk_len]
 
     def replay(self, token_id: int) -> None:
         """Re-records a token generated before a preemption: the text, the stop check and the count go on from
@@ -95,15 +135,6 @@ class RequestState:
         if self.params.sampling:
             finished.seed = self.params.seed
         return finished
-
-
-def rows_of(requests: list[RequestState], request_ids: list[int], batch_id: int) -> list[int]:
-    """The rows of `requests` holding `request_ids`, in that order; KeyError names any the batch lacks."""
-    index = {r.id: i for i, r in enumerate(requests)}
-    missing = [i for i in request_ids if i not in index]
-    if missing:
-        raise KeyError(f"batch {batch_id} has no requests {missing}")
-    return [index[i] for i in request_ids]
 
 
 def prefill_tokens_pb(input_ids: list[int], logprobs: list[float], tokenizer) -> pb.Tokens:

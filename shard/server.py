@@ -1,5 +1,8 @@
 """The shard's gRPC service: cached batches by id, and the engine behind them.
 
+`Prefill` and `Decode` are the same step: the cached batches named (the running one, with this step's
+`updates`), joined by the new requests of a `Prefill`, run one `Engine.step`.
+
 Forwards run on one worker thread (torch releases the GIL), so the event loop keeps answering `Health`
 while a long prefill runs, and batches are only ever touched by that one thread.
 """
@@ -16,17 +19,13 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
-from conveyor.shard.causal_lm import CausalLM, CausalLMBatch
-from conveyor.shard.paged_batch import PagedBatch
-from conveyor.shard.paged_lm import PagedCausalLM
+from conveyor.shard.batch import Batch
+from conveyor.shard.engine import Engine, StepOutput
 from conveyor.shard.requests import BadRequest
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-Model = CausalLM | PagedCausalLM
-Batch = CausalLMBatch | PagedBatch
 
 
 def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -48,8 +47,8 @@ def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
 
 
 class ShardService(pb_grpc.ShardServicer):
-    def __init__(self, model: Model, urls: list[str]) -> None:
-        self.model = model
+    def __init__(self, engine: Engine, urls: list[str]) -> None:
+        self.engine = engine
         self.urls = urls
         self.cache: dict[int, Batch] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -64,10 +63,21 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest(f"batches {missing} are not cached on this shard")
         return [self.cache.pop(i) for i in batch_ids]
 
-    async def _step_on(self, taken: list[Batch], fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs a step over batches taken from the cache; a refused step (BadRequest) puts them back as they were."""
+    async def _step(self, cached_ids: list[int], updates: list[pb.RequestUpdate], new: pb.Batch | None) -> StepOutput:
+        """Runs one step over the cached batches and the new requests; a refused step (BadRequest) leaves the
+        cache as it was. Requests are parsed and updated on the worker thread, which alone touches batches."""
+        taken = self._take(*cached_ids)
+
+        def step() -> StepOutput:
+            batches = [Batch.concatenate(taken)] if taken else []
+            if batches:
+                batches[0].update(updates)
+            if new is not None:
+                batches.append(Batch.from_pb(new, self.engine.states(new)))
+            return self.engine.step(Batch.concatenate(batches))
+
         try:
-            return await self._run(fn, *args)
+            return await self._run(step)
         except BadRequest:
             self.cache.update((b.id, b) for b in taken)
             raise
@@ -87,7 +97,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     @rpc
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        return self.model.info()
+        return self.engine.info()
 
     @rpc
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
@@ -111,7 +121,7 @@ class ShardService(pb_grpc.ShardServicer):
         if not request.batch.requests:
             raise BadRequest("warmup needs a batch")
         self.cache.clear()
-        capacity = await self._run(self.model.warmup, request)
+        capacity = await self._run(self.engine.warmup, request)
         return pb.WarmupResponse() if capacity is None else pb.WarmupResponse(max_supported_total_tokens=capacity)
 
     @rpc
@@ -120,24 +130,15 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest("prefill needs at least one request")
         if request.batch.id in self.cache:
             raise BadRequest(f"batch {request.batch.id} is already cached")
-        if not isinstance(self.model, PagedCausalLM):
-            if request.HasField("cached_batch") or request.updates:
-                raise BadRequest("this engine does not support chunked prefill (cached_batch, updates)")
-            return self._respond(pb.PrefillResponse, *await self._run(self.model.prefill, request.batch))
-        taken = self._take(request.cached_batch.id) if request.HasField("cached_batch") else []
-        cached = taken[0] if taken else None
-        result = await self._step_on(taken, self.model.prefill, request.batch, cached, list(request.updates))
-        return self._respond(pb.PrefillResponse, *result)
+        cached = [request.cached_batch.id] if request.HasField("cached_batch") else []
+        return self._respond(pb.PrefillResponse, *await self._step(cached, list(request.updates), request.batch))
 
     @rpc
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         if not request.batches:
             raise BadRequest("decode needs at least one batch")
-        if request.updates and not isinstance(self.model, PagedCausalLM):
-            raise BadRequest("this engine does not take request updates")
-        batches = self._take(*(b.id for b in request.batches))
-        args = (batches, list(request.updates)) if request.updates else (batches,)
-        return self._respond(pb.DecodeResponse, *await self._step_on(batches, self.model.decode, *args))
+        cached = [b.id for b in request.batches]
+        return self._respond(pb.DecodeResponse, *await self._step(cached, list(request.updates), None))
 
     @rpc
     async def FilterBatch(self, request: pb.FilterBatchRequest, context) -> pb.FilterBatchResponse:
@@ -150,13 +151,13 @@ class ShardService(pb_grpc.ShardServicer):
         return pb.FilterBatchResponse(batch=self._keep(kept))
 
 
-async def serve(model: Model, uds_path: str, rank: int, world_size: int, stop: asyncio.Event) -> None:
+async def serve(engine: Engine, uds_path: str, rank: int, world_size: int, stop: asyncio.Event) -> None:
     """Serves until `stop` is set, then lets in-flight RPCs finish for a few seconds."""
     urls = [f"unix://{uds_path}-{r}" for r in range(world_size)]
     server = grpc.aio.server(
         options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     )
-    pb_grpc.add_ShardServicer_to_server(ShardService(model, urls), server)
+    pb_grpc.add_ShardServicer_to_server(ShardService(engine, urls), server)
     server.add_insecure_port(urls[rank])
     await server.start()
     log.info("shard serving", extra={"url": urls[rank], "rank": rank})

@@ -42,17 +42,17 @@ def _greedy_bf16(model_dir: Path, prompt_ids: list[int], new: int) -> list[int]:
 def _ours(model_dir: Path, ids: list[int], prompt_len: int) -> torch.Tensor:
     """Our bf16 log-probabilities at every position: the prompt in one prefill, then one token per decode step."""
     from conveyor.shard.distributed import ProcessGroup
-    from conveyor.shard.paged_lm import PagedCausalLM
+    from conveyor.shard.engine import Engine
 
-    engine = PagedCausalLM(model_dir, "bfloat16", torch.device("cpu"), ProcessGroup(0, 1))
+    engine = Engine(model_dir, "bfloat16", torch.device("cpu"), ProcessGroup(0, 1))
     blocks = list(range(-(-len(ids) // engine.block_size)))
     engine.cache = engine._allocate(len(blocks))
     assert engine.cache.keys[0].dtype == torch.bfloat16
     assert engine.model.layers[0].mlp.gate_up.gemm.dtype == torch.bfloat16
     with torch.inference_mode():
-        rows = [engine._forward([ids[:prompt_len]], [0], [blocks], [prompt_len], [prompt_len])]
+        rows = [engine.forward([ids[:prompt_len]], [0], [blocks], [prompt_len], [prompt_len])]
         for p in range(prompt_len, len(ids)):
-            rows.append(engine._forward([[ids[p]]], [p], [blocks], [p + 1], [1]))
+            rows.append(engine.forward([[ids[p]]], [p], [blocks], [p + 1], [1]))
     return torch.log_softmax(torch.cat(rows).float(), dim=-1)
 
 

@@ -19,7 +19,7 @@ MAX_NEW = 150  # each request may fill ceil((~7 + 149) / 16) = 10 blocks: 3 of t
 
 @pytest.fixture(scope="module")
 def small_kv(tiny_model: Path):
-    server = start_server(tiny_model, "--engine", "paged", "--max-batch-total-tokens", "512",
+    server = start_server(tiny_model, "--max-batch-total-tokens", "512",
                           "--max-total-tokens", "256")  # fmt: skip
     yield server
     assert server.stop() == 0
@@ -59,7 +59,7 @@ def test_a_request_that_can_never_fit_is_422(small_kv: Server) -> None:
 def test_a_kv_budget_below_one_request_is_refused_at_startup(tiny_model: Path) -> None:
     launcher = subprocess.run(
         [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(tiny_model), "--port", str(free_port()),
-         "--engine", "paged", "--max-batch-total-tokens", "128", "--max-total-tokens", "256"],
+         "--max-batch-total-tokens", "128", "--max-total-tokens", "256"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert launcher.returncode != 0

@@ -124,7 +124,7 @@ def prompt_logprobs_reference(model_dir: Path, prompt: str) -> list[float]:
 
 
 def launch(model_dir: Path, *flags: str) -> Server:
-    return start_server(model_dir, "--engine", "paged", "--master-port", str(free_port()), *flags)
+    return start_server(model_dir, "--master-port", str(free_port()), *flags)
 
 
 # ---------------------------------------------------------------------------------------------------- deployments

@@ -1,0 +1,78 @@
+"""One request's whole life in the router, in one record: nano-vllm's `Sequence`.
+
+The queue holds it while it waits, the step planner while it runs (its block table and how far its KV has got),
+the loop streams its tokens to `events`; nothing else keeps per-request state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from opentelemetry.trace import Span
+
+from conveyor.router.events import Event
+from conveyor.router.validation import ValidRequest
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # in the queue: new, or preempted and waiting to be recomputed
+    RUNNING = "running"  # in the shards' batch
+    FINISHED = "finished"  # its last event (final token or error) is sent
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    request: ValidRequest
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Set by the front door when the client goes away; the loop drops the sequence at its next step.
+    cancelled: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+    batched_at: float | None = None  # first admission (a preempted sequence keeps it)
+    # Tokens generated so far, as streamed: a preempted sequence is recomputed from its prompt and these.
+    generated_ids: list[int] = field(default_factory=list)
+
+    # KV, from admission until the sequence leaves the batch.
+    block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading full blocks matched in, or offered to, the prefix cache
+    num_computed_tokens: int = 0  # tokens whose KV is on the shards
+    num_prefill_tokens: int = 0  # tokens to read before it samples: its prompt, plus what it had generated when preempted
+    num_preemptions: int = 0
+
+    # This step, as the planner decided it; the loop applies it once the shards ran the step.
+    step_tokens: int = 0  # tokens computed at this step: 1 when decoding, a prompt chunk when prefilling
+    step_new_blocks: list[int] = field(default_factory=list)  # appended to the block table at this step
+
+    # Tracing: the span of the call that made this request, and the one timing its wait in the queue.
+    span: Span | None = None
+    queue_span: Span | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.input_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.request.parameters.max_new_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token whose KV the sequence may need: its prompt and what it has generated."""
+        return [*self.request.input_ids, *self.generated_ids]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def plan_step(self, tokens: int, new_blocks: list[int] = ()) -> None:
+        self.step_tokens = tokens
+        self.step_new_blocks = list(new_blocks)
+        self.block_table.extend(new_blocks)
