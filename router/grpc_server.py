@@ -6,9 +6,7 @@ server streaming. The standard gRPC health service reports SERVING once the rout
 
 from __future__ import annotations
 
-import hmac
 import logging
-import math
 from contextlib import AsyncExitStack
 from typing import Any, AsyncIterator
 
@@ -17,10 +15,21 @@ from opentelemetry.trace import SpanKind
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from conveyor import tracing
-from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
+from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.http import ServerInfo
-from conveyor.router.infer import GenerationError, Infer, OverloadedError, Response
-from conveyor.router.validation import ValidationError, Validation, ValidRequest
+from conveyor.router.infer import Infer, Response
+from conveyor.router.responses import (
+    GENERATION,
+    REQUEST_ERRORS,
+    UNAUTHORIZED,
+    Details,
+    authorized,
+    details,
+    failure_of,
+    full_text,
+    logprob,
+)
+from conveyor.router.validation import Validation, ValidRequest
 from conveyor.v1 import generate_pb2 as pb
 from conveyor.v1 import generate_pb2_grpc as pb_grpc
 
@@ -46,29 +55,25 @@ def parameters_from_pb(p: pb.Parameters) -> dict[str, Any]:
 
 
 def token_pb(token: Token) -> pb.Token:
-    message = pb.Token(id=token.id, text=token.text, special=token.special)
-    if not math.isnan(token.logprob):
-        message.logprob = token.logprob
-    return message
+    """A None `logprob` (or `seed`, in `details_pb`) leaves the optional field unset: the message's "none"."""
+    return pb.Token(id=token.id, text=token.text, logprob=logprob(token), special=token.special)
 
 
-def details_pb(valid: ValidRequest, finished: Finished, events: list[TokenEvent], prefill=()) -> pb.Details:
-    details = pb.Details(
-        finish_reason=finished.finish_reason,
-        generated_tokens=finished.generated_tokens,
-        prefill=[token_pb(t) for t in prefill],
-        tokens=[token_pb(e.token) for e in events],
-        input_length=len(valid.input_ids),
+def details_pb(d: Details) -> pb.Details:
+    return pb.Details(
+        finish_reason=d.finish_reason,
+        generated_tokens=d.generated_tokens,
+        seed=d.seed,
+        prefill=[token_pb(t) for t in d.prefill],
+        tokens=[token_pb(t) for t in d.tokens],
+        top_tokens=[pb.TopTokens(tokens=[token_pb(t) for t in top]) for top in d.top_tokens or ()],
+        input_length=d.input_length,
     )
-    if finished.seed is not None:
-        details.seed = finished.seed
-    if valid.parameters.top_n_tokens:
-        details.top_tokens.extend(pb.TopTokens(tokens=[token_pb(t) for t in e.top_tokens]) for e in events)
-    return details
 
 
-def _text(valid: ValidRequest, text: str) -> str:
-    return valid.inputs + text if valid.parameters.return_full_text else text
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """Ends the call with the status code of one of `REQUEST_ERRORS` (abort raises)."""
+    await context.abort(failure_of(exc).grpc_code, str(exc))
 
 
 class TextGenerationService(pb_grpc.TextGenerationServicer):
@@ -82,19 +87,19 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         if not self.api_key:
             return
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), self.api_key.encode()):
-            self.infer.metrics.requests.labels("unauthorized").inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required: Bearer <key>")
+        if not authorized(given, self.api_key):
+            self.infer.metrics.requests.labels(UNAUTHORIZED.error_type).inc()
+            await context.abort(UNAUTHORIZED.grpc_code, "a valid API key is required: Bearer <key>")
 
     async def _validate(self, request: pb.GenerateRequest, context, stream: bool) -> ValidRequest:
         await self._authorize(context)
         try:
-            return self.validation.validate_prompt(request.inputs, parameters_from_pb(request.parameters),
-                                                   stream=stream)  # fmt: skip
-        except ValidationError as exc:
-            self.infer.metrics.requests.labels("validation").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return self.validation.validate_prompt(
+                request.inputs, parameters_from_pb(request.parameters), stream=stream
+            )
+        except REQUEST_ERRORS as exc:
+            self.infer.metrics.requests.labels(failure_of(exc).error_type).inc()
+            await _abort(context, exc)
             raise  # abort raises; this line is for type checkers
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
@@ -105,14 +110,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         valid = await self._validate(request, context, stream=False)
         try:
             response: Response = await self.infer.generate(valid)
-        except OverloadedError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except GenerationError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except REQUEST_ERRORS as exc:
+            await _abort(context, exc)
         finished = response.finished
-        reply = pb.GenerateResponse(generated_text=_text(valid, finished.generated_text))
+        reply = pb.GenerateResponse(generated_text=full_text(valid, finished.generated_text))
         if valid.parameters.details:
-            reply.details.CopyFrom(details_pb(valid, finished, response.events, response.prefill))
+            reply.details.CopyFrom(details_pb(details(valid, finished, response.events, response.prefill)))
         return reply
 
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.StreamResponse]:
@@ -125,35 +128,30 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         async with AsyncExitStack() as stack:  # leaving it, a cancelled call leaves the batch at the next step
             try:
                 events = await stack.enter_async_context(self.infer.stream(valid))
-            except OverloadedError as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except REQUEST_ERRORS as exc:
+                await _abort(context, exc)
             index = 0
             async for event in events:
                 if isinstance(event, ErrorEvent):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
+                    await context.abort(GENERATION.grpc_code, event.message)
                 index += 1
                 yield self._stream_message(valid, event, index)
 
     def _stream_message(self, valid: ValidRequest, event: TokenEvent, index: int) -> pb.StreamResponse:
-        message = pb.StreamResponse(index=index, token=token_pb(event.token),
-                                    top_tokens=[token_pb(t) for t in event.top_tokens])  # fmt: skip
+        top_tokens = [token_pb(t) for t in event.top_tokens]
+        message = pb.StreamResponse(index=index, token=token_pb(event.token), top_tokens=top_tokens)
         if event.finished is not None:
-            message.generated_text = _text(valid, event.finished.generated_text)
+            message.generated_text = full_text(valid, event.finished.generated_text)
             if valid.parameters.details:
-                message.details.CopyFrom(pb.Details(
-                    finish_reason=event.finished.finish_reason,
-                    generated_tokens=event.finished.generated_tokens,
-                    input_length=len(valid.input_ids),
-                    **({"seed": event.finished.seed} if event.finished.seed is not None else {}),
-                ))  # fmt: skip
+                message.details.CopyFrom(details_pb(details(valid, event.finished)))
         return message
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         await self._authorize(context)
         try:
             valid = self.validation.validate_prompt(request.inputs, {})
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except REQUEST_ERRORS as exc:
+            await _abort(context, exc)
         tokens = self.validation.token_offsets(valid)
         return pb.TokenizeResponse(tokens=[pb.TokenOffset(id=i, text=t, start=a, stop=b) for i, t, a, b in tokens])
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -12,11 +11,25 @@ from typing import Any
 from aiohttp import web
 
 from conveyor import __version__
-from conveyor.router.auth import api_key_middleware, json_errors_middleware, trace_middleware
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
-from conveyor.router.infer import GenerationError, Infer, OverloadedError, Response
+from conveyor.router.infer import Infer, Response
+from conveyor.router.middleware import api_key_middleware, json_errors_middleware, trace_middleware
 from conveyor.router import openapi
 from conveyor.router.openai import OpenAIRoutes
+from conveyor.router.responses import (
+    REQUEST_ERRORS,
+    UNAUTHORIZED,
+    VALIDATION,
+    Details,
+    details,
+    error_event,
+    error_response,
+    full_text,
+    json_error,
+    logprob,
+    open_sse,
+    send_sse,
+)
 from conveyor.router.validation import Limits, ValidationError, Validation, ValidRequest
 
 log = logging.getLogger(__name__)
@@ -59,25 +72,39 @@ class ServerInfo:
         }
 
 
-def error(status: int, message: str, error_type: str) -> web.Response:
-    return web.json_response({"error": message, "error_type": error_type}, status=status)
-
-
-def _float(x: float) -> float | None:
-    """JSON has no NaN: a missing logprob (the first prompt token's) is null."""
-    return None if math.isnan(x) else x
+# Refusals that never reach `Infer`, which counts the others (overloaded, generation) itself.
+_UNQUEUED_REFUSALS = {VALIDATION.status: VALIDATION.error_type, UNAUTHORIZED.status: UNAUTHORIZED.error_type}
 
 
 def token_json(token: Token) -> dict[str, Any]:
-    return {"id": token.id, "text": token.text, "logprob": _float(token.logprob), "special": token.special}
+    return {"id": token.id, "text": token.text, "logprob": logprob(token), "special": token.special}
 
 
 def prefill_json(token: Token) -> dict[str, Any]:
-    return {"id": token.id, "text": token.text, "logprob": _float(token.logprob)}
+    return {"id": token.id, "text": token.text, "logprob": logprob(token)}
 
 
-def full_text(request: ValidRequest, text: str) -> str:
-    return request.inputs + text if request.parameters.return_full_text else text
+def details_json(d: Details) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "finish_reason": d.finish_reason,
+        "generated_tokens": d.generated_tokens,
+        "seed": d.seed,
+        "prefill": [prefill_json(t) for t in d.prefill],
+        "tokens": [token_json(t) for t in d.tokens],
+    }
+    if d.top_tokens is not None:
+        body["top_tokens"] = [[token_json(t) for t in top] for top in d.top_tokens]
+    return body
+
+
+def stream_details_json(d: Details) -> dict[str, Any]:
+    """A stream's last event: its tokens went out one by one, the prompt's length comes instead."""
+    return {
+        "finish_reason": d.finish_reason,
+        "generated_tokens": d.generated_tokens,
+        "seed": d.seed,
+        "input_length": d.input_length,
+    }
 
 
 class HttpServer:
@@ -96,7 +123,10 @@ class HttpServer:
         app = web.Application(
             client_max_size=self.payload_limit,
             middlewares=[
-                trace_middleware, self._count_refusals, json_errors_middleware, api_key_middleware(self.api_key)
+                trace_middleware,
+                self._count_refusals,
+                json_errors_middleware,
+                api_key_middleware(self.api_key),
             ],
         )
         app.router.add_post("/", self.compat)
@@ -119,16 +149,12 @@ class HttpServer:
 
     async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
         if self.draining:
-            return error(503, "server is shutting down", "unavailable")
+            return json_error(503, "server is shutting down", "unavailable")
         try:
             valid = await self._validated(request, stream=False)
             response = await self.infer.generate(valid)
-        except ValidationError as exc:
-            return error(422, str(exc), "validation")
-        except OverloadedError as exc:
-            return error(429, str(exc), "overloaded")
-        except GenerationError as exc:
-            return error(424, str(exc), "generation")
+        except REQUEST_ERRORS as exc:
+            return error_response(exc)
         body = self._generate_json(valid, response)
         return web.json_response([body] if as_list else body)
 
@@ -147,40 +173,27 @@ class HttpServer:
         finished = response.finished
         body: dict[str, Any] = {"generated_text": full_text(valid, finished.generated_text)}
         if valid.parameters.details:
-            body["details"] = {
-                "finish_reason": finished.finish_reason,
-                "generated_tokens": finished.generated_tokens,
-                "seed": finished.seed,
-                "prefill": [prefill_json(t) for t in response.prefill],
-                "tokens": [token_json(t) for t in response.tokens],
-            }
-            if valid.parameters.top_n_tokens:
-                body["details"]["top_tokens"] = [[token_json(t) for t in e.top_tokens] for e in response.events]
+            body["details"] = details_json(details(valid, finished, response.events, response.prefill))
         return body
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events, one per token; the last carries the text and details, or an error event."""
         if self.draining:
-            return error(503, "server is shutting down", "unavailable")
+            return json_error(503, "server is shutting down", "unavailable")
         async with AsyncExitStack() as stack:
             try:
                 valid = await self._validated(request, stream=True)
                 events = await stack.enter_async_context(self.infer.stream(valid))
-            except ValidationError as exc:
-                return error(422, str(exc), "validation")
-            except OverloadedError as exc:
-                return error(429, str(exc), "overloaded")
-            response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            )
-            await response.prepare(request)
+            except REQUEST_ERRORS as exc:
+                return error_response(exc)
+            response = await open_sse(request, proxy_buffering=False)
             index = 0
             async for event in events:
                 if isinstance(event, ErrorEvent):
-                    await _send_sse(response, {"error": event.message, "error_type": event.error_type})
+                    await send_sse(response, error_event(event))
                     break
                 index += 1
-                await _send_sse(response, self._stream_json(valid, event, index))
+                await send_sse(response, self._stream_json(valid, event, index))
             return response
 
     def _stream_json(self, valid: ValidRequest, event: TokenEvent, index: int) -> dict[str, Any]:
@@ -195,20 +208,15 @@ class HttpServer:
         if event.finished is not None:
             body["generated_text"] = full_text(valid, event.finished.generated_text)
             if valid.parameters.details:
-                body["details"] = {
-                    "finish_reason": event.finished.finish_reason,
-                    "generated_tokens": event.finished.generated_tokens,
-                    "seed": event.finished.seed,
-                    "input_length": len(valid.input_ids),
-                }
+                body["details"] = stream_details_json(details(valid, event.finished))
         return body
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """TGI's /tokenize: the prompt's tokens as the server would see them, with character offsets."""
         try:
             valid = await self._validated(request, stream=False)
-        except ValidationError as exc:
-            return error(422, str(exc), "validation")
+        except REQUEST_ERRORS as exc:
+            return error_response(exc)
         tokens = self.validation.token_offsets(valid)
         return web.json_response([dict(zip(("id", "text", "start", "stop"), t)) for t in tokens])
 
@@ -216,16 +224,16 @@ class HttpServer:
         try:
             await self.infer.scheduler.client.health(timeout=2.0)
         except Exception as exc:  # noqa: BLE001 - any failure means not ready
-            return error(503, f"unhealthy: {exc}", "healthcheck")
+            return json_error(503, f"unhealthy: {exc}", "healthcheck")
         if not self.infer.scheduler.healthy:
-            return error(503, "unhealthy: a generation step failed", "healthcheck")
+            return json_error(503, "unhealthy: a generation step failed", "healthcheck")
         return web.json_response({"status": "ok"})
 
     @web.middleware
     async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:
         """Requests refused before they reach the queue (the queue and streams count the rest)."""
         response = await handler(request)
-        if (outcome := {422: "validation", 401: "unauthorized"}.get(response.status)) is not None:
+        if (outcome := _UNQUEUED_REFUSALS.get(response.status)) is not None:
             self.infer.metrics.requests.labels(outcome).inc()
         return response
 
@@ -244,7 +252,3 @@ class HttpServer:
             body.update(block_size=allocator.block_size, kv_blocks_total=allocator.num_blocks,
                         kv_blocks_free=allocator.free_blocks, kv_blocks_cached=allocator.cached_blocks)  # fmt: skip
         return web.json_response(body)
-
-
-async def _send_sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

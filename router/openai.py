@@ -18,17 +18,12 @@ from typing import Any, AsyncIterator, Callable
 from aiohttp import web
 
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
-from conveyor.router.infer import GenerationError, Infer, OverloadedError, Response
+from conveyor.router.infer import Infer, Response
+from conveyor.router.responses import REQUEST_ERRORS, error_event, error_response, open_sse, send_sse
 from conveyor.router.validation import ValidationError, Validation, ValidRequest
 
 MAX_CHOICES = 8  # n, and prompts per completion request, at most
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
-
-
-def openai_error(status: int, message: str, error_type: str) -> web.Response:
-    kind = {"validation": "invalid_request_error", "overloaded": "overloaded_error"}.get(error_type, "server_error")
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}, "error_type": error_type}
-    return web.json_response(body, status=status)
 
 
 def _get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -168,17 +163,15 @@ class OpenAIRoutes:
             stream = _get(body, "stream", bool, False)
             options = _get(body, "stream_options", dict, {})
             choices = parse(body, stream)
-        except ValidationError as exc:
-            return openai_error(422, str(exc), "validation")
+        except REQUEST_ERRORS as exc:
+            return error_response(exc, openai=True)
         wants_logprobs = any(c.request.parameters.top_n_tokens for c in choices)
         if stream:
             return await self._stream(request, choices, fmt, bool(options.get("include_usage")), wants_logprobs)
         try:
             responses = await asyncio.gather(*(self.infer.generate(c.request) for c in choices))
-        except OverloadedError as exc:
-            return openai_error(429, str(exc), "overloaded")
-        except GenerationError as exc:
-            return openai_error(424, str(exc), "generation")
+        except REQUEST_ERRORS as exc:
+            return error_response(exc, openai=True)
         body = fmt.response([(c, r) for c, r in zip(choices, responses)], wants_logprobs)
         return web.json_response(body)
 
@@ -188,23 +181,21 @@ class OpenAIRoutes:
         async with AsyncExitStack() as stack:
             try:
                 streams = [await stack.enter_async_context(self.infer.stream(c.request)) for c in choices]
-            except OverloadedError as exc:
-                return openai_error(429, str(exc), "overloaded")
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await response.prepare(request)
+            except REQUEST_ERRORS as exc:
+                return error_response(exc, openai=True)
+            response = await open_sse(request)
             for chunk in fmt.opening(choices):
-                await _send(response, chunk)
+                await send_sse(response, chunk)
             usage = {"prompt_tokens": sum(len(c.request.input_ids) for c in choices), "completion_tokens": 0}
             async for choice, event in _merge(choices, streams):
                 if isinstance(event, ErrorEvent):
-                    await _send(response, {"error": {"message": event.message, "type": "server_error"},
-                                           "error_type": event.error_type})  # fmt: skip
+                    await send_sse(response, error_event(event, openai=True))
                     break
                 usage["completion_tokens"] += 1
-                await _send(response, fmt.chunk(choice, event, logprobs))
+                await send_sse(response, fmt.chunk(choice, event, logprobs))
             else:
                 if include_usage:
-                    await _send(response, fmt.usage_chunk(_usage(usage)))
+                    await send_sse(response, fmt.usage_chunk(_usage(usage)))
                 await response.write(b"data: [DONE]\n\n")
             return response
 
@@ -232,10 +223,6 @@ async def _merge(choices: list[Choice], streams: list[AsyncIterator]) -> AsyncIt
     finally:
         for task in tasks:
             task.cancel()
-
-
-async def _send(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
 def _usage(counts: dict[str, int]) -> dict[str, int]:

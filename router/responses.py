@@ -1,0 +1,145 @@
+"""What the front doors (TGI's HTTP routes, the OpenAI routes, gRPC) answer, written once so that they cannot
+drift apart: the status each of the router's errors gets, the JSON error body, a finished generation's details,
+server-sent events, and the API key check."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import grpc
+from aiohttp import web
+
+from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
+from conveyor.router.infer import GenerationError, OverloadedError
+from conveyor.router.validation import ValidationError, ValidRequest
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One kind of failed request as each protocol reports it. `error_type` is also the outcome a refusal is
+    counted under in `conveyor_requests_total`, so bodies and metrics use the same words."""
+
+    status: int
+    error_type: str
+    grpc_code: grpc.StatusCode
+    openai_type: str = "server_error"  # the `type` of OpenAI's error object, which OpenAI's clients read
+
+
+VALIDATION = Failure(422, "validation", grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error")
+OVERLOADED = Failure(429, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded_error")
+GENERATION = Failure(424, "generation", grpc.StatusCode.UNAVAILABLE)
+UNAUTHORIZED = Failure(401, "unauthorized", grpc.StatusCode.UNAUTHENTICATED)
+
+_FAILURES: dict[type[Exception], Failure] = {
+    ValidationError: VALIDATION,
+    OverloadedError: OVERLOADED,
+    GenerationError: GENERATION,
+}
+REQUEST_ERRORS = tuple(_FAILURES)  # what validating, queueing or generating a request can raise
+
+
+def failure_of(exc: Exception) -> Failure:
+    return next(failure for kind, failure in _FAILURES.items() if isinstance(exc, kind))
+
+
+# --- JSON errors ------------------------------------------------------------------------------------------
+
+
+def error_body(error: str | dict[str, Any], error_type: str) -> dict[str, Any]:
+    """Every error Conveyor sends, as a response or as a stream's last event, has `error_type` beside `error`."""
+    return {"error": error, "error_type": error_type}
+
+
+def json_error(status: int, message: str, error_type: str) -> web.Response:
+    return web.json_response(error_body(message, error_type), status=status)
+
+
+def error_response(exc: Exception, openai: bool = False) -> web.Response:
+    """The answer to one of `REQUEST_ERRORS`. With `openai`, `error` is OpenAI's error object, as OpenAI's
+    clients expect on its routes."""
+    failure = failure_of(exc)
+    error: str | dict[str, Any] = str(exc)
+    if openai:
+        error = {"message": str(exc), "type": failure.openai_type, "param": None, "code": None}
+    return web.json_response(error_body(error, failure.error_type), status=failure.status)
+
+
+def error_event(event: ErrorEvent, openai: bool = False) -> dict[str, Any]:
+    """The last event of a stream that failed after its 200 went out, so the error can only travel in the body."""
+    error = {"message": event.message, "type": GENERATION.openai_type} if openai else event.message
+    return error_body(error, event.error_type)
+
+
+# --- a finished generation ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Details:
+    """A finished generation's details as plain values; HTTP shapes them as JSON, gRPC as its message."""
+
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+    prefill: tuple[Token, ...] = ()
+    tokens: tuple[Token, ...] = ()
+    top_tokens: tuple[tuple[Token, ...], ...] | None = None  # per token; None unless `top_n_tokens` asked for them
+
+
+def details(
+    valid: ValidRequest, finished: Finished, events: Sequence[TokenEvent] = (), prefill: Sequence[Token] = ()
+) -> Details:
+    """A stream's last event passes no `events`: its tokens went out one by one already."""
+    return Details(
+        finish_reason=finished.finish_reason,
+        generated_tokens=finished.generated_tokens,
+        seed=finished.seed,
+        input_length=len(valid.input_ids),
+        prefill=tuple(prefill),
+        tokens=tuple(e.token for e in events),
+        top_tokens=tuple(e.top_tokens for e in events) if valid.parameters.top_n_tokens else None,
+    )
+
+
+def full_text(valid: ValidRequest, text: str) -> str:
+    return valid.inputs + text if valid.parameters.return_full_text else text
+
+
+def logprob(token: Token) -> float | None:
+    """The first prompt token has no log-probability (NaN inside the router); both protocols send none."""
+    return None if math.isnan(token.logprob) else token.logprob
+
+
+# --- server-sent events -------------------------------------------------------------------------------------
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+async def open_sse(request: web.Request, proxy_buffering: bool = True) -> web.StreamResponse:
+    """Sends the headers of an event stream. Without `proxy_buffering`, `X-Accel-Buffering: no` asks a proxy in
+    front (nginx) to pass each event on at once instead of collecting them."""
+    headers = SSE_HEADERS if proxy_buffering else {**SSE_HEADERS, "X-Accel-Buffering": "no"}
+    response = web.StreamResponse(headers=headers)
+    await response.prepare(request)
+    return response
+
+
+async def send_sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+# --- the API key --------------------------------------------------------------------------------------------
+
+
+def authorized(authorization: str, api_key: str | None) -> bool:
+    """Whether an `Authorization` value (HTTP header or gRPC metadata) is `Bearer <api_key>`; without a key
+    everyone is. The key is compared in constant time, so the answer's timing does not tell how much of a guess
+    was right."""
+    if not api_key:
+        return True
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), api_key.encode())
