@@ -14,6 +14,7 @@ from typing import Callable
 
 import grpc
 
+from conveyor.config import Config
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
@@ -48,19 +49,19 @@ class Child:
 
 @dataclass
 class Deployment:
-    model_dir: Path
-    num_shard: int
-    dtype: str
-    device: str
-    uds_path: str
-    master_addr: str
-    master_port: int
-    router_args: list[str]
-    router_url: str
-    log_level: str | None = None
-    otlp_endpoint: str | None = None
+    """Every process gets the same `config` (model directory and socket prefix already decided)."""
+
+    config: Config
     shards: list[Child] = field(default_factory=list)
     router: Child | None = None
+
+    @property
+    def uds_path(self) -> str:
+        return self.config.shard_uds_path
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.config.hostname}:{self.config.port}"
 
     def _spawn(self, name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
         # Own session: a terminal's Ctrl-C reaches the launcher only, which stops children in order.
@@ -69,19 +70,14 @@ class Deployment:
 
     def start(self, timeout: float, should_stop: Callable[[], bool]) -> None:
         deadline = time.monotonic() + timeout
-        for rank in range(self.num_shard):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.num_shard),
-                       MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))  # fmt: skip
-            args = ["--model-id", str(self.model_dir), "--uds-path", self.uds_path, "--dtype", self.dtype,
-                    "--device", self.device]  # fmt: skip
-            if self.log_level:
-                args += ["--log-level", self.log_level]
-            if self.otlp_endpoint:
-                args += ["--otlp-endpoint", self.otlp_endpoint]
-            self.shards.append(self._spawn(f"shard {rank}", "conveyor.shard.main", args, env))
+        argv, num_shard = self.config.to_argv(), self.config.num_shard
+        for rank in range(num_shard):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_shard), MASTER_ADDR=self.config.master_addr,
+                       MASTER_PORT=str(self.config.master_port))
+            self.shards.append(self._spawn(f"shard {rank}", "conveyor.shard.main", argv, env))
         for rank, shard in enumerate(self.shards):
             self._wait(shard, lambda r=rank: shard_healthy(f"{self.uds_path}-{r}"), deadline, should_stop)
-        self.router = self._spawn("router", "conveyor.router.main", self.router_args, dict(os.environ))
+        self.router = self._spawn("router", "conveyor.router.main", argv, dict(os.environ))
         self._wait(self.router, lambda: _http_ok(f"{self.router_url}/health"), deadline, should_stop)
 
     def _wait(self, child: Child, ready: Callable[[], bool], deadline: float, should_stop) -> None:

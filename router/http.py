@@ -47,8 +47,6 @@ class ServerInfo:
     max_batch_prefill_tokens: int
     max_batch_total_tokens: int
     max_batch_size: int | None
-    waiting_served_ratio: float
-    max_waiting_tokens: int
     num_shard: int
 
     def to_json(self) -> dict[str, Any]:
@@ -64,8 +62,6 @@ class ServerInfo:
             "max_batch_prefill_tokens": self.max_batch_prefill_tokens,
             "max_batch_total_tokens": self.max_batch_total_tokens,
             "max_batch_size": self.max_batch_size,
-            "waiting_served_ratio": self.waiting_served_ratio,
-            "max_waiting_tokens": self.max_waiting_tokens,
             "num_shard": self.num_shard,
             "router": "conveyor",
             "version": __version__,

@@ -6,10 +6,10 @@ budget); otherwise it would wait in the queue for ever. The checks here make tha
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass, replace
 
+from conveyor.config import Config
 from conveyor.router.validation import Limits
 from conveyor.v1 import shard_pb2 as pb
 
@@ -17,8 +17,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOTAL_TOKENS = 4096
 DEFAULT_PREFILL_TOKENS = 4096
-# The padded engine sizes no KV pool, so the token budget is a plain default, as in TGI (which uses 16000).
-DEFAULT_BATCH_TOTAL_TOKENS = 32768
 
 
 class LimitError(ValueError):
@@ -26,30 +24,14 @@ class LimitError(ValueError):
 
 
 @dataclass(frozen=True)
-class LimitArgs:
-    max_input_tokens: int | None
-    max_total_tokens: int | None
-    max_batch_prefill_tokens: int | None
-    max_batch_total_tokens: int | None
-    max_stop_sequences: int
-    max_top_n_tokens: int
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> "LimitArgs":
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
-
-
-@dataclass(frozen=True)
 class ResolvedLimits:
     validation: Limits
     max_batch_prefill_tokens: int
-    max_batch_total_tokens: int
+    max_batch_total_tokens: int  # the KV pool's capacity: 0 until the warmup has sized it
     user_batch_total_tokens: int | None
 
-    def with_capacity(self, capacity: int | None) -> "ResolvedLimits":
-        """Takes the KV capacity a paged engine measured at warmup as the token budget."""
-        if capacity is None:
-            return self
+    def with_capacity(self, capacity: int) -> "ResolvedLimits":
+        """Takes the KV capacity the shards measured at warmup as the token budget."""
         if self.user_batch_total_tokens is not None and self.user_batch_total_tokens != capacity:
             log.warning("using the warmup's KV capacity", extra={"capacity": capacity})
         if capacity < self.validation.max_total_tokens:
@@ -60,22 +42,21 @@ class ResolvedLimits:
         return replace(self, max_batch_total_tokens=capacity)
 
 
-def resolve_limits(args: LimitArgs, info: pb.InfoResponse, tokenizer) -> ResolvedLimits:
+def resolve_limits(args: Config, info: pb.InfoResponse, tokenizer) -> ResolvedLimits:
     model_max = info.max_position_embeddings or getattr(tokenizer, "model_max_length", 0) or 0
     max_total = args.max_total_tokens or min(model_max or DEFAULT_MAX_TOTAL_TOKENS, DEFAULT_MAX_TOTAL_TOKENS)
     max_input = args.max_input_tokens or max_total - 1
     prefill = args.max_batch_prefill_tokens or max(max_input, DEFAULT_PREFILL_TOKENS)
-    total = args.max_batch_total_tokens or max(DEFAULT_BATCH_TOTAL_TOKENS, max_total, prefill)
     if not 0 < max_input < max_total:
         raise LimitError(f"--max-input-tokens ({max_input}) must be below --max-total-tokens ({max_total})")
     if model_max and max_total > model_max:
         raise LimitError(f"--max-total-tokens ({max_total}) exceeds the model's {model_max} positions")
-    if prefill < max_input and not info.support_chunking:  # a chunking engine reads longer prompts in pieces
-        raise LimitError(f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({max_input})")
     if prefill < 1:
         raise LimitError(f"--max-batch-prefill-tokens ({prefill}) must be positive")
-    if total < max_total:
-        raise LimitError(f"--max-batch-total-tokens ({total}) must be >= --max-total-tokens ({max_total})")
+    if args.max_batch_total_tokens is not None and args.max_batch_total_tokens < max_total:
+        raise LimitError(
+            f"--max-batch-total-tokens ({args.max_batch_total_tokens}) must be >= --max-total-tokens ({max_total})"
+        )
     return ResolvedLimits(
         validation=Limits(
             max_input_tokens=max_input,
@@ -84,7 +65,7 @@ def resolve_limits(args: LimitArgs, info: pb.InfoResponse, tokenizer) -> Resolve
             max_top_n_tokens=args.max_top_n_tokens,
         ),
         max_batch_prefill_tokens=prefill,
-        max_batch_total_tokens=total,
+        max_batch_total_tokens=args.max_batch_total_tokens or 0,
         user_batch_total_tokens=args.max_batch_total_tokens,
     )
 
@@ -104,9 +85,6 @@ def warmup_request(limits: ResolvedLimits, tokenizer) -> pb.WarmupRequest:
         for n in range(count)
     ]
     return pb.WarmupRequest(
-        batch=pb.Batch(id=0, requests=requests, size=count, max_tokens=count * (max_input + 2)),
-        max_input_tokens=max_input,
-        max_total_tokens=limits.validation.max_total_tokens,
-        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        batch=pb.Batch(id=0, requests=requests, size=count),
         max_batch_total_tokens=limits.user_batch_total_tokens or 0,
     )

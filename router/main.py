@@ -7,7 +7,6 @@ in flight finish before the process exits.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -17,7 +16,9 @@ import time
 
 from aiohttp import web
 
+from conveyor import config
 from conveyor import log as conveyor_log
+from conveyor.config import Config
 from conveyor import tracing
 from conveyor.router.shard_client import ShardedClient
 from conveyor.router.block_allocator import BlockAllocator
@@ -26,57 +27,23 @@ from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
 from conveyor.router.metrics import Metrics
-from conveyor.router.limits import LimitArgs, LimitError, ResolvedLimits, resolve_limits, warmup_request
+from conveyor.router.limits import LimitError, ResolvedLimits, resolve_limits, warmup_request
 from conveyor.router.scheduler import Scheduler
 from conveyor.router.step_planner import PlannerConfig, Scheduling
 from conveyor.router.validation import Validation
+from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Conveyor router: HTTP front end, queue and batching loop.")
-    p.add_argument("--model-id", required=True, help="the model directory (its tokenizer validates requests)")
-    p.add_argument("--master-shard-uds-path", default="/tmp/conveyor-shard-0")
-    p.add_argument("--hostname", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=3000)
-    p.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC front door on this port")
-    p.add_argument("--max-concurrent-requests", type=int, default=128)
-    p.add_argument("--max-input-tokens", type=int, default=None)
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--max-batch-prefill-tokens", type=int, default=None)
-    p.add_argument("--max-batch-total-tokens", type=int, default=None)
-    p.add_argument("--max-batch-size", type=int, default=None)
-    p.add_argument("--waiting-served-ratio", type=float, default=0.3)
-    p.add_argument("--max-waiting-tokens", type=int, default=20)
-    p.add_argument("--scheduling", choices=[m.value for m in Scheduling], default=Scheduling.CONTINUOUS.value,
-                   help="paged engine: continuous (default), static (full batches run to completion) or sequential")
-    p.add_argument("--static-batch-timeout", type=float, default=1.0,
-                   help="static scheduling: seconds a batch waits to fill up to --max-batch-size")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                   help="paged engine: prompt tokens per step while streams are decoding (default: 64 on CPU, "
-                        "512 on GPU)")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="paged engine: share the KV blocks of common prompt prefixes (default on)")
-    p.add_argument("--max-stop-sequences", type=int, default=4)
-    p.add_argument("--max-top-n-tokens", type=int, default=5)
-    p.add_argument("--graceful-termination-timeout", type=float, default=60.0)
-    p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                   help="required as 'Authorization: Bearer KEY' on POST routes (default: $CONVEYOR_API_KEY)")
-    p.add_argument("--payload-limit", type=int, default=2_000_000, help="largest request body in bytes (413 above)")
-    p.add_argument("--log-level", default=None)
-    p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans there (OTLP/gRPC)")
-    return p.parse_args(argv)
-
-
-async def run(args: argparse.Namespace) -> None:
+async def run(args: Config) -> None:
     from transformers import AutoTokenizer
 
-    client = await ShardedClient.connect(args.master_shard_uds_path)
+    client = await ShardedClient.connect(f"{args.shard_uds_path}-0")
     await client.clear_cache()
     shard_info = await client.info()
     tokenizer = AutoTokenizer.from_pretrained(args.model_id)
-    limits = resolve_limits(LimitArgs.from_namespace(args), shard_info, tokenizer)
+    limits = resolve_limits(args, shard_info, tokenizer)
     log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})
     capacity = await client.warmup(warmup_request(limits, tokenizer))
     limits = limits.with_capacity(capacity)
@@ -96,8 +63,6 @@ async def run(args: argparse.Namespace) -> None:
             max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
             max_batch_total_tokens=limits.max_batch_total_tokens,
             max_batch_size=args.max_batch_size,
-            waiting_served_ratio=args.waiting_served_ratio,
-            max_waiting_tokens=args.max_waiting_tokens,
             num_shard=len(client.urls),
         ),
         api_key=args.api_key,
@@ -141,7 +106,7 @@ DEFAULT_CHUNK_TOKENS = {"cpu": 64}
 
 
 def make_scheduler(
-    args: argparse.Namespace, client: ShardedClient, shard_info, limits: ResolvedLimits, metrics: Metrics
+    args: Config, client: ShardedClient, shard_info: pb.InfoResponse, limits: ResolvedLimits, metrics: Metrics
 ) -> Scheduler:
     allocator = BlockAllocator(limits.max_batch_total_tokens // shard_info.block_size, shard_info.block_size,
                                prefix_caching=args.prefix_caching)  # fmt: skip
@@ -164,7 +129,7 @@ async def _drain(infer: Infer, timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = config.parse(argv, "Conveyor router: HTTP front end, queue and batching loop.")
     conveyor_log.setup("router", args.log_level)
     tracing.setup("conveyor-router", args.otlp_endpoint)
     try:

@@ -71,11 +71,10 @@ class ShardedClient:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self._all("ClearCache", lambda s: s.ClearCache(request))
 
-    async def warmup(self, request: pb.WarmupRequest) -> int | None:
-        """Returns the KV capacity in tokens the smallest rank supports, or None if the engine sizes none."""
+    async def warmup(self, request: pb.WarmupRequest) -> int:
+        """Returns the KV capacity in tokens the smallest rank supports."""
         responses = await self._all("Warmup", lambda s: s.Warmup(request))
-        sizes = [r.max_supported_total_tokens for r in responses if r.HasField("max_supported_total_tokens")]
-        return min(sizes) if sizes else None
+        return min(r.max_supported_total_tokens for r in responses)
 
     async def prefill(
         self, batch: pb.Batch, metadata: Metadata = None, cached_batch: pb.CachedBatch | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-CHOICES = ("auto", "cpu", "cuda")
+from conveyor.config import DEVICES as CHOICES
 
 
 class DeviceUnavailable(ValueError):

@@ -1,12 +1,11 @@
 """`conveyor-shard`: loads a model directory and serves the Shard gRPC service on a unix socket.
 
-The launcher starts one per rank with RANK and WORLD_SIZE in the environment; the socket is
-`{uds_path}-{rank}`, bound only once the model has loaded.
+The launcher starts one per rank with the deployment's flags and RANK and WORLD_SIZE in the environment; the socket is
+`{shard_uds_path}-{rank}`, bound only once the model has loaded.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -14,28 +13,18 @@ import signal
 
 import torch
 
+from conveyor import config
 from conveyor import log as conveyor_log
+from conveyor.config import Config
 from conveyor import tracing
-from conveyor.shard.device import CHOICES as DEVICES
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import initialize
-from conveyor.shard.engine import DTYPES, Engine
+from conveyor.shard.engine import Engine
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models.llama import MODEL_TYPES
 from conveyor.shard.server import serve
 
 log = logging.getLogger(__name__)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Conveyor shard: one model rank behind gRPC.")
-    parser.add_argument("--model-id", required=True, help="a local model directory")
-    parser.add_argument("--uds-path", default="/tmp/conveyor-shard", help="socket prefix; rank r binds PREFIX-r")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--device", choices=DEVICES, default="auto", help="auto: a GPU when one is visible, else the CPU")
-    parser.add_argument("--log-level", default=None)
-    parser.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans there (OTLP/gRPC)")
-    return parser.parse_args(argv)
 
 
 def check_supported(model_dir: str) -> None:
@@ -53,7 +42,7 @@ def check_supported(model_dir: str) -> None:
         raise SystemExit(f"model {model_dir}: {exc}") from None
 
 
-def load(args: argparse.Namespace) -> Engine:
+def load(args: Config) -> Engine:
     device = choose_device(args.device, int(os.environ.get("RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -65,7 +54,7 @@ def load(args: argparse.Namespace) -> Engine:
     return Engine(args.model_id, args.dtype, device, group)
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: Config) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     stop = asyncio.Event()
@@ -75,14 +64,16 @@ async def run(args: argparse.Namespace) -> None:
     check_supported(args.model_id)
     log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype})
     engine = await asyncio.to_thread(load, args)
-    socket_path = f"{args.uds_path}-{rank}"
+    socket_path = f"{args.shard_uds_path}-{rank}"
     if os.path.exists(socket_path):
         os.unlink(socket_path)
-    await serve(engine, args.uds_path, rank, world_size, stop)
+    await serve(engine, args.shard_uds_path, rank, world_size, stop)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = config.parse(argv, "Conveyor shard: one model rank behind gRPC (rank and world size from RANK, WORLD_SIZE).")
+    if args.shard_uds_path is None:
+        raise SystemExit("conveyor-shard needs --shard-uds-path")
     conveyor_log.setup(f"shard-{os.environ.get('RANK', '0')}", args.log_level)
     tracing.setup("conveyor-shard", args.otlp_endpoint)
     try:

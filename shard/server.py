@@ -122,7 +122,7 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest("warmup needs a batch")
         self.cache.clear()
         capacity = await self._run(self.engine.warmup, request)
-        return pb.WarmupResponse() if capacity is None else pb.WarmupResponse(max_supported_total_tokens=capacity)
+        return pb.WarmupResponse(max_supported_total_tokens=capacity)
 
     @rpc
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:

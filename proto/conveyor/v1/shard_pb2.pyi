@@ -21,28 +21,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "block_size", "support_chunking", "use_prefix_caching", "engine", "model_type", "max_position_embeddings", "world_size")
-    REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("dtype", "device_type", "block_size", "engine", "model_type", "max_position_embeddings", "world_size")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    SUPPORT_CHUNKING_FIELD_NUMBER: _ClassVar[int]
-    USE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    requires_padding: bool
     dtype: str
     device_type: str
     block_size: int
-    support_chunking: bool
-    use_prefix_caching: bool
     engine: str
     model_type: str
     max_position_embeddings: int
     world_size: int
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -105,7 +99,7 @@ class StoppingParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "slots", "cache_len", "chunk_len", "resumed_tokens")
+    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "resumed_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -113,7 +107,6 @@ class Request(_message.Message):
     PREFILL_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -124,11 +117,10 @@ class Request(_message.Message):
     prefill_logprobs: bool
     top_n_tokens: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
-    slots: _containers.RepeatedScalarFieldContainer[int]
     cache_len: int
     chunk_len: int
     resumed_tokens: int
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
     __slots__ = ("request_id", "new_blocks", "chunk_len")
@@ -141,32 +133,24 @@ class RequestUpdate(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., new_blocks: _Optional[_Iterable[int]] = ..., chunk_len: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("id", "requests", "size", "max_tokens", "max_blocks")
+    __slots__ = ("id", "requests", "size")
     ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     id: int
     requests: _containers.RepeatedCompositeFieldContainer[Request]
     size: int
-    max_tokens: int
-    max_blocks: int
-    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ..., size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ..., size: _Optional[int] = ...) -> None: ...
 
 class CachedBatch(_message.Message):
-    __slots__ = ("id", "request_ids", "size", "max_tokens", "current_tokens")
+    __slots__ = ("id", "request_ids", "size")
     ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CURRENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     request_ids: _containers.RepeatedScalarFieldContainer[int]
     size: int
-    max_tokens: int
-    current_tokens: int
-    def __init__(self, id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., current_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("ids", "logprobs", "texts", "is_special")
@@ -207,16 +191,10 @@ class Generation(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("forward_ns", "decode_ns", "total_ns", "concat_ns")
-    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("total_ns",)
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
-    CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
-    forward_ns: int
-    decode_ns: int
     total_ns: int
-    concat_ns: int
-    def __init__(self, forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, total_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("batch", "cached_batch", "updates")
@@ -271,18 +249,12 @@ class FilterBatchResponse(_message.Message):
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("batch", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens")
+    __slots__ = ("batch", "max_batch_total_tokens")
     BATCH_FIELD_NUMBER: _ClassVar[int]
-    MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_BATCH_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
-    max_input_tokens: int
-    max_total_tokens: int
-    max_batch_prefill_tokens: int
     max_batch_total_tokens: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_batch_total_tokens: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
     __slots__ = ("max_supported_total_tokens",)

@@ -115,14 +115,15 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Builds a batch from new requests, runs its first forward and samples the first token of each.
+        """One step in which new requests join the running batch (if any): their first prompt chunk goes through the
+        same forward as the running batch's tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Concatenates the given cached batches and runs one decoding step.
+        """One step of the given cached batches, concatenated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

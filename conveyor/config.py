@@ -1,0 +1,108 @@
+"""The one configuration of a deployment: every flag declared once, parsed by one parser.
+
+The launcher parses the command line into a `Config`, fills in what it decides (the model directory, the
+shards' socket prefix) and hands every shard and the router the same flags (`to_argv`); each of them parses
+them with this same parser. A flag added here reaches every process, with one help text and one default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING = ("continuous", "static", "sequential")
+DEMO_SIZES = ("tiny", "small")
+# Never on a command line (where `ps` shows it): the launcher passes it to the router in the environment.
+SECRET = {"api_key"}
+
+
+def flag(default: Any, help: str, **argparse_options: Any) -> Any:
+    return field(default=default, metadata={"help": help, **argparse_options})
+
+
+@dataclass(frozen=True)
+class Config:
+    model_id: str = flag("demo", "a local model directory, or 'demo' (built on first use)")
+    demo_size: str = flag("small", "size of the built-in demo model", choices=DEMO_SIZES)
+    # Shards
+    num_shard: int = flag(1, "tensor-parallel ranks, one process each")
+    dtype: str = flag("float32", "weights and KV cache", choices=DTYPES)
+    device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)
+    shard_uds_path: str | None = flag(None, "socket prefix for the shards; rank r listens on PREFIX-r "
+                                            "(default: a private temp path)")
+    master_addr: str = flag("127.0.0.1", "torch.distributed rendezvous address")
+    master_port: int = flag(29500, "torch.distributed rendezvous port")
+    # Front doors
+    hostname: str = flag("127.0.0.1", "HTTP (and gRPC) listening address")
+    port: int = flag(3000, "HTTP port")
+    grpc_port: int | None = flag(None, "also serve the gRPC front door on this port")
+    api_key: str | None = flag(None, "required as 'Authorization: Bearer KEY' on POST routes "
+                                     "(default: $CONVEYOR_API_KEY)")
+    payload_limit: int = flag(2_000_000, "largest request body in bytes (413 above)")
+    max_concurrent_requests: int = flag(128, "requests in flight at once; more are refused with 429")
+    # Token limits (defaults from the model, see router/limits.py)
+    max_input_tokens: int | None = flag(None, "longest prompt (default: max total - 1)")
+    max_total_tokens: int | None = flag(None, "prompt + new tokens (default: the model's positions, at most 4096)")
+    max_batch_prefill_tokens: int | None = flag(None, "prompt tokens read per step; longer prompts are read in "
+                                                      "chunks (default: max(4096, max input))")
+    max_batch_total_tokens: int | None = flag(None, "KV tokens all running requests may hold (default: sized "
+                                                    "from free memory at warmup)")
+    max_stop_sequences: int = flag(4, "stop sequences per request")
+    max_top_n_tokens: int = flag(5, "most likely alternatives a request may ask for")
+    # Batching
+    max_batch_size: int | None = flag(None, "running requests at most (static scheduling: its batch size, "
+                                            "default 32)")
+    scheduling: str = flag("continuous", "continuous batching, static batches run to completion (waiting for "
+                                         "--max-batch-size requests or --static-batch-timeout), or sequential",
+                           choices=SCHEDULING)
+    static_batch_timeout: float = flag(1.0, "seconds a static batch waits to fill up")
+    prefill_chunk_tokens: int | None = flag(None, "prompt tokens per step while streams are decoding "
+                                                  "(default: 64 on CPU, 512 on GPU)")
+    prefix_caching: bool = flag(True, "share the KV blocks of common prompt prefixes",
+                                action=argparse.BooleanOptionalAction)
+    # Process management
+    startup_timeout: float = flag(600.0, "seconds to wait for shards and router to be ready")
+    graceful_termination_timeout: float = flag(60.0, "seconds in-flight requests get to finish on shutdown")
+    log_level: str | None = flag(None, "DEBUG, INFO, WARNING (default; or CONVEYOR_LOG_LEVEL)")
+    otlp_endpoint: str | None = flag(None, "export OpenTelemetry spans of router and shards there (OTLP/gRPC)")
+
+    def to_argv(self) -> list[str]:
+        """The flags that reproduce this configuration (secrets and defaults left out)."""
+        argv: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECRET or value == f.default:
+                continue
+            name = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(name if value else "--no-" + f.name.replace("_", "-"))
+            else:
+                argv += [name, str(value)]
+        return argv
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    for f in fields(Config):
+        options = dict(f.metadata)
+        default = os.environ.get("CONVEYOR_API_KEY") if f.name == "api_key" else f.default
+        if options.get("action") is None and f.default is not MISSING:
+            kind = _kind(f.type)
+            if kind is not None:
+                options["type"] = kind
+        p.add_argument("--" + f.name.replace("_", "-"), default=default, **options)
+    return p
+
+
+def parse(argv: list[str] | None = None, description: str = "Conveyor") -> Config:
+    return Config(**vars(parser(description).parse_args(argv)))
+
+
+def _kind(annotation: str) -> type | None:
+    """The argparse type of a field from its annotation (strings, with `from __future__ import annotations`)."""
+    base = annotation.split("|")[0].strip()
+    return {"int": int, "float": float, "str": None}.get(base)
