@@ -22,20 +22,14 @@ from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 
-BLOCKS_PER_REQUEST = 8  # paged engine: request n gets blocks [8n, 8n + 8), 128 tokens with 16-token blocks
-
-
-@pytest.fixture(scope="module", params=["padded", "paged"])
-def engine(request: pytest.FixtureRequest) -> str:
-    return request.param
+BLOCKS_PER_REQUEST = 8  # request n gets blocks [8n, 8n + 8), 128 tokens with 16-token blocks
 
 
 @pytest.fixture(scope="module")
-def shard(tiny_model: Path, engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     uds = str(tmp_path_factory.mktemp("uds") / "shard")
     process = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.shard.main", "--model-id", str(tiny_model), "--uds-path", uds,
-         "--engine", engine],  # fmt: skip
+        [sys.executable, "-m", "conveyor.shard.main", "--model-id", str(tiny_model), "--shard-uds-path", uds],
         env=dict(os.environ, RANK="0", WORLD_SIZE="1"),
     )
 
@@ -50,18 +44,18 @@ def shard(tiny_model: Path, engine: str, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture
-async def client(shard: str, engine: str, tokenizer) -> AsyncIterator[ShardedClient]:
+async def client(shard: str, tokenizer) -> AsyncIterator[ShardedClient]:
     client = await ShardedClient.connect(shard)
     await client.clear_cache()
     warmup = pb.WarmupRequest(batch=batch(0, request(tokenizer, 0, "warm up", 2)), max_batch_total_tokens=1024)
     capacity = await client.warmup(warmup)
-    assert capacity == (1024 if engine == "paged" else None)
+    assert capacity == 1024  # the KV pool the router asked for, in 16-token blocks
     yield client
     await client.close()
 
 
 def request(tokenizer, n: int, prompt: str, max_new_tokens: int) -> pb.Request:
-    """Request n; the paged engine's KV blocks are the n-th run of BLOCKS_PER_REQUEST (the padded one ignores them)."""
+    """Request n; its KV blocks are the n-th run of BLOCKS_PER_REQUEST."""
     return pb.Request(
         id=n,
         input_ids=tokenizer(prompt).input_ids,
@@ -82,10 +76,10 @@ def tokenizer(tiny_model: Path):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-async def test_info_and_discovery(client: ShardedClient, shard: str, engine: str) -> None:
+async def test_info_and_discovery(client: ShardedClient, shard: str) -> None:
     info = await client.info()
-    assert info.engine == engine and info.dtype == "float32"
-    assert info.requires_padding == (engine == "padded") and info.block_size == (16 if engine == "paged" else 0)
+    assert info.engine == "paged" and info.dtype == "float32"
+    assert info.block_size == 16
     assert info.model_type == "llama" and info.world_size == 1
     assert client.urls == [f"unix://{shard}"]
 
@@ -104,10 +98,10 @@ async def test_join_filter_and_decode_keep_each_request_on_its_greedy_path(
     first = record(await client.prefill(batch(1, *(request(tokenizer, n, *prompts[n]) for n in (0, 1)))))
     first = record(await client.decode([first]))
     second = record(await client.prefill(batch(2, *(request(tokenizer, n, *prompts[n]) for n in (2, 3)))))
-    joined = record(await client.decode([first, second]))  # rows of different lengths, left-padded together
+    joined = record(await client.decode([first, second]))  # two cached batches, rows of different lengths, one step
     assert list(joined.request_ids) == [0, 1, 2, 3] and joined.id == 1
-    kept = await client.filter_batch(joined.id, [3, 0])  # request 1 and 2 leave; order follows the call
-    assert list(kept.request_ids) == [3, 0] and kept.size == 2
+    kept = await client.filter_batch(joined.id, [3, 0])  # request 1 and 2 leave
+    assert list(kept.request_ids) == [0, 3] and kept.size == 2  # rows keep the batch's order, not the call's
     for _ in range(3):
         kept = record(await client.decode([kept]))
     assert len(got[0]) == 6 and len(got[3]) == 5
@@ -117,26 +111,22 @@ async def test_join_filter_and_decode_keep_each_request_on_its_greedy_path(
     await client.clear_cache(kept.id)
 
 
-async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(
-    client: ShardedClient, tokenizer, engine: str
-) -> None:
+async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(client: ShardedClient, tokenizer) -> None:
     with pytest.raises(ShardError, match="not cached"):
         await client.decode([pb.CachedBatch(id=999, request_ids=[1], size=1)])
     with pytest.raises(ShardError, match="no input tokens"):
         await client.prefill(batch(5, pb.Request(id=1, stopping_parameters=pb.StoppingParameters(max_new_tokens=1))))
     with pytest.raises(ShardError, match="outside the vocabulary"):
         await client.prefill(batch(6, pb.Request(id=1, input_ids=[10**6])))
-    if engine == "paged":
-        too_long = request(tokenizer, 1, "x", 5)
-        too_long.input_ids[:] = [too_long.input_ids[-1]] * 130  # a prompt of 130 tokens > 8 blocks of 16
-        with pytest.raises(ShardError, match="needs 130 KV slots"):
-            await client.prefill(batch(8, too_long))
-        with pytest.raises(ShardError, match="cache_len 9 and chunk_len 3"):
-            await client.prefill(batch(9, pb.Request(id=1, input_ids=[5] * 10, cache_len=9, chunk_len=3)))
+    too_long = request(tokenizer, 1, "x", 5)
+    too_long.input_ids[:] = [too_long.input_ids[-1]] * 130  # a prompt of 130 tokens > 8 blocks of 16
+    with pytest.raises(ShardError, match="needs 130 KV slots"):
+        await client.prefill(batch(8, too_long))
+    with pytest.raises(ShardError, match="cache_len 9 and chunk_len 3"):
+        await client.prefill(batch(9, pb.Request(id=1, input_ids=[5] * 10, cache_len=9, chunk_len=3)))
     cached = (await client.prefill(batch(7, request(tokenizer, 1, "x", 5)))).batch
-    if engine == "paged":
-        with pytest.raises(ShardError, match="has no request 77"):
-            await client.decode([cached], updates=[pb.RequestUpdate(request_id=77)])
+    with pytest.raises(ShardError, match="has no request 77"):
+        await client.decode([cached], updates=[pb.RequestUpdate(request_id=77)])
     with pytest.raises(ShardError, match="no requests"):
         await client.filter_batch(cached.id, [42])
     # The batch survived the bad filter, and the shard still generates.
