@@ -3,7 +3,7 @@ vLLM's CPU build (in its own venv).
 
 Each is a context manager that yields the base URL once /health answers and always stops the process, keeping
 its output in a log file whose tail explains any failure. The launcher helpers (ports, health polling, ordered
-SIGTERM) are `engines.py`'s.
+SIGTERM) are `shards.py`'s.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
-from conveyor.benchmarks import engines
-from conveyor.benchmarks.engines import DeploymentFailed  # noqa: F401 - callers catch it from here
+from conveyor.benchmarks import shards
+from conveyor.benchmarks.shards import DeploymentFailed  # noqa: F401 - callers catch it from here
 
 
 def launcher_flags() -> set[str]:
-    """The flags this checkout's launcher knows (from its --help), so that newer ones are used only when present."""
+    """The flags this checkout's launcher knows (from its --help), so that newer ones are used only when present.
+    Its main() is asked, not its parser: main parses first and exits on --help, wherever the parser lives."""
     from conveyor.launcher import main as launcher
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        launcher.parse_args(["--help"])
+        launcher.main(["--help"])
     return set(re.findall(r"--[a-z][a-z0-9-]*", out.getvalue()))
 
 
@@ -55,24 +56,24 @@ def _serve(command: list[str], name: str, port: int, timeout: float,
     """Runs `command`, yields its URL once healthy, stops it; the log is kept only when something failed."""
     url = f"http://127.0.0.1:{port}"
     with _logged(name) as (log_path, log):
-        engines.progress(f"starting {name} on port {port} (output: {log_path})")
+        shards.progress(f"starting {name} on port {port} (output: {log_path})")
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     failed = True
     try:
-        engines.wait_healthy(process, url, timeout, log_path)
+        shards.wait_healthy(process, url, timeout, log_path)
         yield url
         failed = False
     finally:
-        engines.stop(process)
+        shards.stop(process)
         if not failed:
             log_path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def conveyor(spec: ConveyorSpec, timeout: float) -> Iterator[str]:
-    port, master_port = engines.free_ports(2)
+    port, master_port = shards.free_ports(2)
     launcher_args = SimpleNamespace(model_id=str(spec.model_dir), max_batch_total_tokens=None, launcher_arg=spec.flags)
-    command = engines.launcher_command(launcher_args, "paged", 1, port, master_port)
+    command = shards.launcher_command(launcher_args, 1, port, master_port)
     yield from _serve(command, spec.name, port, timeout)
 
 
@@ -98,7 +99,7 @@ def transformers_serve_problem() -> str | None:
 def transformers_serve(model_dir: Path, num_blocks: int, block_size: int, max_batch_tokens: int,
                        timeout: float, dtype: str = "float32") -> Iterator[str]:  # fmt: skip
     """`transformers serve DIR --continuous-batching` on CPU, pinned to the model (it then serves only that)."""
-    (port,) = engines.free_ports(1)
+    (port,) = shards.free_ports(1)
     command = [transformers_cli() or "transformers", "serve", str(model_dir), "--continuous-batching",
                "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--cb-num-blocks", str(num_blocks),
                "--cb-block-size", str(block_size), "--cb-max-batch-tokens", str(max_batch_tokens),
@@ -136,7 +137,7 @@ def vllm_env(binding: str) -> dict[str, str]:
 @contextlib.contextmanager
 def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float) -> Iterator[str]:
     """vLLM's OpenAI server on CPU for the model directory (served under its path, as `transformers serve`)."""
-    (port,) = engines.free_ports(1)
+    (port,) = shards.free_ports(1)
     command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
                "--disable-uvicorn-access-log"]  # fmt: skip

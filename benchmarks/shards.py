@@ -1,14 +1,14 @@
-"""Output tokens per second for padded vs paged engine, 1 vs 2 shards, at several concurrencies, in one run.
+"""Output tokens per second for 1 vs 2 tensor-parallel shards, at several concurrencies, in one run.
 
-    .venv/bin/python benchmarks/engines.py                      # the demo model, the full grid (many minutes on CPU)
-    .venv/bin/python benchmarks/engines.py --model-id DIR --requests 4 --concurrency 1,2 --max-new-tokens 4
+    .venv/bin/python benchmarks/shards.py                       # the demo model, the full grid (many minutes on CPU)
+    .venv/bin/python benchmarks/shards.py --model-id DIR --requests 4 --shards 1 --concurrency 1,2 --max-new-tokens 4
 
-Every deployment (engine x shards) is started here with the launcher, warmed up, then sent the same seeded
+Every deployment (one per shard count) is started here with the launcher, warmed up, then sent the same seeded
 prompt set at each concurrency (every request streams exactly --max-new-tokens tokens, EOS ignored), then
 stopped with SIGTERM. Model, prompts and token counts are identical across the grid, so the numbers differ
-only in the engine and the number of shards. The padded engine runs on one rank only: its 2-shard cells read
-"n/a". A deployment that fails is reported (its launcher output goes to stderr), shown as "failed", and the
-rest of the grid still runs; the exit status is then 1.
+only in the number of shards; with both 1 and 2 in the grid a last row gives 2 shards / 1 shard at each level.
+A deployment that fails is reported (its launcher output goes to stderr), shown as "failed", and the rest of
+the grid still runs; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from pathlib import Path
 from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
-SINGLE_RANK_ENGINES = {"padded"}  # engines that cannot be split across ranks: their multi-shard cells are n/a
 WARMUP_REQUESTS, WARMUP_TOKENS = 4, 4
 STOP_TIMEOUT_S = 180.0  # the launcher gives in-flight requests 60 s, then stops each shard (10 s each at most)
 LOG_TAIL_LINES = 60
+RATIO_LABEL = "2 shards / 1 shard"  # the last row of the table, when the grid holds both
+LABEL_WIDTH = len(RATIO_LABEL) + 2
 
 
 def load_sibling(name: str) -> ModuleType:
@@ -55,12 +56,11 @@ class DeploymentFailed(RuntimeError):
 
 @dataclass
 class Outcome:
-    """What one (engine, shards) cell of the grid came to: rows by concurrency, or why there are none."""
+    """What one deployment (shard count) of the grid came to: rows by concurrency, or why there are none."""
 
-    engine: str
     shards: int
     rows: dict[int, streams.Row] = field(default_factory=dict)  # by concurrency
-    status: str = "ok"  # ok | n/a | failed
+    status: str = "ok"  # ok | failed
     error: str | None = None
 
 
@@ -81,11 +81,11 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def launcher_command(args: argparse.Namespace, engine: str, shards: int, port: int, master_port: int) -> list[str]:
+def launcher_command(args: argparse.Namespace, shards: int, port: int, master_port: int) -> list[str]:
     """The launcher's command line; flags forwarded by the user come last, so that they win."""
     command = [sys.executable, "-m", "conveyor.launcher.main", "--model-id", args.model_id,
                "--port", str(port), "--master-port", str(master_port),
-               "--engine", engine, "--num-shard", str(shards)]  # fmt: skip
+               "--num-shard", str(shards)]  # fmt: skip
     if args.max_batch_total_tokens is not None:
         command += ["--max-batch-total-tokens", str(args.max_batch_total_tokens)]
     return command + list(args.launcher_arg)
@@ -147,14 +147,14 @@ async def run_levels(url: str, texts: list[str], levels: list[int], max_new_toke
     return rows
 
 
-def measure(args: argparse.Namespace, engine: str, shards: int, texts: list[str]) -> dict[int, streams.Row]:
+def measure(args: argparse.Namespace, shards: int, texts: list[str]) -> dict[int, streams.Row]:
     """Starts one deployment, measures it, and always stops it; its output is kept in a log file on failure."""
     port, master_port = free_ports(2)
     url = f"http://127.0.0.1:{port}"
-    with tempfile.NamedTemporaryFile(prefix=f"conveyor-bench-{engine}-x{shards}-", suffix=".log", delete=False) as log:
+    with tempfile.NamedTemporaryFile(prefix=f"conveyor-bench-x{shards}-", suffix=".log", delete=False) as log:
         log_path = Path(log.name)
-        progress(f"starting the {engine} engine with {shards} shard(s) on port {port} (launcher output: {log_path})")
-        process = subprocess.Popen(launcher_command(args, engine, shards, port, master_port),
+        progress(f"starting {shards} shard(s) on port {port} (launcher output: {log_path})")
+        process = subprocess.Popen(launcher_command(args, shards, port, master_port),
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
     try:
         wait_healthy(process, url, args.startup_timeout, log_path)
@@ -171,38 +171,34 @@ def measure(args: argparse.Namespace, engine: str, shards: int, texts: list[str]
 
 
 def run_grid(args: argparse.Namespace, texts: list[str]) -> list[Outcome]:
-    """Every (engine, shards) in order; a failure is recorded and reported, and the grid goes on."""
+    """Every shard count in order; a failure is recorded and reported, and the grid goes on."""
     outcomes = []
-    for engine in args.engines:
-        for shards in args.shards:
-            outcome = Outcome(engine, shards)
-            if engine in SINGLE_RANK_ENGINES and shards > 1:
-                outcome.status = "n/a"
-            else:
-                try:
-                    outcome.rows = measure(args, engine, shards, texts)
-                except DeploymentFailed as exc:
-                    outcome.status, outcome.error = "failed", str(exc)
-                    progress(f"FAILED: {engine} engine with {shards} shard(s): {exc}")
-            outcomes.append(outcome)
+    for shards in args.shards:
+        outcome = Outcome(shards)
+        try:
+            outcome.rows = measure(args, shards, texts)
+        except DeploymentFailed as exc:
+            outcome.status, outcome.error = "failed", str(exc)
+            progress(f"FAILED: {shards} shard(s): {exc}")
+        outcomes.append(outcome)
     return outcomes
 
 
 def cell(outcome: Outcome, concurrency: int) -> str:
-    """One table cell: the measured rate, or why there is none (n/a, failed)."""
+    """One table cell: the measured rate, or why there is none (failed)."""
     row = outcome.rows.get(concurrency)
     return f"{row.tok_per_s:.1f}" if row is not None else outcome.status
 
 
 def ratio_cells(outcomes: list[Outcome], levels: list[int]) -> list[str] | None:
-    """paged/padded at each level on one shard; None when the grid holds no such pair to compare."""
-    by_key = {(o.engine, o.shards): o for o in outcomes}
-    paged, padded = by_key.get(("paged", 1)), by_key.get(("padded", 1))
-    if paged is None or padded is None:
+    """2 shards / 1 shard at each level ("n/a" where either failed); None when the grid lacks one of the two."""
+    by_shards = {o.shards: o for o in outcomes}
+    two, one = by_shards.get(2), by_shards.get(1)
+    if two is None or one is None:
         return None
     cells = []
     for c in levels:
-        a, b = paged.rows.get(c), padded.rows.get(c)
+        a, b = two.rows.get(c), one.rows.get(c)
         cells.append(f"{a.tok_per_s / b.tok_per_s:.2f}x" if a is not None and b is not None else "n/a")
     return cells
 
@@ -214,13 +210,13 @@ def print_report(args: argparse.Namespace, outcomes: list[Outcome]) -> None:
     print(f"prompt set: {args.requests} prompts of {args.min_words}-{args.max_words} words, seed {args.seed}, "
           f"{args.max_new_tokens} new tokens each (EOS ignored), same prompts at every level{budget}")  # fmt: skip
     width = max(10, *(len(f"{c} streams") + 2 for c in args.concurrency))
-    print(f"\noutput tok/s by concurrent streams\n{'engine':<12} {'shards':>6}"
+    print(f"\noutput tok/s by concurrent streams\n{'shards':<{LABEL_WIDTH}}"
           + "".join(f"{f'{c} streams':>{width}}" for c in args.concurrency))  # fmt: skip
     for o in outcomes:
-        print(f"{o.engine:<12} {o.shards:>6}" + "".join(f"{cell(o, c):>{width}}" for c in args.concurrency))
+        print(f"{o.shards:<{LABEL_WIDTH}}" + "".join(f"{cell(o, c):>{width}}" for c in args.concurrency))
     ratios = ratio_cells(outcomes, args.concurrency)
     if ratios is not None:
-        print(f"{'paged/padded':<12} {1:>6}" + "".join(f"{r:>{width}}" for r in ratios))
+        print(f"{RATIO_LABEL:<{LABEL_WIDTH}}" + "".join(f"{r:>{width}}" for r in ratios))
 
 
 def write_json(path: Path, args: argparse.Namespace, outcomes: list[Outcome]) -> None:
@@ -230,7 +226,7 @@ def write_json(path: Path, args: argparse.Namespace, outcomes: list[Outcome]) ->
         "max_words": args.max_words, "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
         "max_batch_total_tokens": args.max_batch_total_tokens, "launcher_args": args.launcher_arg,
         "deployments": [
-            {"engine": o.engine, "shards": o.shards, "status": o.status, "error": o.error,
+            {"shards": o.shards, "status": o.status, "error": o.error,
              "levels": [dict(asdict(r), tok_per_s=r.tok_per_s) for r in o.rows.values()]}
             for o in outcomes
         ],
@@ -242,15 +238,10 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def name_list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-id", default="demo", help="a model directory, or 'demo' (built by the launcher)")
-    p.add_argument("--engines", default="padded,paged", type=name_list)
-    p.add_argument("--shards", default="1,2", type=int_list)
+    p.add_argument("--shards", default="1,2", type=int_list, help="tensor-parallel shard counts, one deployment each")
     p.add_argument("--concurrency", default="1,8,32", type=int_list, help="requests in flight at once, per level")
     p.add_argument("--requests", type=int, default=32, help="prompts sent at every level (the same ones)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens each request streams (EOS ignored)")
@@ -266,6 +257,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.requests < 1 or args.max_new_tokens < 1 or not args.concurrency or min(args.concurrency) < 1:
         p.error("--requests, --max-new-tokens and every --concurrency must be at least 1")
+    if not args.shards or min(args.shards) < 1:
+        p.error("every --shards must be at least 1")
     return args
 
 
