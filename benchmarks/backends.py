@@ -55,8 +55,13 @@ class OpenAIBackend(Backend):
     """Greedy (temperature 0) streaming with `stream_options.include_usage`, so the server counts the tokens."""
 
     def _common(self, prompt: Prompt, options: RequestOptions) -> dict[str, Any]:
-        body = {"model": options.model, "max_tokens": prompt.output_len, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": options.model,
+            "max_tokens": prompt.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if options.ignore_eos and options.extra_fields:
             body["ignore_eos"] = True
         return body

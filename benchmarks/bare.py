@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from conveyor.benchmarks.progress import note
 
 
@@ -46,11 +45,18 @@ class BareResult:
         return self.batch * 1000.0 / step if step else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "requests": self.requests, "input_tokens": self.input_tokens,
-                "output_tokens": self.output_tokens, "duration_s": self.duration_s, "steps": self.steps,
-                "output_throughput": self.output_throughput, "full_decode_steps": self.full_decode_steps,
-                "median_full_decode_step_ms": self.median_full_decode_step_ms,
-                "decode_throughput": self.decode_throughput}  # fmt: skip
+        return {
+            "batch": self.batch,
+            "requests": self.requests,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "duration_s": self.duration_s,
+            "steps": self.steps,
+            "output_throughput": self.output_throughput,
+            "full_decode_steps": self.full_decode_steps,
+            "median_full_decode_step_ms": self.median_full_decode_step_ms,
+            "decode_throughput": self.decode_throughput,
+        }
 
 
 @dataclass
@@ -77,9 +83,15 @@ class BareLoop:
 
         self.blocks_per_slot = math.ceil(max_len / self.block_size)
         shape, config = self.model.shape, self.engine.config
-        self.cache = KVCache.allocate(config.num_hidden_layers, self.batch * self.blocks_per_slot, self.block_size,
-                                      shape.kv_heads_per_rank, shape.head_dim, self.engine.dtype,
-                                      torch.device("cpu"))  # fmt: skip
+        self.cache = KVCache.allocate(
+            config.num_hidden_layers,
+            self.batch * self.blocks_per_slot,
+            self.block_size,
+            shape.kv_heads_per_rank,
+            shape.head_dim,
+            self.engine.dtype,
+            torch.device("cpu"),
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer(text).input_ids
@@ -95,9 +107,14 @@ class BareLoop:
         ids = torch.tensor([t for r in rows for t in r.feed], dtype=torch.long)
         positions = torch.cat([torch.arange(r.length, r.length + len(r.feed)) for r in rows])
         query_lens = [len(r.feed) for r in rows]
-        meta = AttentionMetadata.build([self.table(r.slot) for r in rows], [r.length + len(r.feed) for r in rows],
-                                       query_lens, self.block_size, torch.device("cpu"),
-                                       self.model.sliding_window)  # fmt: skip
+        meta = AttentionMetadata.build(
+            [self.table(r.slot) for r in rows],
+            [r.length + len(r.feed) for r in rows],
+            query_lens,
+            self.block_size,
+            torch.device("cpu"),
+            self.model.sliding_window,
+        )
         last = torch.cumsum(torch.tensor(query_lens), 0) - 1
         return self.model(ids, positions, self.cache, meta, last).argmax(dim=-1).tolist()
 
@@ -117,8 +134,16 @@ class BareLoop:
             rows = self._advance(rows, tokens, free)
         duration = time.perf_counter() - start
         median = statistics.median(full_steps) * 1000.0 if full_steps else None
-        return BareResult(self.batch, len(requests), sum(len(p) for p, _ in requests), sum(n for _, n in requests),
-                          duration, steps, len(full_steps), median)  # fmt: skip
+        return BareResult(
+            self.batch,
+            len(requests),
+            sum(len(p) for p, _ in requests),
+            sum(n for _, n in requests),
+            duration,
+            steps,
+            len(full_steps),
+            median,
+        )
 
     @staticmethod
     def _admit(pending: deque, rows: list[_Row], free: list[int], budget: int) -> bool:
@@ -141,8 +166,16 @@ class BareLoop:
         return kept
 
 
-def measure(model_dir: Path, texts: list[str], output_lens: list[int], batch: int, prefill_budget: int = 4096,
-            warmup_steps: int = 2, dtype: str = "float32", gemm: str = "auto") -> BareResult:  # fmt: skip
+def measure(
+    model_dir: Path,
+    texts: list[str],
+    output_lens: list[int],
+    batch: int,
+    prefill_budget: int = 4096,
+    warmup_steps: int = 2,
+    dtype: str = "float32",
+    gemm: str = "auto",
+) -> BareResult:
     """Loads the model (its linear layers on the `gemm` backend, see `layers/gemm.py`), warms it up on the first
     prompts, then runs the whole workload once, timed."""
     note(f"bare forward: loading {model_dir} in-process, batch {batch}, {dtype}, GEMM {gemm}")

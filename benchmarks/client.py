@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterable, AsyncIterator
+from typing import Any
 
 import aiohttp
-
 from conveyor.benchmarks.backends import Backend, RequestOptions
 from conveyor.benchmarks.workload import Prompt
 
@@ -41,9 +41,18 @@ class RequestRecord:
         return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "success": self.success, "error": self.error, "prompt_len": self.prompt_len,
-                "output_len": self.output_len, "sent_at_s": self.sent_at, "ttft_s": self.ttft, "tpot_s": self.tpot,
-                "e2el_s": self.e2el, "itl_s": self.itl}  # fmt: skip
+        return {
+            "index": self.index,
+            "success": self.success,
+            "error": self.error,
+            "prompt_len": self.prompt_len,
+            "output_len": self.output_len,
+            "sent_at_s": self.sent_at,
+            "ttft_s": self.ttft,
+            "tpot_s": self.tpot,
+            "e2el_s": self.e2el,
+            "itl_s": self.itl,
+        }
 
 
 async def sse_data(content: AsyncIterable[bytes]) -> AsyncIterator[str]:
@@ -78,8 +87,15 @@ class _Stream:
     completion_tokens: int | None = None
 
 
-async def send(session: aiohttp.ClientSession, url: str, backend: Backend, prompt: Prompt,
-               options: RequestOptions, tokenizer: Any = None, run_start: float = 0.0) -> RequestRecord:  # fmt: skip
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    backend: Backend,
+    prompt: Prompt,
+    options: RequestOptions,
+    tokenizer: Any = None,
+    run_start: float = 0.0,
+) -> RequestRecord:
     record = RequestRecord(prompt.index, prompt.prompt_len)
     body = backend.body(prompt, options)
     stream = _Stream(time.perf_counter())

@@ -20,7 +20,8 @@ its OpenAI completions route (greedy, output length fixed by max_tokens, EOS ign
 The bare-forward ceiling runs the throughput workload through the same model in-process, at the concurrency cap
 as batch size, with the linear layers on oneDNN (what the shard runs) and again on torch's F.linear (MKL), which
 shows what the packed-weight GEMM wins. With bfloat16 among --dtypes (the default only where the CPU has bf16
-instructions), Conveyor continuous, vLLM (all cores), transformers serve and the bare forward run again in it. The report prints each system's metrics, then the ratios against the targets. JSON for every run,
+instructions), Conveyor continuous, vLLM (all cores), transformers serve and the bare forward run again in it.
+The report prints each system's metrics, then the ratios against the targets. JSON for every run,
 a summary and the sweep plot go to --out. A system that cannot run (no --scheduling in the launcher, no
 `transformers serve` installed) is reported as skipped and the rest still runs; a failed one makes the exit
 status 1.
@@ -37,8 +38,16 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.benchmarks import bare, deploy
-from conveyor.benchmarks.compare_report import (BARE, BARE_TORCH_GEMM, BF16, TRANSFORMERS, VLLM, Outcome,
-                                                print_report, summary_dict)
+from conveyor.benchmarks.compare_report import (
+    BARE,
+    BARE_TORCH_GEMM,
+    BF16,
+    TRANSFORMERS,
+    VLLM,
+    Outcome,
+    print_report,
+    summary_dict,
+)
 from conveyor.benchmarks.metrics import BenchmarkResult
 from conveyor.benchmarks.plot import plot_results
 from conveyor.benchmarks.progress import note
@@ -68,10 +77,17 @@ def spec(span: tuple[int, int]) -> LengthSpec:
 def long_mix(args: argparse.Namespace, tokenizer: Any) -> Workload:
     """Short streams with the long prompts spread evenly among them (never first: they arrive mid-stream)."""
     seed = args.seed + 2
-    short = build_prompts(args.short_prompts, spec(args.short_input_len), spec((args.short_output_len,) * 2),
-                          seed, tokenizer)  # fmt: skip
-    long = build_prompts(args.long_prompts, spec((args.long_len,) * 2), spec((args.long_output_len,) * 2),
-                         seed + 100, tokenizer, first_index=len(short))  # fmt: skip
+    short = build_prompts(
+        args.short_prompts, spec(args.short_input_len), spec((args.short_output_len,) * 2), seed, tokenizer
+    )
+    long = build_prompts(
+        args.long_prompts,
+        spec((args.long_len,) * 2),
+        spec((args.long_output_len,) * 2),
+        seed + 100,
+        tokenizer,
+        first_index=len(short),
+    )
     order: list[Prompt] = list(short)
     every = max(1, len(short) // (len(long) + 1))
     for n, prompt in enumerate(long, start=1):
@@ -85,33 +101,59 @@ def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workl
         low, high = args.output_len
         outputs = LengthSpec("exponential", args.output_mean, low=low, high=high)
     return {
-        "throughput": Workload("throughput", build_prompts(args.num_prompts, inputs, outputs, args.seed, tokenizer),
-                               [float("inf")], args.max_concurrency, args.seed),
-        "sweep": Workload("sweep", build_prompts(args.sweep_prompts, inputs, outputs, args.seed + 1, tokenizer),
-                          args.sweep_rates, args.max_concurrency, args.seed + 1),
+        "throughput": Workload(
+            "throughput",
+            build_prompts(args.num_prompts, inputs, outputs, args.seed, tokenizer),
+            [float("inf")],
+            args.max_concurrency,
+            args.seed,
+        ),
+        "sweep": Workload(
+            "sweep",
+            build_prompts(args.sweep_prompts, inputs, outputs, args.seed + 1, tokenizer),
+            args.sweep_rates,
+            args.max_concurrency,
+            args.seed + 1,
+        ),
         "long": long_mix(args, tokenizer),
-    }  # fmt: skip
+    }
 
 
 def plan(args: argparse.Namespace, system: str) -> list[str]:
     """Which workloads a system runs: throughput always; sweep and long where the options name it."""
     short = system.removeprefix("conveyor-").removesuffix(BF16)
-    return ["throughput"] + [name for name, systems in (("sweep", args.sweep_systems), ("long", args.long_systems))
-                             if short in systems]  # fmt: skip
+    return ["throughput"] + [
+        name for name, systems in (("sweep", args.sweep_systems), ("long", args.long_systems)) if short in systems
+    ]
 
 
-def measure(args: argparse.Namespace, system: str, url: str, workloads: dict[str, Workload], model: str | None,
-            extra_fields: bool) -> dict[str, BenchmarkResult]:  # fmt: skip
+def measure(
+    args: argparse.Namespace,
+    system: str,
+    url: str,
+    workloads: dict[str, Workload],
+    model: str | None,
+    extra_fields: bool,
+) -> dict[str, BenchmarkResult]:
     """Runs the system's planned workloads against `url`; only the first gets the warm-up requests."""
     results = {}
     warmups = args.num_warmups
     for name in plan(args, system):
         w = workloads[name]
         note(f"  {system}: {name} workload, {len(w.prompts)} prompts")
-        config = BenchmarkConfig(base_url=url, model=model, label=system, seed=w.seed, request_rates=w.rates,
-                                 max_concurrency=w.max_concurrency, ignore_eos=True, extra_fields=extra_fields,
-                                 tokenizer=str(args.model_dir), num_warmups=warmups,
-                                 request_timeout=args.request_timeout)  # fmt: skip
+        config = BenchmarkConfig(
+            base_url=url,
+            model=model,
+            label=system,
+            seed=w.seed,
+            request_rates=w.rates,
+            max_concurrency=w.max_concurrency,
+            ignore_eos=True,
+            extra_fields=extra_fields,
+            tokenizer=str(args.model_dir),
+            num_warmups=warmups,
+            request_timeout=args.request_timeout,
+        )
         results[name] = asyncio.run(run(config, w.prompts))
         warmups = 0
     return results
@@ -139,8 +181,9 @@ def failed(system: str, exc: Exception) -> Outcome:
     return Outcome(system, "failed", message)
 
 
-def run_conveyor(args: argparse.Namespace, mode: str, workloads: dict[str, Workload], known: set[str],
-                 dtype: str = "float32") -> Outcome:  # fmt: skip
+def run_conveyor(
+    args: argparse.Namespace, mode: str, workloads: dict[str, Workload], known: set[str], dtype: str = "float32"
+) -> Outcome:
     system = f"conveyor-{mode}{DTYPE_SUFFIX[dtype]}"
     flags = conveyor_flags(args, mode, known)
     if flags is None:
@@ -169,11 +212,13 @@ def run_transformers(args: argparse.Namespace, workloads: dict[str, Workload], d
         return Outcome(system, "skipped", f"transformers serve cannot run here: {problem}")
     blocks, block_size = transformers_kv(args, workloads)
     try:
-        with deploy.transformers_serve(args.model_dir, blocks, block_size, args.tserve_max_batch_tokens,
-                                       args.startup_timeout, dtype) as url:  # fmt: skip
+        with deploy.transformers_serve(
+            args.model_dir, blocks, block_size, args.tserve_max_batch_tokens, args.startup_timeout, dtype
+        ) as url:
             # It serves only the pinned model, under the name it was given; it answers 422 to ignore_eos.
-            return Outcome(system, "ok", None, measure(args, system, url, workloads, str(args.model_dir),
-                                                       extra_fields=False))  # fmt: skip
+            return Outcome(
+                system, "ok", None, measure(args, system, url, workloads, str(args.model_dir), extra_fields=False)
+            )
     except Exception as exc:  # noqa: BLE001 - as for Conveyor's modes
         return failed(system, exc)
 
@@ -195,15 +240,21 @@ def run_vllm(args: argparse.Namespace, workloads: dict[str, Workload], binding: 
         return failed(system, exc)
 
 
-def run_bare(args: argparse.Namespace, workload: Workload, dtype: str = "float32",
-             gemm: str = "auto") -> bare.BareResult | str:  # fmt: skip
+def run_bare(
+    args: argparse.Namespace, workload: Workload, dtype: str = "float32", gemm: str = "auto"
+) -> bare.BareResult | str:
     """The ceiling, or why there is none."""
     if args.skip_bare:
         return "skipped (--skip-bare)"
     try:
-        return bare.measure(args.model_dir, [p.text for p in workload.prompts],
-                            [p.output_len for p in workload.prompts], args.max_concurrency, dtype=dtype,
-                            gemm=gemm)  # fmt: skip
+        return bare.measure(
+            args.model_dir,
+            [p.text for p in workload.prompts],
+            [p.output_len for p in workload.prompts],
+            args.max_concurrency,
+            dtype=dtype,
+            gemm=gemm,
+        )
     except Exception as exc:  # noqa: BLE001 - reported in the table; the rest of the comparison stands
         note(f"FAILED: bare forward: {type(exc).__name__}: {exc}")
         return f"failed: {type(exc).__name__}: {exc}"
@@ -255,11 +306,23 @@ def names(text: str) -> list[str]:
 
 
 QUICK = {  # a smoke run on a tiny model: every phase, a handful of requests
-    "num_prompts": 8, "input_len": (8, 32), "output_len": (2, 8), "max_concurrency": 4, "sweep_prompts": 4,
-    "sweep_rates": [8.0, float("inf")], "short_prompts": 4, "short_input_len": (8, 16), "short_output_len": 6,
-    "long_prompts": 1, "long_len": 300, "long_output_len": 2, "long_rate": 8.0, "num_warmups": 1,
-    "vllm_bindings": ["all"], "gemm_baseline": False,
-}  # fmt: skip
+    "num_prompts": 8,
+    "input_len": (8, 32),
+    "output_len": (2, 8),
+    "max_concurrency": 4,
+    "sweep_prompts": 4,
+    "sweep_rates": [8.0, float("inf")],
+    "short_prompts": 4,
+    "short_input_len": (8, 16),
+    "short_output_len": 6,
+    "long_prompts": 1,
+    "long_len": 300,
+    "long_output_len": 2,
+    "long_rate": 8.0,
+    "num_warmups": 1,
+    "vllm_bindings": ["all"],
+    "gemm_baseline": False,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -269,21 +332,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", type=names, default=list(MODES), help="Conveyor scheduling modes to measure")
     p.add_argument("--skip-transformers", action="store_true", help="leave out `transformers serve`")
     p.add_argument("--skip-vllm", action="store_true", help="leave out vLLM's CPU build")
-    p.add_argument("--vllm-bindings", type=names, default=list(deploy.VLLM_BINDINGS),
-                   help="vLLM thread bindings to measure: all (every core for the model), default (vLLM's own)")
-    p.add_argument("--dtypes", type=names, default=default_dtypes(),
-                   help="float32, and bfloat16 (default only where the CPU has bf16 instructions: elsewhere "
-                        "every bf16 matmul takes a slow fallback)")
-    p.add_argument("--no-gemm-baseline", dest="gemm_baseline", action="store_false",
-                   help="skip the bare forward on F.linear (MKL), the baseline of the oneDNN GEMM")
+    p.add_argument(
+        "--vllm-bindings",
+        type=names,
+        default=list(deploy.VLLM_BINDINGS),
+        help="vLLM thread bindings to measure: all (every core for the model), default (vLLM's own)",
+    )
+    p.add_argument(
+        "--dtypes",
+        type=names,
+        default=default_dtypes(),
+        help="float32, and bfloat16 (default only where the CPU has bf16 instructions: elsewhere "
+        "every bf16 matmul takes a slow fallback)",
+    )
+    p.add_argument(
+        "--no-gemm-baseline",
+        dest="gemm_baseline",
+        action="store_false",
+        help="skip the bare forward on F.linear (MKL), the baseline of the oneDNN GEMM",
+    )
     p.add_argument("--skip-bare", action="store_true", help="leave out the bare-forward ceiling")
     p.add_argument("--quick", action="store_true", help="tiny workloads, for a smoke test: " + ", ".join(QUICK))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", type=int, default=64, help="throughput workload: prompts, all sent at once")
     p.add_argument("--input-len", type=length_range, default=(16, 64), metavar="LOW,HIGH", help="prompt tokens")
     p.add_argument("--output-len", type=length_range, default=(128, 128), metavar="LOW,HIGH", help="output tokens")
-    p.add_argument("--output-mean", type=int, default=None,
-                   help="draw output lengths from an exponential with this mean, clipped to --output-len")
+    p.add_argument(
+        "--output-mean",
+        type=int,
+        default=None,
+        help="draw output lengths from an exponential with this mean, clipped to --output-len",
+    )
     p.add_argument("--max-concurrency", type=int, default=32, help="client cap; static batch and bare batch size")
     p.add_argument("--sweep-prompts", type=int, default=20, help="sweep workload: prompts sent at every rate")
     p.add_argument("--sweep-rates", type=lambda s: [float(x) for x in names(s)], default=[0.5, 1.0, 2.0, 4.0])
@@ -297,8 +376,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-rate", type=float, default=3.0, help="long workload: Poisson arrivals per second")
     p.add_argument("--long-systems", type=names, default=["continuous"])
     p.add_argument("--static-timeout", type=float, default=0.5, help="static mode: seconds a batch waits to fill")
-    p.add_argument("--prefix-caching", action="store_true",
-                   help="keep Conveyor's prefix cache on (off by default: every rate reuses the same prompts)")
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="keep Conveyor's prefix cache on (off by default: every rate reuses the same prompts)",
+    )
     p.add_argument("--launcher-arg", action="append", default=[], help="one more launcher flag (repeatable)")
     p.add_argument("--tserve-block-size", type=int, default=256, help="transformers serve --cb-block-size")
     p.add_argument("--tserve-max-batch-tokens", type=int, default=4096, help="transformers serve --cb-max-batch-tokens")
@@ -312,8 +394,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in QUICK.items():
             if key not in explicit:
                 setattr(args, key, value)
-    for option, given, allowed in (("--systems", args.systems, MODES), ("--dtypes", args.dtypes, DTYPE_SUFFIX),
-                                   ("--vllm-bindings", args.vllm_bindings, deploy.VLLM_BINDINGS)):
+    for option, given, allowed in (
+        ("--systems", args.systems, MODES),
+        ("--dtypes", args.dtypes, DTYPE_SUFFIX),
+        ("--vllm-bindings", args.vllm_bindings, deploy.VLLM_BINDINGS),
+    ):
         if unknown := set(given) - set(allowed):
             p.error(f"unknown {option} {sorted(unknown)}: choose from {', '.join(allowed)}")
     if args.dtypes[:1] != ["float32"]:

@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from conveyor.benchmarks.bare import BareResult
 from conveyor.benchmarks.metrics import BenchmarkResult, RateResult, Summary
 from conveyor.benchmarks.report import number
@@ -20,7 +19,12 @@ if TYPE_CHECKING:
     from conveyor.benchmarks.compare import Workload
 
 CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM = (
-    "conveyor-continuous", "conveyor-static", "conveyor-sequential", "transformers-serve", "vllm-cpu")  # fmt: skip
+    "conveyor-continuous",
+    "conveyor-static",
+    "conveyor-sequential",
+    "transformers-serve",
+    "vllm-cpu",
+)
 BARE, BARE_TORCH_GEMM = "bare forward", "bare forward, F.linear (MKL)"
 BF16 = "-bf16"
 DECODE_STEP_GOAL_MS = {"": 82.0, BF16: 32.0}  # batch 32 on the small demo model, per the forward issue
@@ -53,8 +57,9 @@ class Target:
     detail: str
 
 
-def _ratio_target(name: str, goal: str, numerator: float | None, denominator: float | None, passes, detail: str,
-                  missing: str | None) -> Target:  # fmt: skip
+def _ratio_target(
+    name: str, goal: str, numerator: float | None, denominator: float | None, passes, detail: str, missing: str | None
+) -> Target:
     if missing or not numerator or not denominator:
         return Target(name, goal, None, None, f"n/a: {missing or 'nothing measured'}")
     value = numerator / denominator
@@ -105,68 +110,152 @@ def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> li
     goal = DECODE_STEP_GOAL_MS[suffix]
     step_missing = None if step else f"bare forward {ceiling or 'not run'}"
     return [
-        _ratio_target(f"continuous / vLLM-CPU{tag}, output tok/s", ">= 1.0", _tput(cont), _tput(vllm),
-                      lambda v: v >= 1.0, "vLLM with every core bound", _missing(cont, vllm)),
-        _ratio_target(f"continuous / vLLM-CPU{tag}, p99 TTFT", "< 1 (lower)", _lat(cont, "ttft", "p99"),
-                      _lat(vllm, "ttft", "p99"), lambda v: v < 1, "", _missing(cont, vllm)),
-        _ratio_target(f"continuous / transformers serve{tag}, output tok/s", ">= 3x", _tput(cont), _tput(hf),
-                      lambda v: v >= 3, "same model directory", _missing(cont, hf)),
-        _ratio_target(f"continuous / transformers serve{tag}, p99 TTFT", "< 1 (lower)", _lat(cont, "ttft", "p99"),
-                      _lat(hf, "ttft", "p99"), lambda v: v < 1, "", _missing(cont, hf)),
-        _ratio_target(f"server / bare forward{tag}, output tok/s", ">= 0.95", _tput(cont), bare_tps,
-                      lambda v: v >= 0.95, "same workload, batch = the concurrency cap",
-                      _missing(cont) or (None if bare_tps else f"bare forward {ceiling or 'not run'}")),
-        _ratio_target(f"bare decode step at the full batch{tag} / {goal:g} ms", "<= 1", step, goal,
-                      lambda v: v <= 1, f"median step {step:.1f} ms" if step else "", step_missing),
-    ]  # fmt: skip
+        _ratio_target(
+            f"continuous / vLLM-CPU{tag}, output tok/s",
+            ">= 1.0",
+            _tput(cont),
+            _tput(vllm),
+            lambda v: v >= 1.0,
+            "vLLM with every core bound",
+            _missing(cont, vllm),
+        ),
+        _ratio_target(
+            f"continuous / vLLM-CPU{tag}, p99 TTFT",
+            "< 1 (lower)",
+            _lat(cont, "ttft", "p99"),
+            _lat(vllm, "ttft", "p99"),
+            lambda v: v < 1,
+            "",
+            _missing(cont, vllm),
+        ),
+        _ratio_target(
+            f"continuous / transformers serve{tag}, output tok/s",
+            ">= 3x",
+            _tput(cont),
+            _tput(hf),
+            lambda v: v >= 3,
+            "same model directory",
+            _missing(cont, hf),
+        ),
+        _ratio_target(
+            f"continuous / transformers serve{tag}, p99 TTFT",
+            "< 1 (lower)",
+            _lat(cont, "ttft", "p99"),
+            _lat(hf, "ttft", "p99"),
+            lambda v: v < 1,
+            "",
+            _missing(cont, hf),
+        ),
+        _ratio_target(
+            f"server / bare forward{tag}, output tok/s",
+            ">= 0.95",
+            _tput(cont),
+            bare_tps,
+            lambda v: v >= 0.95,
+            "same workload, batch = the concurrency cap",
+            _missing(cont) or (None if bare_tps else f"bare forward {ceiling or 'not run'}"),
+        ),
+        _ratio_target(
+            f"bare decode step at the full batch{tag} / {goal:g} ms",
+            "<= 1",
+            step,
+            goal,
+            lambda v: v <= 1,
+            f"median step {step:.1f} ms" if step else "",
+            step_missing,
+        ),
+    ]
 
 
 def targets(by: dict[str, Outcome], ceilings: Ceilings, itl: dict[str, float] | None) -> list[Target]:
     cont, seq, static = (by.get(s) for s in (CONTINUOUS, SEQUENTIAL, STATIC))
     onednn, mkl = _bare_tps(ceilings.get(BARE)), _bare_tps(ceilings.get(BARE_TORCH_GEMM))
     found = [
-        _ratio_target("continuous / sequential, output tok/s", ">= 8x", _tput(cont), _tput(seq),
-                      lambda v: v >= 8, "same prompts, all at once", _missing(cont, seq)),
-        _ratio_target("continuous / static, output tok/s", ">= 2x", _tput(cont), _tput(static),
-                      lambda v: v >= 2, "static batch = the concurrency cap", _missing(cont, static)),
-        _ratio_target("continuous / static, p50 E2EL", "< 1 (lower)", _lat(cont, "e2el", "median"),
-                      _lat(static, "e2el", "median"), lambda v: v < 1, "", _missing(cont, static)),
+        _ratio_target(
+            "continuous / sequential, output tok/s",
+            ">= 8x",
+            _tput(cont),
+            _tput(seq),
+            lambda v: v >= 8,
+            "same prompts, all at once",
+            _missing(cont, seq),
+        ),
+        _ratio_target(
+            "continuous / static, output tok/s",
+            ">= 2x",
+            _tput(cont),
+            _tput(static),
+            lambda v: v >= 2,
+            "static batch = the concurrency cap",
+            _missing(cont, static),
+        ),
+        _ratio_target(
+            "continuous / static, p50 E2EL",
+            "< 1 (lower)",
+            _lat(cont, "e2el", "median"),
+            _lat(static, "e2el", "median"),
+            lambda v: v < 1,
+            "",
+            _missing(cont, static),
+        ),
         *_peer_targets(by, ceilings, ""),
-        _ratio_target("bare forward: oneDNN GEMM / F.linear (MKL), out tok/s", "> 1", onednn, mkl, lambda v: v > 1,
-                      "the packed-weight GEMM is kept only if this wins",
-                      None if onednn and mkl else "the GEMM baseline was not run"),
-        _ratio_target("long prompts: short streams' p99 ITL / p50 ITL", "<= 2x", itl and itl["p99_itl_ms"],
-                      itl and itl["median_itl_ms"], lambda v: v <= 2, "ITL of the short streams only",
-                      _missing(cont, workload="long")),
-    ]  # fmt: skip
+        _ratio_target(
+            "bare forward: oneDNN GEMM / F.linear (MKL), out tok/s",
+            "> 1",
+            onednn,
+            mkl,
+            lambda v: v > 1,
+            "the packed-weight GEMM is kept only if this wins",
+            None if onednn and mkl else "the GEMM baseline was not run",
+        ),
+        _ratio_target(
+            "long prompts: short streams' p99 ITL / p50 ITL",
+            "<= 2x",
+            itl and itl["p99_itl_ms"],
+            itl and itl["median_itl_ms"],
+            lambda v: v <= 2,
+            "ITL of the short streams only",
+            _missing(cont, workload="long"),
+        ),
+    ]
     if any(name.endswith(BF16) for name in list(by) + list(ceilings)):
         found += _peer_targets(by, ceilings, BF16)
     return found
 
 
-def _workload_line(w: "Workload") -> dict[str, Any]:
+def _workload_line(w: Workload) -> dict[str, Any]:
     ins, outs = [p.prompt_len for p in w.prompts], [p.output_len for p in w.prompts]
-    return {"prompts": len(w.prompts), "input_tokens": f"{min(ins)}-{max(ins)}, mean {np.mean(ins):.0f}",
-            "output_tokens": f"{min(outs)}-{max(outs)}, mean {np.mean(outs):.0f}",
-            "rates": ["inf" if math.isinf(r) else r for r in w.rates], "max_concurrency": w.max_concurrency,
-            "seed": w.seed}  # fmt: skip
+    return {
+        "prompts": len(w.prompts),
+        "input_tokens": f"{min(ins)}-{max(ins)}, mean {np.mean(ins):.0f}",
+        "output_tokens": f"{min(outs)}-{max(outs)}, mean {np.mean(outs):.0f}",
+        "rates": ["inf" if math.isinf(r) else r for r in w.rates],
+        "max_concurrency": w.max_concurrency,
+        "seed": w.seed,
+    }
 
 
-def summary_dict(args: argparse.Namespace, outcomes: list[Outcome], ceilings: Ceilings,
-                 workloads: dict[str, "Workload"]) -> dict[str, Any]:  # fmt: skip
+def summary_dict(
+    args: argparse.Namespace, outcomes: list[Outcome], ceilings: Ceilings, workloads: dict[str, Workload]
+) -> dict[str, Any]:
     by = {o.system: o for o in outcomes}
     itl = short_stream_itl(by.get(CONTINUOUS), workloads["long"].short)
     return {
         "model_dir": str(args.model_dir),
         "workloads": {name: _workload_line(w) for name, w in workloads.items()},
-        "systems": {o.system: {"status": o.status, "note": o.note,
-                               "throughput": o.results["throughput"].runs[0].to_dict() if "throughput" in o.results
-                               else None} for o in outcomes},
+        "systems": {
+            o.system: {
+                "status": o.status,
+                "note": o.note,
+                "throughput": o.results["throughput"].runs[0].to_dict() if "throughput" in o.results else None,
+            }
+            for o in outcomes
+        },
         "machine": machine(),
         "bare_forward": {name: c.to_dict() if isinstance(c, BareResult) else c for name, c in ceilings.items()},
         "long_prompts_short_streams": itl,
         "targets": [asdict(t) for t in targets(by, ceilings, itl)],
-    }  # fmt: skip
+    }
 
 
 THROUGHPUT_COLUMNS = (  # (heading, cell)
@@ -202,9 +291,14 @@ def _throughput_rows(outcomes: list[Outcome], ceilings: Ceilings) -> list[tuple[
     for name, ceiling in ceilings.items():
         if isinstance(ceiling, BareResult):
             step = ceiling.median_full_decode_step_ms
-            rows.append((name, f"{ceiling.output_tokens} output tokens in {ceiling.duration_s:.1f} s: "
-                         f"{ceiling.output_throughput:.1f} out tok/s; decode-only steps at batch {ceiling.batch}: "
-                         f"{number(ceiling.decode_throughput)} tok/s, median step {number(step)} ms"))  # fmt: skip
+            rows.append(
+                (
+                    name,
+                    f"{ceiling.output_tokens} output tokens in {ceiling.duration_s:.1f} s: "
+                    f"{ceiling.output_throughput:.1f} out tok/s; decode-only steps at batch {ceiling.batch}: "
+                    f"{number(ceiling.decode_throughput)} tok/s, median step {number(step)} ms",
+                )
+            )
         else:
             rows.append((name, ceiling))
     return rows
@@ -220,9 +314,14 @@ def machine() -> dict[str, Any]:
     cpuinfo = _cpuinfo()
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    return {"cpu": model, "cores": os.cpu_count(), "avx512": any(f.startswith("avx512") for f in flags),
-            "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "torch": torch.__version__,
-            "python": platform.python_version()}  # fmt: skip
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "avx512": any(f.startswith("avx512") for f in flags),
+        "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _cpuinfo() -> list[str]:
@@ -242,32 +341,48 @@ def _sweep_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:
     return rows
 
 
-def _output_mismatches(outcomes: list[Outcome], workloads: dict[str, "Workload"]) -> list[str]:
+def _output_mismatches(outcomes: list[Outcome], workloads: dict[str, Workload]) -> list[str]:
     """Systems that generated fewer tokens than asked (an EOS where it could not be ignored): their tok/s
     count real tokens, but over a lighter workload."""
     asked = sum(p.output_len for p in workloads["throughput"].prompts)
-    return [f"note: {o.system} generated {run.total_output_tokens} of the {asked} output tokens asked for "
-            f"({run.failed} failed requests; EOS is not ignored where the server rejects ignore_eos)"
-            for o in outcomes if (run := o.run("throughput")) and run.total_output_tokens != asked]  # fmt: skip
+    return [
+        f"note: {o.system} generated {run.total_output_tokens} of the {asked} output tokens asked for "
+        f"({run.failed} failed requests; EOS is not ignored where the server rejects ignore_eos)"
+        for o in outcomes
+        if (run := o.run("throughput")) and run.total_output_tokens != asked
+    ]
 
 
-def print_report(args: argparse.Namespace, outcomes: list[Outcome], ceilings: Ceilings,
-                 summary: dict[str, Any], workloads: dict[str, "Workload"]) -> None:  # fmt: skip
+def print_report(
+    args: argparse.Namespace,
+    outcomes: list[Outcome],
+    ceilings: Ceilings,
+    summary: dict[str, Any],
+    workloads: dict[str, Workload],
+) -> None:
     m = summary["machine"]
-    lines = [f"model: {args.model_dir}", f"machine: {m['cpu']}, {m['cores']} cores, AVX-512 {m['avx512']}, "
-             f"native bf16 {m['native_bf16']}, torch {m['torch']}"]  # fmt: skip
+    lines = [
+        f"model: {args.model_dir}",
+        f"machine: {m['cpu']}, {m['cores']} cores, AVX-512 {m['avx512']}, "
+        f"native bf16 {m['native_bf16']}, torch {m['torch']}",
+    ]
     for name, w in summary["workloads"].items():
-        lines.append(f"{name} workload: {w['prompts']} prompts, input {w['input_tokens']}, output "
-                     f"{w['output_tokens']}, rates {w['rates']}, cap {w['max_concurrency']}, seed {w['seed']}")
+        lines.append(
+            f"{name} workload: {w['prompts']} prompts, input {w['input_tokens']}, output "
+            f"{w['output_tokens']}, rates {w['rates']}, cap {w['max_concurrency']}, seed {w['seed']}"
+        )
     lines += [""] + _table("throughput workload (latencies in ms)", _throughput_rows(outcomes, ceilings))
     lines += _output_mismatches(outcomes, workloads)
     if sweep := _sweep_rows(outcomes):
         lines += [""] + _table("sweep workload (latencies in ms)", sweep)
     itl = summary["long_prompts_short_streams"]
     if itl:
-        lines += ["", f"long prompts among short streams (conveyor-continuous): short streams' ITL p50 "
-                      f"{itl['median_itl_ms']:.1f} ms, p99 {itl['p99_itl_ms']:.1f} ms over {itl['gaps']} gaps, "
-                      f"{itl['failed_requests']} failed requests"]
+        lines += [
+            "",
+            f"long prompts among short streams (conveyor-continuous): short streams' ITL p50 "
+            f"{itl['median_itl_ms']:.1f} ms, p99 {itl['p99_itl_ms']:.1f} ms over {itl['gaps']} gaps, "
+            f"{itl['failed_requests']} failed requests",
+        ]
     lines += ["", "targets"]
     for t in summary["targets"]:
         verdict = {True: "PASS", False: "MISS", None: "n/a "}[t["passed"]]

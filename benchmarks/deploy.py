@@ -16,10 +16,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
 
 from conveyor.benchmarks import shards
 from conveyor.benchmarks.shards import DeploymentFailed  # noqa: F401 - callers catch it from here
@@ -51,8 +51,9 @@ def _logged(prefix: str) -> Iterator[tuple[Path, io.BufferedWriter]]:
         yield Path(log.name), log
 
 
-def _serve(command: list[str], name: str, port: int, timeout: float,
-           env: dict[str, str] | None = None) -> Iterator[str]:  # fmt: skip
+def _serve(
+    command: list[str], name: str, port: int, timeout: float, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """Runs `command`, yields its URL once healthy, stops it; the log is kept only when something failed."""
     url = f"http://127.0.0.1:{port}"
     with _logged(name) as (log_path, log):
@@ -96,14 +97,33 @@ def transformers_serve_problem() -> str | None:
 
 
 @contextlib.contextmanager
-def transformers_serve(model_dir: Path, num_blocks: int, block_size: int, max_batch_tokens: int,
-                       timeout: float, dtype: str = "float32") -> Iterator[str]:  # fmt: skip
+def transformers_serve(
+    model_dir: Path, num_blocks: int, block_size: int, max_batch_tokens: int, timeout: float, dtype: str = "float32"
+) -> Iterator[str]:
     """`transformers serve DIR --continuous-batching` on CPU, pinned to the model (it then serves only that)."""
     (port,) = shards.free_ports(1)
-    command = [transformers_cli() or "transformers", "serve", str(model_dir), "--continuous-batching",
-               "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--cb-num-blocks", str(num_blocks),
-               "--cb-block-size", str(block_size), "--cb-max-batch-tokens", str(max_batch_tokens),
-               "--dtype", dtype, "--log-level", "warning"]  # fmt: skip
+    command = [
+        transformers_cli() or "transformers",
+        "serve",
+        str(model_dir),
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--cb-num-blocks",
+        str(num_blocks),
+        "--cb-block-size",
+        str(block_size),
+        "--cb-max-batch-tokens",
+        str(max_batch_tokens),
+        "--dtype",
+        dtype,
+        "--log-level",
+        "warning",
+    ]
     yield from _serve(command, "transformers-serve", port, timeout)
 
 
@@ -138,7 +158,20 @@ def vllm_env(binding: str) -> dict[str, str]:
 def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float) -> Iterator[str]:
     """vLLM's OpenAI server on CPU for the model directory (served under its path, as `transformers serve`)."""
     (port,) = shards.free_ports(1)
-    command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-               "--disable-uvicorn-access-log"]  # fmt: skip
+    command = [
+        str(vllm_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--disable-uvicorn-access-log",
+    ]
     yield from _serve(command, f"vllm-cpu-{binding}", port, timeout, vllm_env(binding))

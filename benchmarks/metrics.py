@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from conveyor.benchmarks.client import RequestRecord
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -34,7 +33,7 @@ class Summary:
     p99: float | None = None
 
     @classmethod
-    def of(cls, seconds: list[float]) -> "Summary":
+    def of(cls, seconds: list[float]) -> Summary:
         if not seconds:
             return cls()
         ms = np.asarray(seconds) * 1000.0
@@ -66,13 +65,19 @@ class RateResult:
         """Flat, with vLLM's key names (`median_ttft_ms`, ...); the rate is a number or the string "inf"."""
         out: dict[str, Any] = {
             "request_rate": "inf" if math.isinf(self.request_rate) else self.request_rate,
-            "burstiness": self.burstiness, "max_concurrency": self.max_concurrency,
-            "duration_s": self.duration_s, "num_prompts": self.num_prompts, "completed": self.completed,
-            "failed": self.failed, "total_input_tokens": self.total_input_tokens,
-            "total_output_tokens": self.total_output_tokens, "request_throughput": self.request_throughput,
-            "output_throughput": self.output_throughput, "total_token_throughput": self.total_token_throughput,
+            "burstiness": self.burstiness,
+            "max_concurrency": self.max_concurrency,
+            "duration_s": self.duration_s,
+            "num_prompts": self.num_prompts,
+            "completed": self.completed,
+            "failed": self.failed,
+            "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "request_throughput": self.request_throughput,
+            "output_throughput": self.output_throughput,
+            "total_token_throughput": self.total_token_throughput,
             "request_goodput": self.request_goodput,
-        }  # fmt: skip
+        }
         for name, summary in self.latencies.items():
             for stat in STATISTICS:
                 out[f"{stat}_{name}_ms"] = getattr(summary, stat)
@@ -88,8 +93,14 @@ def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
     return all(measured[name] * 1000.0 <= limit for name, limit in slos_ms.items())
 
 
-def summarize(records: list[RequestRecord], duration: float, rate: float, burstiness: float,
-              max_concurrency: int | None, slos_ms: dict[str, float]) -> RateResult:  # fmt: skip
+def summarize(
+    records: list[RequestRecord],
+    duration: float,
+    rate: float,
+    burstiness: float,
+    max_concurrency: int | None,
+    slos_ms: dict[str, float],
+) -> RateResult:
     ok = [r for r in records if r.success]
     failed = [r for r in records if not r.success]
     total_in = sum(r.prompt_len for r in ok)
@@ -103,9 +114,24 @@ def summarize(records: list[RequestRecord], duration: float, rate: float, bursti
     }
     goodput = sum(meets_slos(r, slos_ms) for r in ok) / duration if slos_ms else None
     errors = dict(Counter(r.error or "unknown" for r in failed).most_common(MAX_ERRORS))
-    return RateResult(rate, burstiness, max_concurrency, duration, len(records), len(ok), len(failed), total_in,
-                      total_out, len(ok) / duration, total_out / duration, (total_in + total_out) / duration,
-                      goodput, latencies, errors, records)  # fmt: skip
+    return RateResult(
+        rate,
+        burstiness,
+        max_concurrency,
+        duration,
+        len(records),
+        len(ok),
+        len(failed),
+        total_in,
+        total_out,
+        len(ok) / duration,
+        total_out / duration,
+        (total_in + total_out) / duration,
+        goodput,
+        latencies,
+        errors,
+        records,
+    )
 
 
 @dataclass
@@ -120,8 +146,14 @@ class BenchmarkResult:
     runs: list[RateResult]
 
     def to_dict(self, detailed: bool = False) -> dict[str, Any]:
-        return {"label": self.label, "backend": self.backend, "base_url": self.base_url, "model": self.model,
-                "workload": self.workload, "runs": [r.to_dict(detailed) for r in self.runs]}  # fmt: skip
+        return {
+            "label": self.label,
+            "backend": self.backend,
+            "base_url": self.base_url,
+            "model": self.model,
+            "workload": self.workload,
+            "runs": [r.to_dict(detailed) for r in self.runs],
+        }
 
     def to_json(self, detailed: bool = False) -> str:
         return json.dumps(self.to_dict(detailed), indent=2) + "\n"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from conveyor.benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, RateResult
 
@@ -28,17 +28,18 @@ def rows(has_goodput: bool) -> list[tuple[str, Callable[[RateResult], str]]]:
         table.append(("request goodput (req/s)", lambda r: number(r.request_goodput, 2)))
     for name in LATENCIES:
         for stat in STATISTICS:
-            table.append((f"{LABELS[name]} {stat} (ms)",
-                          lambda r, n=name, s=stat: number(getattr(r.latencies[n], s))))  # fmt: skip
+            table.append((f"{LABELS[name]} {stat} (ms)", lambda r, n=name, s=stat: number(getattr(r.latencies[n], s))))
     return table
 
 
 def format_result(result: BenchmarkResult) -> str:
     """The heading (system, endpoint, workload), the table, then any errors the failed requests gave."""
     w = result.workload
-    lines = [f"{result.label}: {result.backend} at {result.base_url}, model {result.model}",
-             f"workload: {w['num_prompts']} prompts, input {w['input_len']}, output {w['output_len']}, seed "
-             f"{w['seed']}, burstiness {w['burstiness']:g}, max concurrency {w['max_concurrency'] or 'none'}"]
+    lines = [
+        f"{result.label}: {result.backend} at {result.base_url}, model {result.model}",
+        f"workload: {w['num_prompts']} prompts, input {w['input_len']}, output {w['output_len']}, seed "
+        f"{w['seed']}, burstiness {w['burstiness']:g}, max concurrency {w['max_concurrency'] or 'none'}",
+    ]
     heads = [f"rate {'inf' if math.isinf(r.request_rate) else f'{r.request_rate:g}'}" for r in result.runs]
     table = rows(bool(w.get("goodput_slos_ms")))
     first = max(len(name) for name, _ in table)
@@ -51,4 +52,3 @@ def format_result(result: BenchmarkResult) -> str:
         for message, count in r.errors.items():
             lines.append(f"errors at {heads[result.runs.index(r)]}: {count} x {message}")
     return "\n".join(lines)
-

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-
 from conveyor.benchmarks.backends import BACKENDS, Backend, RequestOptions, backend
 from conveyor.benchmarks.client import RequestRecord, send
 from conveyor.benchmarks.metrics import SLO_METRICS, BenchmarkResult, RateResult, load_results, summarize
@@ -96,12 +95,15 @@ def workload_dict(config: BenchmarkConfig, prompts: list[Prompt], built_here: bo
         "output_len": length_stats([p.output_len for p in prompts]),
         "input_spec": config.input_len.to_dict() if built_here else "custom",
         "output_spec": config.output_len.to_dict() if built_here else "custom",
-        "seed": config.seed, "tokenizer": config.tokenizer,
+        "seed": config.seed,
+        "tokenizer": config.tokenizer,
         "request_rates": ["inf" if math.isinf(r) else r for r in config.request_rates],
-        "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
-        "ignore_eos": config.ignore_eos, "extra_fields": config.extra_fields,
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "ignore_eos": config.ignore_eos,
+        "extra_fields": config.extra_fields,
         "goodput_slos_ms": config.goodput_slos_ms,
-    }  # fmt: skip
+    }
 
 
 @dataclass
@@ -119,28 +121,33 @@ class _Target:
 async def _send_bounded(target: _Target, prompt: Prompt, run_start: float) -> RequestRecord:
     """The concurrency cap is taken before the clock starts, as vLLM does: waiting for a slot is not latency."""
     async with target.limit or contextlib.nullcontext():
-        return await send(target.session, target.url, target.backend, prompt, target.options, target.tokenizer,
-                          run_start)  # fmt: skip
+        return await send(
+            target.session, target.url, target.backend, prompt, target.options, target.tokenizer, run_start
+        )
 
 
 async def warm_up(target: _Target, prompts: list[Prompt], count: int) -> None:
     """A few short requests first, unmeasured: first requests pay one-off costs (allocations, lazy imports)."""
     if count <= 0 or not prompts:
         return
-    picked = [Prompt(p.index, p.text, p.prompt_len, min(p.output_len, WARMUP_TOKENS), p.exact)
-              for p in (prompts * count)[:count]]  # fmt: skip
+    picked = [
+        Prompt(p.index, p.text, p.prompt_len, min(p.output_len, WARMUP_TOKENS), p.exact)
+        for p in (prompts * count)[:count]
+    ]
     records = await asyncio.gather(*(_send_bounded(target, p, 0.0) for p in picked))
     failed = [r for r in records if not r.success]
     if failed:
         note(f"  warning: {len(failed)} of {count} warm-up requests failed: {failed[0].error}")
 
 
-async def run_rate(target: _Target, config: BenchmarkConfig, prompts: list[Prompt], rate: float,
-                   label: str) -> RateResult:  # fmt: skip
+async def run_rate(
+    target: _Target, config: BenchmarkConfig, prompts: list[Prompt], rate: float, label: str
+) -> RateResult:
     """Every prompt once, each sent at its scheduled offset; the duration runs from the start to the last answer."""
     offsets = arrival_offsets(len(prompts), rate, config.burstiness, config.seed)
-    progress = Progress(f"{label} at rate {'inf' if math.isinf(rate) else f'{rate:g}'}", len(prompts),
-                        config.show_progress)  # fmt: skip
+    progress = Progress(
+        f"{label} at rate {'inf' if math.isinf(rate) else f'{rate:g}'}", len(prompts), config.show_progress
+    )
     start = time.perf_counter()
 
     async def one(prompt: Prompt, offset: float) -> RequestRecord:
@@ -154,8 +161,7 @@ async def run_rate(target: _Target, config: BenchmarkConfig, prompts: list[Promp
     records = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
     duration = time.perf_counter() - start
     progress.close()
-    return summarize(list(records), duration, rate, config.burstiness, config.max_concurrency,
-                     config.goodput_slos_ms)  # fmt: skip
+    return summarize(list(records), duration, rate, config.burstiness, config.max_concurrency, config.goodput_slos_ms)
 
 
 async def run(config: BenchmarkConfig, prompts: list[Prompt] | None = None) -> BenchmarkResult:
@@ -172,8 +178,14 @@ async def run(config: BenchmarkConfig, prompts: list[Prompt] | None = None) -> B
         model = config.model or await default_model(session, base_url)
         label = config.label or model
         limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-        target = _Target(session, base_url, backend(config.backend), RequestOptions(model, config.ignore_eos,
-                         config.extra_fields), tokenizer, limit)  # fmt: skip
+        target = _Target(
+            session,
+            base_url,
+            backend(config.backend),
+            RequestOptions(model, config.ignore_eos, config.extra_fields),
+            tokenizer,
+            limit,
+        )
         await warm_up(target, prompts, config.num_warmups)
         runs = [await run_rate(target, config, prompts, rate, label) for rate in config.request_rates]
     return BenchmarkResult(label, config.backend, base_url, model, workload_dict(config, prompts, built_here), runs)
@@ -203,12 +215,22 @@ def slo(text: str) -> tuple[str, float]:
 
 
 def add_length_options(p: argparse.ArgumentParser, kind: str, default: int) -> None:
-    p.add_argument(f"--{kind}-len", type=int, default=default,
-                   help=f"{kind} tokens (the mean for normal and exponential, clipped to a range if given)")
-    p.add_argument(f"--{kind}-len-range", type=length_range, default=None, metavar="LOW,HIGH",
-                   help="uniform over this range (inclusive)")  # fmt: skip
-    p.add_argument(f"--{kind}-len-dist", choices=KINDS, default=None,
-                   help="default: uniform with a range, fixed otherwise")  # fmt: skip
+    p.add_argument(
+        f"--{kind}-len",
+        type=int,
+        default=default,
+        help=f"{kind} tokens (the mean for normal and exponential, clipped to a range if given)",
+    )
+    p.add_argument(
+        f"--{kind}-len-range",
+        type=length_range,
+        default=None,
+        metavar="LOW,HIGH",
+        help="uniform over this range (inclusive)",
+    )
+    p.add_argument(
+        f"--{kind}-len-dist", choices=KINDS, default=None, help="default: uniform with a range, fixed otherwise"
+    )
     p.add_argument(f"--{kind}-len-std", type=float, default=0.0, help="the standard deviation for normal")
 
 
@@ -222,8 +244,9 @@ def length_spec(args: argparse.Namespace, kind: str) -> LengthSpec:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="conveyor-benchmark", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="conveyor-benchmark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:3000")
     p.add_argument("--backend", choices=BACKENDS, default="openai-completions")
     p.add_argument("--model", default=None, help='sent as "model"; default: the first id of GET /v1/models')
@@ -233,15 +256,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_length_options(p, "output", 64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="for token-exact prompts and output counts")
-    p.add_argument("--request-rate", type=rate_list, default=[math.inf], metavar="R[,R...]",
-                   help="requests per second, one run per rate on the same prompts; inf sends all at once")  # fmt: skip
+    p.add_argument(
+        "--request-rate",
+        type=rate_list,
+        default=[math.inf],
+        metavar="R[,R...]",
+        help="requests per second, one run per rate on the same prompts; inf sends all at once",
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 is Poisson")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: outputs run to max_tokens")
-    p.add_argument("--no-extra-fields", dest="extra_fields", action="store_false",
-                   help="send only OpenAI-schema fields (no ignore_eos): for servers that reject others")  # fmt: skip
-    p.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="NAME:MS",
-                   help="SLOs (ttft, tpot, e2el in ms) a request must all meet to count as goodput")  # fmt: skip
+    p.add_argument(
+        "--no-extra-fields",
+        dest="extra_fields",
+        action="store_false",
+        help="send only OpenAI-schema fields (no ignore_eos): for servers that reject others",
+    )
+    p.add_argument(
+        "--goodput",
+        type=slo,
+        nargs="+",
+        default=[],
+        metavar="NAME:MS",
+        help="SLOs (ttft, tpot, e2el in ms) a request must all meet to count as goodput",
+    )
     p.add_argument("--num-warmups", type=int, default=0, help="unmeasured short requests sent first")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
     p.add_argument("--json", type=Path, default=None, help="write the result here")
@@ -260,18 +298,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
     return BenchmarkConfig(
-        base_url=args.base_url, backend=args.backend, model=args.model, label=args.label,
-        num_prompts=args.num_prompts, input_len=args.input_spec, output_len=args.output_spec, seed=args.seed,
-        request_rates=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos, extra_fields=args.extra_fields, goodput_slos_ms=dict(args.goodput),
-        tokenizer=args.tokenizer, num_warmups=args.num_warmups, request_timeout=args.request_timeout,
+        base_url=args.base_url,
+        backend=args.backend,
+        model=args.model,
+        label=args.label,
+        num_prompts=args.num_prompts,
+        input_len=args.input_spec,
+        output_len=args.output_spec,
+        seed=args.seed,
+        request_rates=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        extra_fields=args.extra_fields,
+        goodput_slos_ms=dict(args.goodput),
+        tokenizer=args.tokenizer,
+        num_warmups=args.num_warmups,
+        request_timeout=args.request_timeout,
         show_progress=not args.quiet,
-    )  # fmt: skip
+    )
 
 
 def plot_main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="conveyor-benchmark plot",
-                                description="Draws result JSON files into one PNG, one line per system.")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="conveyor-benchmark plot", description="Draws result JSON files into one PNG, one line per system."
+    )
     p.add_argument("results", type=Path, nargs="+", help="files written by --json")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
     p.add_argument("--title", default=None)

@@ -83,9 +83,19 @@ def free_ports(count: int) -> list[int]:
 
 def launcher_command(args: argparse.Namespace, shards: int, port: int, master_port: int) -> list[str]:
     """The launcher's command line; flags forwarded by the user come last, so that they win."""
-    command = [sys.executable, "-m", "conveyor.launcher.main", "--model-id", args.model_id,
-               "--port", str(port), "--master-port", str(master_port),
-               "--num-shard", str(shards)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "conveyor.launcher.main",
+        "--model-id",
+        args.model_id,
+        "--port",
+        str(port),
+        "--master-port",
+        str(master_port),
+        "--num-shard",
+        str(shards),
+    ]
     if args.max_batch_total_tokens is not None:
         command += ["--max-batch-total-tokens", str(args.max_batch_total_tokens)]
     return command + list(args.launcher_arg)
@@ -111,13 +121,16 @@ def wait_healthy(process: subprocess.Popen, url: str, timeout: float, log_path: 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise DeploymentFailed(f"the launcher exited with code {process.returncode} while starting; "
-                                   f"its output ({log_path}):\n{log_tail(log_path)}")  # fmt: skip
+            raise DeploymentFailed(
+                f"the launcher exited with code {process.returncode} while starting; "
+                f"its output ({log_path}):\n{log_tail(log_path)}"
+            )
         if healthy(url):
             return
         time.sleep(0.5)
-    raise DeploymentFailed(f"not healthy after {timeout:.0f} s; the launcher's output ({log_path}):\n"
-                           f"{log_tail(log_path)}")  # fmt: skip
+    raise DeploymentFailed(
+        f"not healthy after {timeout:.0f} s; the launcher's output ({log_path}):\n{log_tail(log_path)}"
+    )
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -133,8 +146,9 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-async def run_levels(url: str, texts: list[str], levels: list[int], max_new_tokens: int,
-                     level_timeout: float) -> dict[int, streams.Row]:  # fmt: skip
+async def run_levels(
+    url: str, texts: list[str], levels: list[int], max_new_tokens: int, level_timeout: float
+) -> dict[int, streams.Row]:
     """A short warm-up (first requests pay one-off costs), then every level on the same prompts, in one loop."""
     progress(f"  warming up with {min(WARMUP_REQUESTS, len(texts))} requests...")
     warmup = texts[:WARMUP_REQUESTS]
@@ -154,16 +168,21 @@ def measure(args: argparse.Namespace, shards: int, texts: list[str]) -> dict[int
     with tempfile.NamedTemporaryFile(prefix=f"conveyor-bench-x{shards}-", suffix=".log", delete=False) as log:
         log_path = Path(log.name)
         progress(f"starting {shards} shard(s) on port {port} (launcher output: {log_path})")
-        process = subprocess.Popen(launcher_command(args, shards, port, master_port),
-                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        process = subprocess.Popen(
+            launcher_command(args, shards, port, master_port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     try:
         wait_healthy(process, url, args.startup_timeout, log_path)
         rows = asyncio.run(run_levels(url, texts, args.concurrency, args.max_new_tokens, args.level_timeout))
     except DeploymentFailed:
         raise
     except Exception as exc:  # a request error or timeout: the launcher's output may say why
-        raise DeploymentFailed(f"{type(exc).__name__}: {exc}; the launcher's output ({log_path}):\n"
-                               f"{log_tail(log_path)}") from exc  # fmt: skip
+        raise DeploymentFailed(
+            f"{type(exc).__name__}: {exc}; the launcher's output ({log_path}):\n{log_tail(log_path)}"
+        ) from exc
     finally:
         stop(process)
     log_path.unlink(missing_ok=True)
@@ -207,11 +226,15 @@ def print_report(args: argparse.Namespace, outcomes: list[Outcome]) -> None:
     """Parameters first, then one row per deployment and one column per concurrency; the ratio row last."""
     print(f"model: {args.model_id}" + (f"; launcher args: {' '.join(args.launcher_arg)}" if args.launcher_arg else ""))
     budget = f"; --max-batch-total-tokens {args.max_batch_total_tokens}" if args.max_batch_total_tokens else ""
-    print(f"prompt set: {args.requests} prompts of {args.min_words}-{args.max_words} words, seed {args.seed}, "
-          f"{args.max_new_tokens} new tokens each (EOS ignored), same prompts at every level{budget}")  # fmt: skip
+    print(
+        f"prompt set: {args.requests} prompts of {args.min_words}-{args.max_words} words, seed {args.seed}, "
+        f"{args.max_new_tokens} new tokens each (EOS ignored), same prompts at every level{budget}"
+    )
     width = max(10, *(len(f"{c} streams") + 2 for c in args.concurrency))
-    print(f"\noutput tok/s by concurrent streams\n{'shards':<{LABEL_WIDTH}}"
-          + "".join(f"{f'{c} streams':>{width}}" for c in args.concurrency))  # fmt: skip
+    print(
+        f"\noutput tok/s by concurrent streams\n{'shards':<{LABEL_WIDTH}}"
+        + "".join(f"{f'{c} streams':>{width}}" for c in args.concurrency)
+    )
     for o in outcomes:
         print(f"{o.shards:<{LABEL_WIDTH}}" + "".join(f"{cell(o, c):>{width}}" for c in args.concurrency))
     ratios = ratio_cells(outcomes, args.concurrency)
@@ -222,15 +245,25 @@ def print_report(args: argparse.Namespace, outcomes: list[Outcome]) -> None:
 def write_json(path: Path, args: argparse.Namespace, outcomes: list[Outcome]) -> None:
     """The raw numbers, with the parameters that produced them, for later comparison across runs."""
     raw = {
-        "model_id": args.model_id, "seed": args.seed, "requests": args.requests, "min_words": args.min_words,
-        "max_words": args.max_words, "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
-        "max_batch_total_tokens": args.max_batch_total_tokens, "launcher_args": args.launcher_arg,
+        "model_id": args.model_id,
+        "seed": args.seed,
+        "requests": args.requests,
+        "min_words": args.min_words,
+        "max_words": args.max_words,
+        "max_new_tokens": args.max_new_tokens,
+        "concurrency": args.concurrency,
+        "max_batch_total_tokens": args.max_batch_total_tokens,
+        "launcher_args": args.launcher_arg,
         "deployments": [
-            {"shards": o.shards, "status": o.status, "error": o.error,
-             "levels": [dict(asdict(r), tok_per_s=r.tok_per_s) for r in o.rows.values()]}
+            {
+                "shards": o.shards,
+                "status": o.status,
+                "error": o.error,
+                "levels": [dict(asdict(r), tok_per_s=r.tok_per_s) for r in o.rows.values()],
+            }
             for o in outcomes
         ],
-    }  # fmt: skip
+    }
     path.write_text(json.dumps(raw, indent=2) + "\n")
 
 
@@ -249,8 +282,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-words", type=int, default=120)
     p.add_argument("--seed", type=int, default=0, help="seeds the prompt set")
     p.add_argument("--max-batch-total-tokens", type=int, default=None, help="forwarded to the launcher")
-    p.add_argument("--launcher-arg", action="append", default=[],
-                   help="one more launcher argument (repeatable), e.g. --launcher-arg=--dtype=bfloat16")  # fmt: skip
+    p.add_argument(
+        "--launcher-arg",
+        action="append",
+        default=[],
+        help="one more launcher argument (repeatable), e.g. --launcher-arg=--dtype=bfloat16",
+    )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a deployment to be healthy")
     p.add_argument("--level-timeout", type=float, default=3600.0, help="seconds one concurrency level may take")
     p.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-WORDS = ("def class return import self value data list dict for while if else print yield lambda "
-         "async await with open range len str int float None True False try except raise").split()  # fmt: skip
+WORDS = (
+    "def class return import self value data list dict for while if else print yield lambda "
+    "async await with open range len str int float None True False try except raise"
+).split()
 
 
 def prompts(count: int, seed: int, min_words: int, max_words: int) -> list[str]:
@@ -87,17 +89,27 @@ async def run_level(url: str, texts: list[str], concurrency: int, max_new_tokens
         results = await asyncio.gather(*(bounded(t) for t in texts))
         wall = time.perf_counter() - start
     itls = [x for r in results for x in r.itls] or [0.0]
-    return Row(concurrency, len(results), sum(r.tokens for r in results), wall,
-               statistics.median(r.ttft for r in results), statistics.median(itls))  # fmt: skip
+    return Row(
+        concurrency,
+        len(results),
+        sum(r.tokens for r in results),
+        wall,
+        statistics.median(r.ttft for r in results),
+        statistics.median(itls),
+    )
 
 
 def print_table(rows: list[Row]) -> None:
     base = rows[0].tok_per_s
-    print(f"\n{'streams':>7} {'requests':>8} {'out tokens':>10} {'wall s':>8} {'out tok/s':>10} "
-          f"{'vs first':>8} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}")  # fmt: skip
+    print(
+        f"\n{'streams':>7} {'requests':>8} {'out tokens':>10} {'wall s':>8} {'out tok/s':>10} "
+        f"{'vs first':>8} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}"
+    )
     for r in rows:
-        print(f"{r.concurrency:>7} {r.requests:>8} {r.output_tokens:>10} {r.wall:>8.1f} {r.tok_per_s:>10.1f} "
-              f"{r.tok_per_s / base:>7.1f}x {r.ttft_p50 * 1000:>11.0f} {r.itl_p50 * 1000:>10.0f}")  # fmt: skip
+        print(
+            f"{r.concurrency:>7} {r.requests:>8} {r.output_tokens:>10} {r.wall:>8.1f} {r.tok_per_s:>10.1f} "
+            f"{r.tok_per_s / base:>7.1f}x {r.ttft_p50 * 1000:>11.0f} {r.itl_p50 * 1000:>10.0f}"
+        )
 
 
 def free_port() -> int:
@@ -107,8 +119,9 @@ def free_port() -> int:
 
 
 def start_demo_server(port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "conveyor.launcher.main", "--model-id", "demo",
-                                "--port", str(port)])  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", "demo", "--port", str(port)]
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 
 # Python-flavoured words: the demo models' tokenizers were trained on Python's sources, so most are one token.
-WORDS = tuple("""def class return import self value data list dict for while if else elif print yield lambda
+WORDS = tuple(
+    """def class return import self value data list dict for while if else elif print yield lambda
 async await with open range len str int float None True False try except raise finally from as pass break
 continue global assert del in is not and or result items key index count name path text line file args kwargs
-node parent child left right start stop step size total first last next prev cache queue batch token""".split())
+node parent child left right start stop step size total first last next prev cache queue batch token""".split()
+)
 
 KINDS = ("fixed", "uniform", "normal", "exponential")
 
@@ -76,8 +78,9 @@ class Prompt:
     exact: bool  # prompt_len was counted by the tokenizer
 
 
-def build_prompts(count: int, inputs: LengthSpec, outputs: LengthSpec, seed: int, tokenizer: Any = None,
-                  first_index: int = 0) -> list[Prompt]:  # fmt: skip
+def build_prompts(
+    count: int, inputs: LengthSpec, outputs: LengthSpec, seed: int, tokenizer: Any = None, first_index: int = 0
+) -> list[Prompt]:
     """`count` prompts; with a tokenizer each is fitted to its drawn token length, otherwise it has that many
     words. Lengths and words come from separate seeded streams, so a tokenizer changes the text, not the lengths."""
     lengths = random.Random(f"lengths-{seed}")

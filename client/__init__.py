@@ -18,6 +18,17 @@ from conveyor.client.client import (
 )
 
 __all__ = [
-    "AsyncClient", "Client", "ConnectionError", "ConveyorError", "Details", "GenerationError", "OverloadedError",
-    "Response", "StreamResponse", "Token", "TokenOffset", "UnauthorizedError", "ValidationError",
-]  # fmt: skip
+    "AsyncClient",
+    "Client",
+    "ConnectionError",
+    "ConveyorError",
+    "Details",
+    "GenerationError",
+    "OverloadedError",
+    "Response",
+    "StreamResponse",
+    "Token",
+    "TokenOffset",
+    "UnauthorizedError",
+    "ValidationError",
+]

@@ -7,11 +7,10 @@ has `id`, `text`, `logprob` and `special`. Errors arrive as exceptions named for
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
 
 import grpc
-
 from conveyor.v1 import generate_pb2 as pb
 from conveyor.v1 import generate_pb2_grpc as pb_grpc
 
@@ -151,9 +150,18 @@ def _request(
     details: bool = True,
 ) -> pb.GenerateRequest:
     """`text-generation`'s parameters (and defaults: 20 new tokens, greedy, details on)."""
-    optional = dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                    presence_penalty=presence_penalty, seed=seed, temperature=temperature, top_k=top_k,
-                    top_p=top_p, truncate=truncate, typical_p=typical_p, ignore_eos=ignore_eos)  # fmt: skip
+    optional = dict(
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        seed=seed,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        truncate=truncate,
+        typical_p=typical_p,
+        ignore_eos=ignore_eos,
+    )
     parameters = pb.Parameters(
         do_sample=do_sample,
         max_new_tokens=max_new_tokens,
@@ -187,8 +195,16 @@ class _Options:
 class Client:
     """Blocking client. `Client("127.0.0.1:3001", api_key=..., timeout=30, tls=False, metadata=[...])`."""
 
-    def __init__(self, address: str, *, api_key: str | None = None, timeout: float | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, metadata: list[tuple[str, str]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        *,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        metadata: list[tuple[str, str]] | None = None,
+    ) -> None:
         self._options = _Options(address, api_key, timeout, tls, root_certificates, list(metadata or []))
         o = self._options
         self._channel = grpc.secure_channel(address, o.credentials()) if tls else grpc.insecure_channel(address)
@@ -197,7 +213,7 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -240,18 +256,25 @@ class Client:
 class AsyncClient:
     """asyncio client with the same methods; `generate_stream` is an async iterator."""
 
-    def __init__(self, address: str, *, api_key: str | None = None, timeout: float | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, metadata: list[tuple[str, str]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        *,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        metadata: list[tuple[str, str]] | None = None,
+    ) -> None:
         self._options = _Options(address, api_key, timeout, tls, root_certificates, list(metadata or []))
         o = self._options
-        self._channel = (grpc.aio.secure_channel(address, o.credentials()) if tls
-                         else grpc.aio.insecure_channel(address))  # fmt: skip
+        self._channel = grpc.aio.secure_channel(address, o.credentials()) if tls else grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.TextGenerationStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

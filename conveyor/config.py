@@ -32,38 +32,46 @@ class Config:
     num_shard: int = flag(1, "tensor-parallel ranks, one process each")
     dtype: str = flag("float32", "weights and KV cache", choices=DTYPES)
     device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)
-    shard_uds_path: str | None = flag(None, "socket prefix for the shards; rank r listens on PREFIX-r "
-                                            "(default: a private temp path)")
+    shard_uds_path: str | None = flag(
+        None, "socket prefix for the shards; rank r listens on PREFIX-r (default: a private temp path)"
+    )
     master_addr: str = flag("127.0.0.1", "torch.distributed rendezvous address")
     master_port: int = flag(29500, "torch.distributed rendezvous port")
     # Front doors
     hostname: str = flag("127.0.0.1", "HTTP (and gRPC) listening address")
     port: int = flag(3000, "HTTP port")
     grpc_port: int | None = flag(None, "also serve the gRPC front door on this port")
-    api_key: str | None = flag(None, "required as 'Authorization: Bearer KEY' on POST routes "
-                                     "(default: $CONVEYOR_API_KEY)")
+    api_key: str | None = flag(
+        None, "required as 'Authorization: Bearer KEY' on POST routes (default: $CONVEYOR_API_KEY)"
+    )
     payload_limit: int = flag(2_000_000, "largest request body in bytes (413 above)")
     max_concurrent_requests: int = flag(128, "requests in flight at once; more are refused with 429")
     # Token limits (defaults from the model, see router/limits.py)
     max_input_tokens: int | None = flag(None, "longest prompt (default: max total - 1)")
     max_total_tokens: int | None = flag(None, "prompt + new tokens (default: the model's positions, at most 4096)")
-    max_batch_prefill_tokens: int | None = flag(None, "prompt tokens read per step; longer prompts are read in "
-                                                      "chunks (default: max(4096, max input))")
-    max_batch_total_tokens: int | None = flag(None, "KV tokens all running requests may hold (default: sized "
-                                                    "from free memory at warmup)")
+    max_batch_prefill_tokens: int | None = flag(
+        None, "prompt tokens read per step; longer prompts are read in chunks (default: max(4096, max input))"
+    )
+    max_batch_total_tokens: int | None = flag(
+        None, "KV tokens all running requests may hold (default: sized from free memory at warmup)"
+    )
     max_stop_sequences: int = flag(4, "stop sequences per request")
     max_top_n_tokens: int = flag(5, "most likely alternatives a request may ask for")
     # Batching
-    max_batch_size: int | None = flag(None, "running requests at most (static scheduling: its batch size, "
-                                            "default 32)")
-    scheduling: str = flag("continuous", "continuous batching, static batches run to completion (waiting for "
-                                         "--max-batch-size requests or --static-batch-timeout), or sequential",
-                           choices=SCHEDULING)
+    max_batch_size: int | None = flag(None, "running requests at most (static scheduling: its batch size, default 32)")
+    scheduling: str = flag(
+        "continuous",
+        "continuous batching, static batches run to completion (waiting for "
+        "--max-batch-size requests or --static-batch-timeout), or sequential",
+        choices=SCHEDULING,
+    )
     static_batch_timeout: float = flag(1.0, "seconds a static batch waits to fill up")
-    prefill_chunk_tokens: int | None = flag(None, "prompt tokens per step while streams are decoding "
-                                                  "(default: 64 on CPU, 512 on GPU)")
-    prefix_caching: bool = flag(True, "share the KV blocks of common prompt prefixes",
-                                action=argparse.BooleanOptionalAction)
+    prefill_chunk_tokens: int | None = flag(
+        None, "prompt tokens per step while streams are decoding (default: 64 on CPU, 512 on GPU)"
+    )
+    prefix_caching: bool = flag(
+        True, "share the KV blocks of common prompt prefixes", action=argparse.BooleanOptionalAction
+    )
     # Process management
     startup_timeout: float = flag(600.0, "seconds to wait for shards and router to be ready")
     graceful_termination_timeout: float = flag(60.0, "seconds in-flight requests get to finish on shutdown")

@@ -6,8 +6,8 @@ Without an endpoint the API's no-op tracer is used: spans cost next to nothing a
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterator, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -55,11 +55,17 @@ def inject(span: Span | None = None) -> list[tuple[str, str]]:
 
 
 @contextmanager
-def span(name: str, parent: Span | otel_context.Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
-         links: list[Span] | None = None, **attributes) -> Iterator[Span]:  # fmt: skip
+def span(
+    name: str,
+    parent: Span | otel_context.Context | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+    links: list[Span] | None = None,
+    **attributes,
+) -> Iterator[Span]:
     """A span under `parent` (a span, a context, or the current span when None)."""
     ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
     span_links = [Link(s.get_span_context()) for s in links or []]
-    with tracer().start_as_current_span(name, context=ctx, kind=kind, links=span_links,
-                                        attributes=attributes) as current:  # fmt: skip
+    with tracer().start_as_current_span(
+        name, context=ctx, kind=kind, links=span_links, attributes=attributes
+    ) as current:
         yield current

@@ -15,11 +15,12 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from conveyor.launcher import demo_model
+from conveyor.launcher.processes import ChildDied, Deployment
+
 from conveyor import config
 from conveyor import log as conveyor_log
 from conveyor.config import Config
-from conveyor.launcher import demo_model
-from conveyor.launcher.processes import ChildDied, Deployment
 
 log = logging.getLogger(__name__)
 

@@ -8,15 +8,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import grpc
-
-from conveyor.config import Config
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
+
+from conveyor.config import Config
 
 POLL_SECONDS = 0.1
 
@@ -72,8 +72,13 @@ class Deployment:
         deadline = time.monotonic() + timeout
         argv, num_shard = self.config.to_argv(), self.config.num_shard
         for rank in range(num_shard):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_shard), MASTER_ADDR=self.config.master_addr,
-                       MASTER_PORT=str(self.config.master_port))
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(num_shard),
+                MASTER_ADDR=self.config.master_addr,
+                MASTER_PORT=str(self.config.master_port),
+            )
             self.shards.append(self._spawn(f"shard {rank}", "conveyor.shard.main", argv, env))
         for rank, shard in enumerate(self.shards):
             self._wait(shard, lambda r=rank: shard_healthy(f"{self.uds_path}-{r}"), deadline, should_stop)

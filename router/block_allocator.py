@@ -13,8 +13,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from conveyor.router.prefix_cache import PrefixCache
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from conveyor.v1 import shard_pb2 as pb
 
@@ -46,7 +45,7 @@ class ErrorEvent:
     error_type: str = "generation"
 
 
-Event = Union[TokenEvent, ErrorEvent]
+Event = TokenEvent | ErrorEvent
 
 
 def tokens_from_pb(tokens: pb.Tokens) -> list[Token]:

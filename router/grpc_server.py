@@ -7,14 +7,11 @@ server streaming. The standard gRPC health service reports SERVING once the rout
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import Any, AsyncIterator
+from typing import Any
 
 import grpc
-from opentelemetry.trace import SpanKind
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from conveyor import tracing
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.http import ServerInfo
 from conveyor.router.infer import Infer, Response
@@ -32,11 +29,27 @@ from conveyor.router.responses import (
 from conveyor.router.validation import Validation, ValidRequest
 from conveyor.v1 import generate_pb2 as pb
 from conveyor.v1 import generate_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
+
+from conveyor import tracing
 
 log = logging.getLogger(__name__)
 
-_OPTIONAL = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty",
-             "frequency_penalty", "presence_penalty", "max_new_tokens", "ignore_eos", "truncate")  # fmt: skip
+_OPTIONAL = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "do_sample",
+    "seed",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "max_new_tokens",
+    "ignore_eos",
+    "truncate",
+)
 
 
 def parameters_from_pb(p: pb.Parameters) -> dict[str, Any]:
@@ -49,8 +62,7 @@ def parameters_from_pb(p: pb.Parameters) -> dict[str, Any]:
         fields["stop"] = list(p.stop)
     if p.top_n_tokens:
         fields["top_n_tokens"] = p.top_n_tokens
-    fields.update(details=p.details, decoder_input_details=p.decoder_input_details,
-                  return_full_text=p.return_full_text)  # fmt: skip
+    fields.update(details=p.details, decoder_input_details=p.decoder_input_details, return_full_text=p.return_full_text)
     return fields
 
 
@@ -158,12 +170,16 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def Info(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
         info = self.info.to_json()
         return pb.ServerInfoResponse(
-            model_id=info["model_id"], model_dtype=info["model_dtype"], engine=info["engine"],
-            max_input_tokens=info["max_input_tokens"], max_total_tokens=info["max_total_tokens"],
+            model_id=info["model_id"],
+            model_dtype=info["model_dtype"],
+            engine=info["engine"],
+            max_input_tokens=info["max_input_tokens"],
+            max_total_tokens=info["max_total_tokens"],
             max_concurrent_requests=info["max_concurrent_requests"],
-            max_batch_total_tokens=info["max_batch_total_tokens"], num_shard=info["num_shard"],
+            max_batch_total_tokens=info["max_batch_total_tokens"],
+            num_shard=info["num_shard"],
             version=info["version"],
-        )  # fmt: skip
+        )
 
 
 def _server_span(method: str, context: grpc.aio.ServicerContext):

@@ -9,12 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-
-from conveyor import __version__
+from conveyor.router import openapi
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
 from conveyor.router.middleware import api_key_middleware, json_errors_middleware, trace_middleware
-from conveyor.router import openapi
 from conveyor.router.openai import OpenAIRoutes
 from conveyor.router.responses import (
     REQUEST_ERRORS,
@@ -30,7 +28,9 @@ from conveyor.router.responses import (
     open_sse,
     send_sse,
 )
-from conveyor.router.validation import Limits, ValidationError, Validation, ValidRequest
+from conveyor.router.validation import Limits, Validation, ValidationError, ValidRequest
+
+from conveyor import __version__
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,13 @@ def stream_details_json(d: Details) -> dict[str, Any]:
 
 class HttpServer:
     def __init__(
-        self, infer: Infer, validation: Validation, info: ServerInfo, api_key: str | None = None,
+        self,
+        infer: Infer,
+        validation: Validation,
+        info: ServerInfo,
+        api_key: str | None = None,
         payload_limit: int = 2_000_000,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.infer = infer
         self.validation = validation
         self.info = info
@@ -245,6 +249,10 @@ class HttpServer:
         body.update(self.infer.scheduler.describe())
         allocator = self.infer.scheduler.allocator
         if allocator is not None:  # paged engine: KV use in blocks, live (free counts evictable cached blocks)
-            body.update(block_size=allocator.block_size, kv_blocks_total=allocator.num_blocks,
-                        kv_blocks_free=allocator.free_blocks, kv_blocks_cached=allocator.cached_blocks)  # fmt: skip
+            body.update(
+                block_size=allocator.block_size,
+                kv_blocks_total=allocator.num_blocks,
+                kv_blocks_free=allocator.free_blocks,
+                kv_blocks_cached=allocator.cached_blocks,
+            )
         return web.json_response(body)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from opentelemetry import trace
-
-from conveyor import tracing
 from conveyor.router.events import ErrorEvent, Event, Finished, Token, TokenEvent
 from conveyor.router.metrics import Metrics
 from conveyor.router.scheduler import Scheduler
 from conveyor.router.sequence import Sequence
 from conveyor.router.validation import ValidRequest
+from opentelemetry import trace
+
+from conveyor import tracing
 
 
 class OverloadedError(RuntimeError):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from conveyor.config import Config
 from conveyor.router.validation import Limits
 from conveyor.v1 import shard_pb2 as pb
+
+from conveyor.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class ResolvedLimits:
     max_batch_total_tokens: int  # the KV pool's capacity: 0 until the warmup has sized it
     user_batch_total_tokens: int | None
 
-    def with_capacity(self, capacity: int) -> "ResolvedLimits":
+    def with_capacity(self, capacity: int) -> ResolvedLimits:
         """Takes the KV capacity the shards measured at warmup as the token budget."""
         if self.user_batch_total_tokens is not None and self.user_batch_total_tokens != capacity:
             log.warning("using the warmup's KV capacity", extra={"capacity": capacity})

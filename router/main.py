@@ -9,29 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 import time
 
 from aiohttp import web
-
-from conveyor import config
-from conveyor import log as conveyor_log
-from conveyor.config import Config
-from conveyor import tracing
-from conveyor.router.shard_client import ShardedClient
-from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router import grpc_server as grpc_front_door
+from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
-from conveyor.router.metrics import Metrics
 from conveyor.router.limits import LimitError, ResolvedLimits, resolve_limits, warmup_request
+from conveyor.router.metrics import Metrics
 from conveyor.router.scheduler import Scheduler
+from conveyor.router.shard_client import ShardedClient
 from conveyor.router.step_planner import PlannerConfig, Scheduling
 from conveyor.router.validation import Validation
 from conveyor.v1 import shard_pb2 as pb
+
+from conveyor import config, tracing
+from conveyor import log as conveyor_log
+from conveyor.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +106,11 @@ DEFAULT_CHUNK_TOKENS = {"cpu": 64}
 def make_scheduler(
     args: Config, client: ShardedClient, shard_info: pb.InfoResponse, limits: ResolvedLimits, metrics: Metrics
 ) -> Scheduler:
-    allocator = BlockAllocator(limits.max_batch_total_tokens // shard_info.block_size, shard_info.block_size,
-                               prefix_caching=args.prefix_caching)  # fmt: skip
+    allocator = BlockAllocator(
+        limits.max_batch_total_tokens // shard_info.block_size,
+        shard_info.block_size,
+        prefix_caching=args.prefix_caching,
+    )
     planner = PlannerConfig(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS.get(shard_info.device_type, 512),

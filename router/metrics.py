@@ -27,23 +27,35 @@ class Metrics:
         self.batch_size = Gauge("conveyor_batch_current_size", "Requests in the running batch", registry=r)
         self.kv_blocks_used = Gauge("conveyor_kv_blocks_used", "KV blocks held by requests", registry=r)
         self.kv_blocks_total = Gauge("conveyor_kv_blocks_total", "KV blocks in the pool", registry=r)
-        self.prefix_cache_queries = Counter("conveyor_prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache", registry=r)  # fmt: skip
-        self.prefix_cache_hits = Counter("conveyor_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                         registry=r)  # fmt: skip
-        self.preemptions = Counter("conveyor_preemptions", "Running requests preempted for lack of KV blocks",
-                                   registry=r)  # fmt: skip
-        self.prefill_chunks = Counter("conveyor_prefill_chunks", "Prompt chunks that left their prompt unfinished",
-                                      registry=r)  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "conveyor_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "conveyor_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.preemptions = Counter(
+            "conveyor_preemptions", "Running requests preempted for lack of KV blocks", registry=r
+        )
+        self.prefill_chunks = Counter(
+            "conveyor_prefill_chunks", "Prompt chunks that left their prompt unfinished", registry=r
+        )
         self.queue_time = self._histogram("conveyor_request_queue_duration_seconds", "Time from arrival to prefill")
         self.ttft = self._histogram("conveyor_time_to_first_token_seconds", "Time from arrival to the first token")
         self.itl = self._histogram("conveyor_inter_token_latency_seconds", "Time between two tokens of a stream")
         self.duration = self._histogram("conveyor_request_duration_seconds", "Time from arrival to the last token")
-        self.step = Histogram("conveyor_batch_step_duration_seconds", "Prefill and decode steps, RPC included",
-                              ["method"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.shard_step = Histogram("conveyor_shard_step_duration_seconds",
-                                    "A step inside the slowest shard: forward, sampling and detokenizing",
-                                    buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.step = Histogram(
+            "conveyor_batch_step_duration_seconds",
+            "Prefill and decode steps, RPC included",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.shard_step = Histogram(
+            "conveyor_shard_step_duration_seconds",
+            "A step inside the slowest shard: forward, sampling and detokenizing",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def _histogram(self, name: str, documentation: str) -> Histogram:
         return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=self.registry)

@@ -4,13 +4,13 @@ every error has one shape."""
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from conveyor.router.responses import UNAUTHORIZED, authorized, json_error
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
-from conveyor.router.responses import UNAUTHORIZED, authorized, json_error
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]

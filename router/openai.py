@@ -11,16 +11,16 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
-
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
 from conveyor.router.responses import REQUEST_ERRORS, error_event, error_response, open_sse, send_sse
-from conveyor.router.validation import ValidationError, Validation, ValidRequest
+from conveyor.router.validation import Validation, ValidationError, ValidRequest
 
 MAX_CHOICES = 8  # n, and prompts per completion request, at most
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -157,7 +157,7 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, self._chat_choices, ChatFormat(self.model_id))
 
-    async def _handle(self, request: web.Request, parse: Callable, fmt: "Format") -> web.StreamResponse:
+    async def _handle(self, request: web.Request, parse: Callable, fmt: Format) -> web.StreamResponse:
         try:
             body = await self._body(request)
             stream = _get(body, "stream", bool, False)
@@ -176,7 +176,7 @@ class OpenAIRoutes:
         return web.json_response(body)
 
     async def _stream(
-        self, request: web.Request, choices: list[Choice], fmt: "Format", include_usage: bool, logprobs: bool
+        self, request: web.Request, choices: list[Choice], fmt: Format, include_usage: bool, logprobs: bool
     ) -> web.StreamResponse:
         async with AsyncExitStack() as stack:
             try:
@@ -247,10 +247,12 @@ class Format:
 
     def response(self, results: list[tuple[Choice, Response]], logprobs: bool) -> dict:
         body = self._envelope(self.object_name, [self.choice(c, r, logprobs) for c, r in results])
-        body["usage"] = _usage({
-            "prompt_tokens": sum(len(c.request.input_ids) for c, _ in results),
-            "completion_tokens": sum(r.finished.generated_tokens for _, r in results),
-        })  # fmt: skip
+        body["usage"] = _usage(
+            {
+                "prompt_tokens": sum(len(c.request.input_ids) for c, _ in results),
+                "completion_tokens": sum(r.finished.generated_tokens for _, r in results),
+            }
+        )
         return body
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -296,12 +298,17 @@ class CompletionFormat(Format):
         }
 
     def chunk(self, choice: Choice, event: TokenEvent, logprobs: bool) -> dict:
-        return self._envelope(self.chunk_name, [{
-            "index": choice.index,
-            "text": event.token.text,
-            "logprobs": self._logprobs([event]) if logprobs else None,
-            "finish_reason": _finish_reason(event.finished),
-        }])  # fmt: skip
+        return self._envelope(
+            self.chunk_name,
+            [
+                {
+                    "index": choice.index,
+                    "text": event.token.text,
+                    "logprobs": self._logprobs([event]) if logprobs else None,
+                    "finish_reason": _finish_reason(event.finished),
+                }
+            ],
+        )
 
 
 class ChatFormat(Format):
@@ -314,8 +321,11 @@ class ChatFormat(Format):
         return {"token": token.text, "logprob": token.logprob, "bytes": list(token.text.encode())}
 
     def _logprobs(self, events: list[TokenEvent]) -> dict:
-        return {"content": [{**self._entry(e.token), "top_logprobs": [self._entry(t) for t in e.top_tokens]}
-                            for e in events]}  # fmt: skip
+        return {
+            "content": [
+                {**self._entry(e.token), "top_logprobs": [self._entry(t) for t in e.top_tokens]} for e in events
+            ]
+        }
 
     def choice(self, choice: Choice, response: Response, logprobs: bool) -> dict:
         return {
@@ -327,13 +337,30 @@ class ChatFormat(Format):
 
     def opening(self, choices: list[Choice]) -> list[dict]:
         """OpenAI's first chunk of each choice names the role and carries no text."""
-        return [self._envelope(self.chunk_name, [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}]) for c in choices]  # fmt: skip
+        return [
+            self._envelope(
+                self.chunk_name,
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+            for c in choices
+        ]
 
     def chunk(self, choice: Choice, event: TokenEvent, logprobs: bool) -> dict:
-        return self._envelope(self.chunk_name, [{
-            "index": choice.index,
-            "delta": {"content": event.token.text},
-            "logprobs": self._logprobs([event]) if logprobs else None,
-            "finish_reason": _finish_reason(event.finished),
-        }])  # fmt: skip
+        return self._envelope(
+            self.chunk_name,
+            [
+                {
+                    "index": choice.index,
+                    "delta": {"content": event.token.text},
+                    "logprobs": self._logprobs([event]) if logprobs else None,
+                    "finish_reason": _finish_reason(event.finished),
+                }
+            ],
+        )

@@ -42,13 +42,27 @@ SCHEMAS: dict[str, Any] = {
     "GenerateParameters": {
         "type": "object",
         "properties": {
-            "max_new_tokens": INTEGER, "do_sample": BOOLEAN, "temperature": NUMBER, "top_k": INTEGER,
-            "top_p": NUMBER, "typical_p": NUMBER, "repetition_penalty": NUMBER, "frequency_penalty": NUMBER,
-            "presence_penalty": NUMBER, "seed": INTEGER, "stop": {"type": ["array", "null"], "items": {"type": "string"}},
-            "truncate": INTEGER, "details": BOOLEAN, "decoder_input_details": BOOLEAN, "return_full_text": BOOLEAN,
-            "top_n_tokens": INTEGER, "ignore_eos": BOOLEAN, "best_of": INTEGER, "watermark": BOOLEAN,
+            "max_new_tokens": INTEGER,
+            "do_sample": BOOLEAN,
+            "temperature": NUMBER,
+            "top_k": INTEGER,
+            "top_p": NUMBER,
+            "typical_p": NUMBER,
+            "repetition_penalty": NUMBER,
+            "frequency_penalty": NUMBER,
+            "presence_penalty": NUMBER,
+            "seed": INTEGER,
+            "stop": {"type": ["array", "null"], "items": {"type": "string"}},
+            "truncate": INTEGER,
+            "details": BOOLEAN,
+            "decoder_input_details": BOOLEAN,
+            "return_full_text": BOOLEAN,
+            "top_n_tokens": INTEGER,
+            "ignore_eos": BOOLEAN,
+            "best_of": INTEGER,
+            "watermark": BOOLEAN,
         },
-    },  # fmt: skip
+    },
     "GenerateRequest": {
         "type": "object",
         "required": ["inputs"],
@@ -57,9 +71,13 @@ SCHEMAS: dict[str, Any] = {
     "Token": {
         "type": "object",
         "required": ["id", "text", "logprob"],
-        "properties": {"id": {"type": "integer"}, "text": {"type": "string"}, "logprob": NUMBER,
-                       "special": {"type": "boolean"}},
-    },  # fmt: skip
+        "properties": {
+            "id": {"type": "integer"},
+            "text": {"type": "string"},
+            "logprob": NUMBER,
+            "special": {"type": "boolean"},
+        },
+    },
     "Details": {
         "type": "object",
         "required": ["finish_reason", "generated_tokens", "seed", "prefill", "tokens"],
@@ -94,48 +112,79 @@ SCHEMAS: dict[str, Any] = {
         "items": {
             "type": "object",
             "required": ["id", "text", "start", "stop"],
-            "properties": {"id": {"type": "integer"}, "text": {"type": "string"}, "start": {"type": "integer"},
-                           "stop": {"type": "integer"}},
+            "properties": {
+                "id": {"type": "integer"},
+                "text": {"type": "string"},
+                "start": {"type": "integer"},
+                "stop": {"type": "integer"},
+            },
         },
-    },  # fmt: skip
+    },
     "Info": {
         "type": "object",
         "required": ["model_id", "model_dtype", "engine", "max_input_tokens", "max_total_tokens", "version"],
         "properties": {
-            "model_id": {"type": "string"}, "model_dtype": {"type": "string"}, "engine": {"type": "string"},
-            "max_input_tokens": {"type": "integer"}, "max_total_tokens": {"type": "integer"},
-            "max_concurrent_requests": {"type": "integer"}, "max_batch_total_tokens": {"type": "integer"},
-            "num_shard": {"type": "integer"}, "version": {"type": "string"},
-            "kv_blocks_free": {"type": "integer"}, "kv_blocks_total": {"type": "integer"},
+            "model_id": {"type": "string"},
+            "model_dtype": {"type": "string"},
+            "engine": {"type": "string"},
+            "max_input_tokens": {"type": "integer"},
+            "max_total_tokens": {"type": "integer"},
+            "max_concurrent_requests": {"type": "integer"},
+            "max_batch_total_tokens": {"type": "integer"},
+            "num_shard": {"type": "integer"},
+            "version": {"type": "string"},
+            "kv_blocks_free": {"type": "integer"},
+            "kv_blocks_total": {"type": "integer"},
         },
-    },  # fmt: skip
+    },
     "Health": {"type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}},
     "CompletionRequest": {
         "type": "object",
         "required": ["prompt"],
         "properties": {
-            "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-            "max_tokens": INTEGER, "temperature": NUMBER, "top_p": NUMBER, "seed": INTEGER, "n": INTEGER,
+            "model": {"type": "string"},
+            "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+            "max_tokens": INTEGER,
+            "temperature": NUMBER,
+            "top_p": NUMBER,
+            "seed": INTEGER,
+            "n": INTEGER,
             "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
-            "logprobs": INTEGER, "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "stream": BOOLEAN,
+            "logprobs": INTEGER,
+            "presence_penalty": NUMBER,
+            "frequency_penalty": NUMBER,
+            "stream": BOOLEAN,
             "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
         },
-    },  # fmt: skip
+    },
     "ChatRequest": {
         "type": "object",
         "required": ["messages"],
         "properties": {
             "model": {"type": "string"},
-            "messages": {"type": "array", "items": {
-                "type": "object", "required": ["role", "content"],
-                "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}},
-            "max_tokens": INTEGER, "max_completion_tokens": INTEGER, "temperature": NUMBER, "top_p": NUMBER,
-            "seed": INTEGER, "n": INTEGER, "logprobs": BOOLEAN, "top_logprobs": INTEGER,
+            "messages": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["role", "content"],
+                    "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}},
+                },
+            },
+            "max_tokens": INTEGER,
+            "max_completion_tokens": INTEGER,
+            "temperature": NUMBER,
+            "top_p": NUMBER,
+            "seed": INTEGER,
+            "n": INTEGER,
+            "logprobs": BOOLEAN,
+            "top_logprobs": INTEGER,
             "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
-            "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "stream": BOOLEAN,
+            "presence_penalty": NUMBER,
+            "frequency_penalty": NUMBER,
+            "stream": BOOLEAN,
             "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
         },
-    },  # fmt: skip
+    },
     "Usage": {
         "type": "object",
         "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -154,9 +203,14 @@ SCHEMAS: dict[str, Any] = {
     "Models": {
         "type": "object",
         "required": ["object", "data"],
-        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-            "type": "object", "required": ["id", "object"], "properties": {"id": {"type": "string"}}}}},
-    },  # fmt: skip
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {"type": "object", "required": ["id", "object"], "properties": {"id": {"type": "string"}}},
+            },
+        },
+    },
 }
 
 
@@ -171,32 +225,47 @@ def _get(summary: str, ok: dict, **extra: dict) -> dict:
 
 def document(version: str) -> dict[str, Any]:
     generate = _json(_ref("GenerateResponse"))
-    either = {"description": "A one-item list, or server-sent events when `stream` is true", "content": {
-        "application/json": {"schema": {"type": "array", "items": _ref("GenerateResponse")}},
-        "text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
+    either = {
+        "description": "A one-item list, or server-sent events when `stream` is true",
+        "content": {
+            "application/json": {"schema": {"type": "array", "items": _ref("GenerateResponse")}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
     openai_ok = {"description": "The completion, or server-sent chunks ending with `data: [DONE]` when streaming"}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "Conveyor", "version": version,
-                 "description": "LLM text generation with continuous batching: TGI's API and OpenAI's."},  # fmt: skip
+        "info": {
+            "title": "Conveyor",
+            "version": version,
+            "description": "LLM text generation with continuous batching: TGI's API and OpenAI's.",
+        },
         "paths": {
             "/": _post("TGI compatibility route (stream picks the shape)", "GenerateRequest", either),
             "/generate": _post("Generate text", "GenerateRequest", generate),
-            "/generate_stream": _post("Generate text as server-sent events", "GenerateRequest",
-                                      _sse("One `data: StreamEvent` per token")),  # fmt: skip
+            "/generate_stream": _post(
+                "Generate text as server-sent events", "GenerateRequest", _sse("One `data: StreamEvent` per token")
+            ),
             "/tokenize": _post("Tokenize a prompt", "GenerateRequest", _json(_ref("TokenizeResponse"))),
-            "/v1/completions": _post("OpenAI completions", "CompletionRequest",
-                                     {**openai_ok, **_json(_ref("Completion"))}),  # fmt: skip
-            "/v1/chat/completions": _post("OpenAI chat completions", "ChatRequest",
-                                          {**openai_ok, **_json(_ref("ChatCompletion"))}),  # fmt: skip
+            "/v1/completions": _post(
+                "OpenAI completions", "CompletionRequest", {**openai_ok, **_json(_ref("Completion"))}
+            ),
+            "/v1/chat/completions": _post(
+                "OpenAI chat completions", "ChatRequest", {**openai_ok, **_json(_ref("ChatCompletion"))}
+            ),
             "/v1/models": _get("The served model, OpenAI-style", _json(_ref("Models"))),
-            "/health": _get("200 once the shards answer", _json(_ref("Health")),
-                            **{"503": _json(_ref("Error"), "Not ready")}),  # fmt: skip
+            "/health": _get(
+                "200 once the shards answer", _json(_ref("Health")), **{"503": _json(_ref("Error"), "Not ready")}
+            ),
             "/info": _get("Model, engine and limits", _json(_ref("Info"))),
-            "/metrics": _get("Prometheus metrics", {"description": "Prometheus text format",
-                                                    "content": {"text/plain": {"schema": {"type": "string"}}}}),  # fmt: skip
-            "/openapi.json": _get("This document", {"description": "OpenAPI 3.1",
-                                                    "content": {"application/json": {"schema": {"type": "object"}}}}),  # fmt: skip
+            "/metrics": _get(
+                "Prometheus metrics",
+                {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            ),
+            "/openapi.json": _get(
+                "This document",
+                {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}},
+            ),
         },
         "components": {"schemas": SCHEMAS},
     }

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 ROOT_KEY = 0
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import hmac
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 from aiohttp import web
-
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.infer import GenerationError, OverloadedError
 from conveyor.router.validation import ValidationError, ValidRequest

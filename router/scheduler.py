@@ -15,10 +15,9 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterable, Iterator
 
-from conveyor import tracing
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.metrics import Metrics
@@ -27,6 +26,8 @@ from conveyor.router.sequence import Sequence, SequenceStatus
 from conveyor.router.shard_client import Metadata, ShardedClient, ShardError, StepResult
 from conveyor.router.step_planner import PlannerConfig, StepPlan, StepPlanner
 from conveyor.v1 import shard_pb2 as pb
+
+from conveyor import tracing
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,9 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from opentelemetry.trace import Span
-
 from conveyor.router.events import Event
 from conveyor.router.validation import ValidRequest
+from opentelemetry.trace import Span
 
 
 class SequenceStatus(Enum):
@@ -40,7 +39,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading full blocks matched in, or offered to, the prefix cache
     num_computed_tokens: int = 0  # tokens whose KV is on the shards
-    num_prefill_tokens: int = 0  # tokens to read before it samples: its prompt, plus what it had generated when preempted
+    num_prefill_tokens: int = (
+        0  # tokens to read before it samples: its prompt, plus what it had generated when preempted
+    )
     num_preemptions: int = 0
 
     # This step, as the planner decided it; the loop applies it once the shards ran the step.

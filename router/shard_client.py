@@ -6,11 +6,11 @@ Ranks run the same forward in lockstep and answer the same tokens; the first ran
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 import grpc
-
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
@@ -38,12 +38,13 @@ class ShardedClient:
         self._stubs = [pb_grpc.ShardStub(c) for c in self._channels]
 
     @classmethod
-    async def connect(cls, master_uds: str, timeout: float = 10.0) -> "ShardedClient":
+    async def connect(cls, master_uds: str, timeout: float = 10.0) -> ShardedClient:
         """Asks rank 0 (at `master_uds`) for every rank's address and connects to all of them."""
         master = cls([_unix_url(master_uds)])
         try:
-            response = await master._all("ServiceDiscovery", lambda s: s.ServiceDiscovery(
-                pb.ServiceDiscoveryRequest(), timeout=timeout))
+            response = await master._all(
+                "ServiceDiscovery", lambda s: s.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=timeout)
+            )
         finally:
             await master.close()
         return cls(list(response[0].urls))
@@ -77,9 +78,12 @@ class ShardedClient:
         return min(r.max_supported_total_tokens for r in responses)
 
     async def prefill(
-        self, batch: pb.Batch, metadata: Metadata = None, cached_batch: pb.CachedBatch | None = None,
+        self,
+        batch: pb.Batch,
+        metadata: Metadata = None,
+        cached_batch: pb.CachedBatch | None = None,
         updates: list[pb.RequestUpdate] = (),
-    ) -> StepResult:  # fmt: skip
+    ) -> StepResult:
         """`metadata` carries the trace context, so the shards' spans join the request's trace. With a
         `cached_batch` the new requests join that running batch in the same forward (a mixed step)."""
         request = pb.PrefillRequest(batch=batch, cached_batch=cached_batch, updates=updates)

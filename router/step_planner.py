@@ -3,8 +3,9 @@
 There is no prefill phase and no decode phase, only steps (vLLM's view). Each step every running request gets
 tokens to compute: one for a decoding request, a chunk of its prompt for one still reading it, within a budget
 of `max_batch_prefill_tokens` prompt tokens per step (`prefill_chunk_tokens` while any request is decoding).
-Blocks are handed out as sequences grow into them; when none is left the newest running request is preempted (its blocks freed, back to the front of the queue, later
-recomputed from its prompt and the tokens it had generated), which the oldest requests never are, so they
+Blocks are handed out as sequences grow into them; when none is left the newest running request is preempted
+(its blocks freed, back to the front of the queue, later recomputed from its prompt and the tokens it had
+generated), which the oldest requests never are, so they
 always progress. Waiting requests join only in a step that preempted nobody, reusing the blocks of their
 longest cached prefix and reading the rest in chunks.
 
@@ -110,7 +111,9 @@ class StepPlanner:
     def _grow(self, sequence: Sequence, budget: int, plan: StepPlan) -> bool:
         """Tokens and blocks for a running sequence; preempts the newest sequences (maybe itself) for blocks.
         False when it preempted itself."""
-        wanted = min(sequence.num_prefill_tokens - sequence.num_computed_tokens, budget) if sequence.is_prefilling else 1
+        wanted = (
+            min(sequence.num_prefill_tokens - sequence.num_computed_tokens, budget) if sequence.is_prefilling else 1
+        )
         if wanted <= 0:
             return True
         while True:

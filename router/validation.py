@@ -64,13 +64,7 @@ class Parameters:
     @property
     def sampling(self) -> bool:
         """TGI's rule: any warper that reshapes the distribution implies sampling from it, not argmax."""
-        return (
-            self.do_sample
-            or self.temperature != 1.0
-            or self.top_k > 0
-            or self.top_p < 1.0
-            or self.typical_p < 1.0
-        )
+        return self.do_sample or self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
 
 
 @dataclass(frozen=True)
@@ -192,9 +186,7 @@ def _stop(value: object, limits: Limits) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise ValidationError("`stop` must be a list of strings")
     if len(value) > limits.max_stop_sequences:
-        raise ValidationError(
-            f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(value)}"
-        )
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(value)}")
     stop = tuple(_text("stop", item) for item in value)
     if any(not item for item in stop):
         raise ValidationError("`stop` sequences must not be empty")

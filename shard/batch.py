@@ -22,7 +22,7 @@ class Batch:
     sampler: Sampler | None  # decoding rows only; None when there are none
 
     @classmethod
-    def from_pb(cls, batch: pb.Batch, states: list[RequestState]) -> "Batch":
+    def from_pb(cls, batch: pb.Batch, states: list[RequestState]) -> Batch:
         """New requests: all prefilling, from their cached prefix on."""
         return cls(batch.id, states, None)
 
@@ -51,7 +51,7 @@ class Batch:
                 raise BadRequest(f"batch {self.id} has no request {update.request_id} to update")
             state.update(update)
 
-    def filter(self, request_ids: list[int]) -> "Batch":
+    def filter(self, request_ids: list[int]) -> Batch:
         """Keeps the listed requests (decoding ones first, as always); KeyError names any the batch lacks."""
         index = {r.id: row for row, r in enumerate(self.requests)}
         missing = [i for i in request_ids if i not in index]
@@ -63,7 +63,7 @@ class Batch:
         return Batch(self.id, [self.requests[row] for row in rows], sampler)
 
     @classmethod
-    def concatenate(cls, batches: list["Batch"]) -> "Batch":
+    def concatenate(cls, batches: list[Batch]) -> Batch:
         """Decoding rows of every batch, then prefilling rows of every batch; the id is the first batch's."""
         if len(batches) == 1:
             return batches[0]

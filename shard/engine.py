@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from conveyor.shard.batch import Batch
 from conveyor.shard.device import to_device
 from conveyor.shard.distributed import ProcessGroup
@@ -118,7 +117,11 @@ class Engine:
         if not rows:
             raise BadRequest(f"batch {batch.id} has nothing to compute at this step")
         new_tokens = [r.step_tokens() for r in rows]
-        ending = [r for r, n in zip(rows, new_tokens) if not r.is_decoding and r.num_computed_tokens + len(n) == len(r.input_ids)]
+        ending = [
+            r
+            for r, n in zip(rows, new_tokens)
+            if not r.is_decoding and r.num_computed_tokens + len(n) == len(r.input_ids)
+        ]
         for state, tokens in zip(rows, new_tokens):
             self._check_blocks(state, state.num_computed_tokens + len(tokens))
         logits = self._forward(rows, new_tokens, self._logit_counts(rows, new_tokens, ending))
@@ -156,8 +159,13 @@ class Engine:
             return generations
         counts = [len(s.input_ids) if s.prefill_logprobs else 1 for s in ending]
         ends = (len(decoding) + torch.cumsum(torch.tensor(counts), 0)).tolist()
-        sampler = Sampler.build([s.params for s in ending], [s.input_ids for s in ending], self.vocab_size,
-                                self.device, [s.generated_ids for s in ending])
+        sampler = Sampler.build(
+            [s.params for s in ending],
+            [s.input_ids for s in ending],
+            self.vocab_size,
+            self.device,
+            [s.generated_ids for s in ending],
+        )
         new = self._record(ending, sampler, logits[[e - 1 for e in ends]])
         for state, generation, end, count in zip(ending, new, ends, counts):
             if state.prefill_logprobs:

@@ -4,7 +4,6 @@ the most likely alternatives and, when asked, the prompt's own log-probabilities
 from __future__ import annotations
 
 import torch
-
 from conveyor.shard.requests import RequestState, prefill_tokens_pb
 from conveyor.shard.sampling import Sample
 from conveyor.v1 import shard_pb2 as pb
@@ -38,7 +37,11 @@ class Generations:
                 continue
             ids = row_ids[:n]
             texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-            tops.append(pb.Tokens(ids=ids, logprobs=row_values[:n], texts=texts, is_special=[i in self.special_ids for i in ids]))
+            tops.append(
+                pb.Tokens(
+                    ids=ids, logprobs=row_values[:n], texts=texts, is_special=[i in self.special_ids for i in ids]
+                )
+            )
         return tops
 
     def prefill_tokens(self, state: RequestState, prompt_logits: torch.Tensor) -> pb.Tokens:

@@ -12,17 +12,16 @@ import os
 import signal
 
 import torch
-
-from conveyor import config
-from conveyor import log as conveyor_log
-from conveyor.config import Config
-from conveyor import tracing
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import initialize
 from conveyor.shard.engine import Engine
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models.llama import MODEL_TYPES
 from conveyor.shard.server import serve
+
+from conveyor import config, tracing
+from conveyor import log as conveyor_log
+from conveyor.config import Config
 
 log = logging.getLogger(__name__)
 

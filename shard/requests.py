@@ -39,9 +39,7 @@ class RequestState:
         return self.next_token is not None
 
     @classmethod
-    def from_pb(
-        cls, request: pb.Request, tokenizer, eos_token_ids: frozenset[int], vocab_size: int
-    ) -> "RequestState":
+    def from_pb(cls, request: pb.Request, tokenizer, eos_token_ids: frozenset[int], vocab_size: int) -> RequestState:
         stop = request.stopping_parameters
         input_ids = list(request.input_ids)
         if not input_ids:
@@ -77,7 +75,9 @@ class RequestState:
         prompt = len(self.input_ids)
         chunk = prompt - cache_len if chunk_len is None else chunk_len
         if not 0 <= cache_len < prompt or not 0 < chunk <= prompt - cache_len:
-            raise BadRequest(f"request {self.id}: cache_len {cache_len} and chunk_len {chunk} do not fit its {prompt} input tokens")
+            raise BadRequest(
+                f"request {self.id}: cache_len {cache_len} and chunk_len {chunk} do not fit its {prompt} input tokens"
+            )
         if self.prefill_logprobs and (cache_len or chunk < prompt):
             raise BadRequest(f"request {self.id}: prompt logprobs need the whole prompt in one chunk")
         self.num_computed_tokens, self.chunk_len = cache_len, chunk
@@ -118,9 +118,7 @@ class RequestState:
         reason = self.stopping(token_id, self.detokenizer.text)
         generation = pb.Generation(
             request_id=self.id,
-            tokens=pb.Tokens(
-                ids=[token_id], logprobs=[logprob], texts=[text], is_special=[token_id in special_ids]
-            ),
+            tokens=pb.Tokens(ids=[token_id], logprobs=[logprob], texts=[text], is_special=[token_id in special_ids]),
         )
         if reason is not None:
             generation.finished.CopyFrom(self._finished(reason))

@@ -145,9 +145,13 @@ class Sampler:
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int, device: torch.device,
+        cls,
+        params: list[SamplingParams],
+        prompts: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
         generated_ids: list[list[int]] | None = None,
-    ) -> Sampler:  # fmt: skip
+    ) -> Sampler:
         """`prompts` are every token each row has seen; `generated_ids` the part of them it generated itself (a
         request resumed after a preemption brings tokens it generated before)."""
         drawn = [len(ids) for ids in generated_ids] if generated_ids else [0] * len(params)

@@ -12,18 +12,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import grpc
-from opentelemetry.trace import SpanKind
-
-from conveyor import tracing
 from conveyor.shard.batch import Batch
 from conveyor.shard.engine import Engine, StepOutput
 from conveyor.shard.requests import BadRequest
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
+from opentelemetry.trace import SpanKind
+
+from conveyor import tracing
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
     """Turns any exception of a handler into a gRPC error carrying its message, and keeps the shard serving."""
 
     @functools.wraps(handler)
-    async def wrapper(self: "ShardService", request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: ShardService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         parent = tracing.extract(dict(context.invocation_metadata() or ()))
         try:
             with tracing.span(f"shard.{handler.__name__}", parent, kind=SpanKind.SERVER):

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from conveyor.shard.distributed import ProcessGroup
+from safetensors import safe_open
 
 
 class WeightError(ValueError):

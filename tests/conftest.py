@@ -9,13 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 import pytest
-
 from conveyor.launcher import demo_model
 
 # The probe prompt whose greedy continuation ends on the extra EOS id the test model declares.
@@ -156,8 +155,18 @@ def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None
     port, grpc_port = free_port(), free_port()
     env = dict(os.environ, CONVEYOR_LOG_LEVEL=os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"), **(env or {}))
     process = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(model_dir), "--port", str(port),
-         "--grpc-port", str(grpc_port), *extra],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "conveyor.launcher.main",
+            "--model-id",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            *extra,
+        ],
         env=env,
     )
     server = Server(f"http://127.0.0.1:{port}", process, model_dir, f"127.0.0.1:{grpc_port}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache, paged_attention
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
@@ -42,10 +41,15 @@ def test_decode_rows_and_chunks_of_several_lengths_match_plain_attention() -> No
     assert len(meta.groups) > 1  # decode rows apart from chunks, long contexts apart from short ones
 
     out = paged_attention(
-        torch.cat(queries), torch.cat([k[c - n :] for (c, n), k in zip(rows, keys)]),
-        torch.cat([v[c - n :] for (c, n), v in zip(rows, values)]), cache.keys[0], cache.values[0], meta,
+        torch.cat(queries),
+        torch.cat([k[c - n :] for (c, n), k in zip(rows, keys)]),
+        torch.cat([v[c - n :] for (c, n), v in zip(rows, values)]),
+        cache.keys[0],
+        cache.values[0],
+        meta,
         DIM**-0.5,
-    )  # fmt: skip
-    expected = torch.cat([reference(q, k, v, c - n).reshape(n, -1)
-                          for (c, n), q, k, v in zip(rows, queries, keys, values)])  # fmt: skip
+    )
+    expected = torch.cat(
+        [reference(q, k, v, c - n).reshape(n, -1) for (c, n), q, k, v in zip(rows, queries, keys, values)]
+    )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

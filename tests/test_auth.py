@@ -7,7 +7,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import Server, start_server
 
 KEY = "s3cret-key"
@@ -37,7 +36,8 @@ def test_the_right_key_is_served(locked: Server) -> None:
     assert client.completions.create(model="m", prompt="x", max_tokens=2, temperature=0).usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{locked.url}/v1", api_key="nope", max_retries=0).completions.create(
-            model="m", prompt="x", max_tokens=2)
+            model="m", prompt="x", max_tokens=2
+        )
 
 
 @pytest.mark.parametrize("route", ["/health", "/info", "/v1/models"])

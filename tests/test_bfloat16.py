@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import free_port, start_server
 
 LOGPROB_TOLERANCE = 0.03  # nats
@@ -74,12 +73,16 @@ def test_bf16_log_probabilities_follow_transformers_bf16(tiny_model: Path):
 
 
 def test_bf16_deployment_serves_end_to_end(tiny_model: Path):
-    server = start_server(tiny_model, "--dtype", "bfloat16", "--max-total-tokens", "256",
-                          "--master-port", str(free_port()))  # fmt: skip
+    server = start_server(
+        tiny_model, "--dtype", "bfloat16", "--max-total-tokens", "256", "--master-port", str(free_port())
+    )
     try:
         with server.client() as client:
             assert client.get("/info").json()["model_dtype"] == "bfloat16"
-            body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True, "decoder_input_details": True}}
+            body = {
+                "inputs": PROMPT,
+                "parameters": {"max_new_tokens": 12, "details": True, "decoder_input_details": True},
+            }
             response = client.post("/generate", json=body)
         assert response.status_code == 200, response.text
         details = response.json()["details"]

@@ -6,7 +6,6 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-
 from conveyor.router import prefix_cache
 from conveyor.router.block_allocator import BlockAllocator
 

@@ -9,10 +9,33 @@ from conveyor.config import Config
 
 
 def test_every_flag_survives_the_hand_over() -> None:
-    argv = ["--model-id", "/models/m", "--num-shard", "2", "--dtype", "bfloat16", "--port", "3100",
-            "--grpc-port", "3101", "--max-batch-size", "8", "--scheduling", "static", "--static-batch-timeout", "0.5",
-            "--no-prefix-caching", "--prefill-chunk-tokens", "32", "--shard-uds-path", "/tmp/x",
-            "--max-total-tokens", "512", "--log-level", "INFO"]
+    argv = [
+        "--model-id",
+        "/models/m",
+        "--num-shard",
+        "2",
+        "--dtype",
+        "bfloat16",
+        "--port",
+        "3100",
+        "--grpc-port",
+        "3101",
+        "--max-batch-size",
+        "8",
+        "--scheduling",
+        "static",
+        "--static-batch-timeout",
+        "0.5",
+        "--no-prefix-caching",
+        "--prefill-chunk-tokens",
+        "32",
+        "--shard-uds-path",
+        "/tmp/x",
+        "--max-total-tokens",
+        "512",
+        "--log-level",
+        "INFO",
+    ]
     parsed = config.parse(argv)
     assert parsed.num_shard == 2 and parsed.prefix_caching is False and parsed.static_batch_timeout == 0.5
     assert config.parse(parsed.to_argv()) == parsed

@@ -6,10 +6,9 @@ import random
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
 from conveyor.launcher import demo_model
 from conveyor.shard.detokenize import IncrementalDetokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 ALPHABET = list("abcdefghij  \n\t.,:()") + ["é", "ü", "ß", "世", "界", "€", "🚂", "ok", " the", "def "]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conveyor.shard.device import DeviceUnavailable, choose_device, to_device
 from conveyor.shard.layers.gemm import Gemm, onednn_packs
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from conftest import Server, greedy_reference, wait_for
 from conveyor.client import AsyncClient, Client, ConnectionError, ValidationError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def test_generate_stream_tokenize_info(server: Server) -> None:
@@ -24,8 +23,9 @@ def test_generate_stream_tokenize_info(server: Server) -> None:
         assert [r.token.id for r in streamed] == [t.id for t in details.tokens]
         assert streamed[-1].generated_text == response.generated_text and streamed[0].generated_text is None
         tokens = client.tokenize("def add(a, b):")
-        assert [t.id for t in tokens] == [t["id"] for t in httpx.post(f"{server.url}/tokenize",
-                                                                       json={"inputs": "def add(a, b):"}).json()]
+        assert [t.id for t in tokens] == [
+            t["id"] for t in httpx.post(f"{server.url}/tokenize", json={"inputs": "def add(a, b):"}).json()
+        ]
         info = client.info()
         assert info.model_id == str(server.model_dir) and info.max_total_tokens == 512 and info.engine == "paged"
 

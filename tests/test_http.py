@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import sseclient
-
 from conftest import EosProbe, Server, greedy_reference, wait_for
 
 
@@ -38,14 +37,20 @@ def test_sse_events_have_tgi_shape(server: Server) -> None:
     assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
     last = events[-1]
     assert last["generated_text"] == "".join(e["token"]["text"] for e in events)
-    assert last["details"] == {"finish_reason": "length", "generated_tokens": 5, "seed": None,
-                               "input_length": last["details"]["input_length"]}  # fmt: skip
+    assert last["details"] == {
+        "finish_reason": "length",
+        "generated_tokens": 5,
+        "seed": None,
+        "input_length": last["details"]["input_length"],
+    }
     assert last["details"]["input_length"] > 0
 
 
 def test_generate_details(server: Server) -> None:
-    r = generate(server, {"inputs": "def f():", "parameters": {"max_new_tokens": 4, "details": True,
-                                                               "decoder_input_details": True}})  # fmt: skip
+    r = generate(
+        server,
+        {"inputs": "def f():", "parameters": {"max_new_tokens": 4, "details": True, "decoder_input_details": True}},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     details = body["details"]
@@ -85,8 +90,9 @@ def test_stop_sequence_ends_with_stop_sequence(server: Server) -> None:
     reference = generate(server, {"inputs": prompt, "parameters": {"max_new_tokens": 12}}).json()["generated_text"]
     stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
     assert stop.strip(), f"pick another prompt: {reference!r}"
-    events = stream_events(server, {"inputs": prompt, "parameters": {"max_new_tokens": 12, "stop": [stop],
-                                                                     "details": True}})  # fmt: skip
+    events = stream_events(
+        server, {"inputs": prompt, "parameters": {"max_new_tokens": 12, "stop": [stop], "details": True}}
+    )
     last = events[-1]
     assert last["details"]["finish_reason"] == "stop_sequence"
     text = last["generated_text"]
@@ -97,9 +103,17 @@ def test_stop_sequence_ends_with_stop_sequence(server: Server) -> None:
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(server: Server) -> None:
-    seeded = {"inputs": "def sample():", "parameters": {"max_new_tokens": 20, "do_sample": True,
-                                                        "temperature": 0.9, "top_k": 50, "seed": 1234,
-                                                        "details": True}}  # fmt: skip
+    seeded = {
+        "inputs": "def sample():",
+        "parameters": {
+            "max_new_tokens": 20,
+            "do_sample": True,
+            "temperature": 0.9,
+            "top_k": 50,
+            "seed": 1234,
+            "details": True,
+        },
+    }
     alone = generate(server, seeded).json()
     assert alone["details"]["seed"] == 1234
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import Server, free_port, greedy_reference, start_server, wait_for
 from test_lifecycle import StreamWatcher
 
@@ -19,8 +18,7 @@ MAX_NEW = 150  # each request may fill ceil((~7 + 149) / 16) = 10 blocks: 3 of t
 
 @pytest.fixture(scope="module")
 def small_kv(tiny_model: Path):
-    server = start_server(tiny_model, "--max-batch-total-tokens", "512",
-                          "--max-total-tokens", "256")  # fmt: skip
+    server = start_server(tiny_model, "--max-batch-total-tokens", "512", "--max-total-tokens", "256")
     yield server
     assert server.stop() == 0
 
@@ -36,7 +34,7 @@ def test_every_block_comes_back_after_a_burst_with_cancellations(small_kv: Serve
     with ThreadPoolExecutor(len(watchers)) as pool:
         futures = [pool.submit(w.run) for w in watchers]
         for n in sorted(cancelled):
-            wait_for(lambda: watchers[n].received(2) or futures[n].done(), 120, f"request {n} to start")
+            wait_for(lambda n=n: watchers[n].received(2) or futures[n].done(), 120, f"request {n} to start")
             watchers[n].hang_up.set()
         for f in futures:
             f.result()
@@ -58,10 +56,23 @@ def test_a_request_that_can_never_fit_is_422(small_kv: Server) -> None:
 
 def test_a_kv_budget_below_one_request_is_refused_at_startup(tiny_model: Path) -> None:
     launcher = subprocess.run(
-        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(tiny_model), "--port", str(free_port()),
-         "--max-batch-total-tokens", "128", "--max-total-tokens", "256"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "conveyor.launcher.main",
+            "--model-id",
+            str(tiny_model),
+            "--port",
+            str(free_port()),
+            "--max-batch-total-tokens",
+            "128",
+            "--max-total-tokens",
+            "256",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert launcher.returncode != 0
     assert "--max-batch-total-tokens (128) must be >= --max-total-tokens (256)" in launcher.stderr
     assert "Traceback" not in launcher.stderr  # a configuration mistake is a message, not a crash

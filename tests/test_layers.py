@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.weights import WeightError, Weights
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 WORLD = 2
 HIDDEN = 6  # input features of the column-parallel layers and the LM head
@@ -275,8 +274,15 @@ def test_weights_need_safetensors_files(tmp_path: Path):
 def _llama_config(**overrides):
     from transformers import LlamaConfig
 
-    settings = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1, intermediate_size=32, max_position_embeddings=128)  # fmt: skip
+    settings = dict(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        max_position_embeddings=128,
+    )
     return LlamaConfig(**{**settings, **overrides})
 
 

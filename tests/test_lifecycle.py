@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import psutil
 import sseclient
-
 from conftest import Server, free_port, greedy_reference, start_server, wait_for
 
 LONG = {"inputs": "def forever():", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
@@ -79,8 +78,14 @@ def test_over_max_concurrent_requests_is_429_and_the_slots_come_back(tiny_model:
             assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded"
         # Disconnected clients give their slots back: a request is served again.
         with server.client() as client:
-            wait_for(lambda: client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
-                     .status_code == 200, 60, "a slot to come back")  # fmt: skip
+            wait_for(
+                lambda: (
+                    client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}).status_code
+                    == 200
+                ),
+                60,
+                "a slot to come back",
+            )
     finally:
         assert server.stop() == 0
 
@@ -128,7 +133,9 @@ def test_a_shard_that_dies_while_loading_fails_the_launcher_clearly(tiny_model: 
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     launcher = subprocess.run(
         [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(broken), "--port", str(free_port())],
-        capture_output=True, text=True, timeout=300,  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert launcher.returncode != 0
     assert "shard 0 exited with code" in launcher.stderr
@@ -137,6 +144,8 @@ def test_a_shard_that_dies_while_loading_fails_the_launcher_clearly(tiny_model: 
 def test_a_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
     launcher = subprocess.run(
         [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(tmp_path / "nowhere")],
-        capture_output=True, text=True, timeout=60,  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert launcher.returncode != 0 and "no config.json" in launcher.stderr

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import Server
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def scrape(server: Server) -> dict[tuple[str, tuple], float]:
@@ -23,8 +22,9 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 def test_counters_and_histograms_move_with_requests(server: Server) -> None:
     before = scrape(server)
-    r = httpx.post(f"{server.url}/generate", json={"inputs": "def f():", "parameters": {"max_new_tokens": 5}},
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        f"{server.url}/generate", json={"inputs": "def f():", "parameters": {"max_new_tokens": 5}}, timeout=60
+    )
     assert r.status_code == 200
     assert httpx.post(f"{server.url}/generate", json={"inputs": ""}).status_code == 422
     after = scrape(server)
@@ -35,8 +35,9 @@ def test_counters_and_histograms_move_with_requests(server: Server) -> None:
     assert delta("conveyor_requests_total", outcome="success") == 1
     assert delta("conveyor_requests_total", outcome="validation") == 1
     assert delta("conveyor_generated_tokens_total") == 5
-    assert delta("conveyor_prompt_tokens_total") == len(httpx.post(f"{server.url}/tokenize",
-                                                                   json={"inputs": "def f():"}).json())  # fmt: skip
+    assert delta("conveyor_prompt_tokens_total") == len(
+        httpx.post(f"{server.url}/tokenize", json={"inputs": "def f():"}).json()
+    )
     assert delta("conveyor_time_to_first_token_seconds_count") == 1
     assert delta("conveyor_inter_token_latency_seconds_count") == 4
     assert delta("conveyor_request_duration_seconds_count") == 1

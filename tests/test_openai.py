@@ -5,7 +5,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from conftest import Server, greedy_reference
 
 
@@ -23,8 +22,7 @@ def test_models_lists_the_served_model(client: openai.OpenAI, server: Server) ->
 
 
 def test_completion_greedy_matches_generate(client: openai.OpenAI, server: Server) -> None:
-    completion = client.completions.create(model=model_id(server), prompt="def add(a, b):", max_tokens=8,
-                                           temperature=0)  # fmt: skip
+    completion = client.completions.create(model=model_id(server), prompt="def add(a, b):", max_tokens=8, temperature=0)
     tgi = httpx.post(f"{server.url}/generate", json={"inputs": "def add(a, b):", "parameters": {"max_new_tokens": 8}})
     choice = completion.choices[0]
     assert choice.text == tgi.json()["generated_text"] and choice.finish_reason == "length"
@@ -34,8 +32,16 @@ def test_completion_greedy_matches_generate(client: openai.OpenAI, server: Serve
 
 
 def test_completion_stream_with_usage(client: openai.OpenAI, server: Server) -> None:
-    chunks = list(client.completions.create(model=model_id(server), prompt="import os", max_tokens=6, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=model_id(server),
+            prompt="import os",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert len(texts) == 6
     assert chunks[-2].choices[0].finish_reason == "length"
@@ -45,20 +51,23 @@ def test_completion_stream_with_usage(client: openai.OpenAI, server: Server) -> 
 
 
 def test_completion_n_logprobs_seed_and_stop(client: openai.OpenAI, server: Server) -> None:
-    completion = client.completions.create(model=model_id(server), prompt="x = ", max_tokens=5, n=3, seed=11,
-                                           temperature=0.9, logprobs=2)  # fmt: skip
+    completion = client.completions.create(
+        model=model_id(server), prompt="x = ", max_tokens=5, n=3, seed=11, temperature=0.9, logprobs=2
+    )
     assert sorted(c.index for c in completion.choices) == [0, 1, 2]
     for choice in completion.choices:
         lp = choice.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
         assert all(len(top) <= 2 for top in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
-    again = client.completions.create(model=model_id(server), prompt="x = ", max_tokens=5, n=3, seed=11,
-                                      temperature=0.9, logprobs=2)  # fmt: skip
+    again = client.completions.create(
+        model=model_id(server), prompt="x = ", max_tokens=5, n=3, seed=11, temperature=0.9, logprobs=2
+    )
     assert [c.text for c in again.choices] == [c.text for c in completion.choices]
     greedy = client.completions.create(model=model_id(server), prompt="class Queue:", max_tokens=12, temperature=0)
     stop = greedy.choices[0].text[3:6]
-    stopped = client.completions.create(model=model_id(server), prompt="class Queue:", max_tokens=12, temperature=0,
-                                        stop=stop)  # fmt: skip
+    stopped = client.completions.create(
+        model=model_id(server), prompt="class Queue:", max_tokens=12, temperature=0, stop=stop
+    )
     assert stopped.choices[0].finish_reason == "stop" and stop in stopped.choices[0].text
 
 
@@ -83,15 +92,26 @@ def greedy_reference_ids(server: Server, ids: list[int], n: int) -> list[int]:
 
     model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)  # fmt: skip
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+        )
     return out[0, len(ids) :].tolist()
 
 
 def test_chat_stream_with_logprobs_and_usage(client: openai.OpenAI, server: Server) -> None:
-    stream = client.chat.completions.create(model=model_id(server), messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=4, temperature=0, stream=True, logprobs=True, top_logprobs=3,
-                                            stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model_id(server),
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        logprobs=True,
+        top_logprobs=3,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = [c for c in chunks[1:] if c.choices]  # one per token (a token may carry "" mid-character)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import httpx
 import jsonschema
-from openapi_spec_validator import validate
-
 from conftest import Server
 from conveyor.router.http import HttpServer
+from openapi_spec_validator import validate
 
 
 def fetch(server: Server) -> dict:
@@ -40,8 +39,10 @@ def test_it_lists_every_route_the_app_serves(server: Server) -> None:
 
 def test_real_responses_match_the_schemas(server: Server) -> None:
     document = fetch(server)
-    body = {"inputs": "def f():", "parameters": {"max_new_tokens": 3, "details": True, "top_n_tokens": 2,
-                                                  "decoder_input_details": True}}  # fmt: skip
+    body = {
+        "inputs": "def f():",
+        "parameters": {"max_new_tokens": 3, "details": True, "top_n_tokens": 2, "decoder_input_details": True},
+    }
     check(document, "GenerateResponse", httpx.post(f"{server.url}/generate", json=body, timeout=60).json())
     check(document, "Info", httpx.get(f"{server.url}/info").json())
     check(document, "Health", httpx.get(f"{server.url}/health").json())
@@ -50,11 +51,15 @@ def test_real_responses_match_the_schemas(server: Server) -> None:
     check(document, "Models", httpx.get(f"{server.url}/v1/models").json())
     completion = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).json()
     check(document, "Completion", completion)
-    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).json()  # fmt: skip
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    ).json()
     check(document, "ChatCompletion", chat)
-    with httpx.stream("POST", f"{server.url}/generate_stream", json={"inputs": "x", "parameters": {
-            "max_new_tokens": 2}}, timeout=60) as response:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{server.url}/generate_stream", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}, timeout=60
+    ) as response:
         events = [line[5:] for line in response.iter_lines() if line.startswith("data:")]
     for event in events:
         check(document, "StreamEvent", httpx.Response(200, content=event).json())

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-from typing import Iterator
 
 import httpx
 import pytest
 import sseclient
-
 from conftest import ORACLE_PROMPTS, Server, free_port, greedy_reference, start_server, wait_for
 
 PROMPTS = ORACLE_PROMPTS
@@ -85,8 +83,11 @@ def run_staggered(server: Server, streams: list[Stream], after_tokens: int) -> N
         for k in range(1, len(streams)):
             if k % 5 != 0:  # every fifth request starts together with the one before it
                 previous = streams[k - 1]
-                wait_for(lambda: previous.tokens_received(after_tokens) or futures[k - 1].done(), 120,
-                         f"request {k - 1} to stream {after_tokens} tokens")  # fmt: skip
+                wait_for(
+                    lambda previous=previous, k=k: previous.tokens_received(after_tokens) or futures[k - 1].done(),
+                    120,
+                    f"request {k - 1} to stream {after_tokens} tokens",
+                )
             starts[k].set()
         for f in futures:
             f.result()

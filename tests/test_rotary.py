@@ -8,15 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conveyor.shard.layers.rotary import RotaryEmbedding, UnsupportedRope, apply_rotary, frequencies
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from conveyor.shard.layers.rotary import RotaryEmbedding, UnsupportedRope, apply_rotary, frequencies
-
 YARN = dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=32768)
-LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=8192)  # fmt: skip
+LLAMA3 = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 
 # name: (rope_parameters, max_position_embeddings)
 CASES = {
@@ -34,8 +39,13 @@ CASES = {
 
 def _config(name: str, head_dim: int = 128, heads: int = 4) -> LlamaConfig:
     params, max_positions = CASES[name]
-    return LlamaConfig(hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=heads,
-                       max_position_embeddings=max_positions, rope_parameters=dict(params))  # fmt: skip
+    return LlamaConfig(
+        hidden_size=head_dim * heads,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        rope_parameters=dict(params),
+    )
 
 
 def _reference(config: LlamaConfig) -> tuple[torch.Tensor, float]:
@@ -73,14 +83,20 @@ def test_the_scaled_cases_are_not_the_default():
 
 def test_legacy_rope_scaling_is_understood():
     """A config that still carries `rope_theta` + `rope_scaling` (with the old `type` key)."""
-    legacy = SimpleNamespace(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0},
-                             max_position_embeddings=16384)  # fmt: skip
+    legacy = SimpleNamespace(
+        rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0}, max_position_embeddings=16384
+    )
     expected, expected_scaling = _reference(_config("linear"))
     inv_freq, scaling = frequencies(legacy, 128)
     assert torch.equal(inv_freq, expected) and scaling == expected_scaling
     # transformers 5 still accepts the old keywords and folds them into rope_parameters.
-    config = LlamaConfig(hidden_size=512, num_attention_heads=4, rope_theta=500000.0, rope_scaling=dict(LLAMA3),
-                         max_position_embeddings=131072)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=4,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA3),
+        max_position_embeddings=131072,
+    )
     assert torch.equal(frequencies(config, 128)[0], _reference(_config("llama3"))[0])
 
 
@@ -91,22 +107,28 @@ def test_no_rope_settings_means_default_theta_10000():
 
 @pytest.mark.parametrize("kind", ["dynamic", "longrope"])
 def test_unsupported_rope_types_raise(kind: str):
-    config = SimpleNamespace(rope_parameters={"rope_type": kind, "rope_theta": 10000.0, "factor": 2.0},
-                             max_position_embeddings=4096)  # fmt: skip
+    config = SimpleNamespace(
+        rope_parameters={"rope_type": kind, "rope_theta": 10000.0, "factor": 2.0}, max_position_embeddings=4096
+    )
     with pytest.raises(UnsupportedRope, match=kind):
         frequencies(config, 128)
 
 
 def test_dynamic_from_a_transformers_config_raises():
-    config = LlamaConfig(hidden_size=512, num_attention_heads=4,
-                         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )
     with pytest.raises(UnsupportedRope):
         frequencies(config, 128)
 
 
 def test_partial_rotary_raises():
-    config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                              "partial_rotary_factor": 0.5}, max_position_embeddings=4096)  # fmt: skip
+    config = SimpleNamespace(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        max_position_embeddings=4096,
+    )
     with pytest.raises(UnsupportedRope, match="partial"):
         frequencies(config, 128)
 

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from conveyor.shard.sampling import Sampler, SamplingParams
 from conveyor.v1 import shard_pb2 as pb
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
-
 from conftest import ORACLE_PROMPTS, Server, free_port, greedy_reference, start_server, wait_for
 from test_lifecycle import StreamWatcher
 from test_oracle import Stream, run_staggered
@@ -251,7 +250,9 @@ def run_streams(server: Server, prompts: list[str], hang_up: dict[int, int] | No
     with ThreadPoolExecutor(len(watchers)) as pool:
         futures = [pool.submit(w.run) for w in watchers]
         for n, after in sorted((hang_up or {}).items()):
-            wait_for(lambda: watchers[n].received(after) or futures[n].done(), 300, f"request {n} to stream")
+            wait_for(
+                lambda n=n, after=after: watchers[n].received(after) or futures[n].done(), 300, f"request {n} to stream"
+            )
             watchers[n].hang_up.set()
         for f in futures:
             f.result()
@@ -317,10 +318,21 @@ def test_each_scheduling_mode_serves_a_burst_exactly(mode: str, tiny_model: Path
 
 def test_an_unknown_scheduling_mode_is_refused_at_startup(tiny_model: Path) -> None:
     launcher = subprocess.run(
-        [sys.executable, "-m", "conveyor.launcher.main", "--model-id", str(tiny_model), "--port", str(free_port()),
-         "--scheduling", "bogus"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "conveyor.launcher.main",
+            "--model-id",
+            str(tiny_model),
+            "--port",
+            str(free_port()),
+            "--scheduling",
+            "bogus",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert launcher.returncode != 0
     assert "--scheduling" in launcher.stderr and "bogus" in launcher.stderr
     assert "Traceback" not in launcher.stderr  # a configuration mistake is a message, not a crash

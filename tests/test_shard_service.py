@@ -9,18 +9,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Iterator
 
 import grpc
 import pytest
-
 from conftest import greedy_reference, wait_for
-from conveyor.router.shard_client import ShardedClient, ShardError
 from conveyor.launcher.processes import shard_healthy
+from conveyor.router.shard_client import ShardedClient, ShardError
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
-
 
 BLOCKS_PER_REQUEST = 8  # request n gets blocks [8n, 8n + 8), 128 tokens with 16-token blocks
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
-
 from conveyor.router import step_planner
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.queue import Queue

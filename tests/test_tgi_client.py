@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from conftest import Server, greedy_reference
 from text_generation import AsyncClient, Client
 from text_generation.errors import ValidationError
-
-from conftest import Server, greedy_reference
 
 
 def test_generate_and_generate_stream(server: Server) -> None:
@@ -24,8 +23,10 @@ async def test_async_client_and_seeded_sampling(server: Server) -> None:
     first = await client.generate("x = ", max_new_tokens=5, do_sample=True, temperature=0.8, seed=5)
     second = await client.generate("x = ", max_new_tokens=5, do_sample=True, temperature=0.8, seed=5)
     assert first.generated_text == second.generated_text and first.details.seed == 5
-    tokens = [r.token.text async for r in client.generate_stream("x = ", max_new_tokens=5, do_sample=True,
-                                                                 temperature=0.8, seed=5)]  # fmt: skip
+    tokens = [
+        r.token.text
+        async for r in client.generate_stream("x = ", max_new_tokens=5, do_sample=True, temperature=0.8, seed=5)
+    ]
     assert "".join(tokens) == first.generated_text
 
 

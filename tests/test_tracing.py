@@ -11,10 +11,9 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
 from conftest import free_port, start_server, wait_for
 from conveyor.client import Client
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -57,8 +56,14 @@ def traced(tiny_model: Path, collector):
     assert server.stop() == 0
 
 
-EXPECTED = {("conveyor-router", "validate"), ("conveyor-router", "queue"), ("conveyor-router", "prefill"),
-            ("conveyor-router", "decode"), ("conveyor-shard", "shard.Prefill"), ("conveyor-shard", "shard.Decode")}  # fmt: skip
+EXPECTED = {
+    ("conveyor-router", "validate"),
+    ("conveyor-router", "queue"),
+    ("conveyor-router", "prefill"),
+    ("conveyor-router", "decode"),
+    ("conveyor-shard", "shard.Prefill"),
+    ("conveyor-shard", "shard.Decode"),
+}
 
 
 def test_an_http_request_is_one_trace_across_router_and_shard(traced, collector) -> None:
@@ -67,8 +72,11 @@ def test_an_http_request_is_one_trace_across_router_and_shard(traced, collector)
     headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
     body = {"inputs": "def f():", "parameters": {"max_new_tokens": 3}}
     assert httpx.post(f"{traced.url}/generate", json=body, headers=headers, timeout=60).status_code == 200
-    wait_for(lambda: (EXPECTED | {("conveyor-router", "POST /generate")}) <= spans.names(trace_id), 60,
-             "router and shard spans under the caller's trace id")  # fmt: skip
+    wait_for(
+        lambda: (EXPECTED | {("conveyor-router", "POST /generate")}) <= spans.names(trace_id),
+        60,
+        "router and shard spans under the caller's trace id",
+    )
 
 
 def test_the_grpc_front_door_continues_the_callers_trace(traced, collector) -> None:

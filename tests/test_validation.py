@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import transformers
-
 from conveyor.launcher import demo_model
 from conveyor.router.validation import Limits, Parameters, Validation, ValidationError, ValidRequest
 
@@ -57,19 +56,37 @@ def test_defaults(validation: Validation, tokenizer: Any) -> None:
 @pytest.mark.parametrize("parameters", [None, {}])
 def test_missing_or_null_parameters_mean_defaults(validation: Validation, parameters: Any) -> None:
     body = {"inputs": PROMPT} if parameters is None else {"inputs": PROMPT, "parameters": parameters}
-    assert validation.validate(body, stream=True).parameters == validation.validate(
-        {"inputs": PROMPT, "parameters": None}, stream=True
-    ).parameters
+    assert (
+        validation.validate(body, stream=True).parameters
+        == validation.validate({"inputs": PROMPT, "parameters": None}, stream=True).parameters
+    )
 
 
 def test_every_parameter_null_means_default(validation: Validation) -> None:
     """huggingface_hub sends every TGI parameter, most of them null."""
     names = [
-        "temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty",
-        "frequency_penalty", "presence_penalty", "max_new_tokens", "stop", "ignore_eos", "details",
-        "decoder_input_details", "return_full_text", "top_n_tokens", "truncate", "best_of", "watermark",
-        "grammar", "adapter_id",
-    ]  # fmt: skip
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "do_sample",
+        "seed",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "max_new_tokens",
+        "stop",
+        "ignore_eos",
+        "details",
+        "decoder_input_details",
+        "return_full_text",
+        "top_n_tokens",
+        "truncate",
+        "best_of",
+        "watermark",
+        "grammar",
+        "adapter_id",
+    ]
     nulls = generate(validation, **dict.fromkeys(names)).parameters
     assert nulls == generate(validation).parameters
 
@@ -352,16 +369,61 @@ def test_tokenizer_failure_is_a_validation_error() -> None:
 # --- Fuzz: nothing but ValidationError, whatever the JSON ----------------------------------------------------
 
 ODD_VALUES: list[Any] = [
-    None, True, False, 0, 1, -1, 2**64, -(2**64), 10**400, 1e308, -1e308, 1e-320, 0.5, "", "x", "NaN", [], [1],
-    [None], {}, {"a": 1}, {"inputs": "x"}, [[[]]], {"": {"": {}}},
-    json.loads("NaN"), json.loads("Infinity"), json.loads("-Infinity"), json.loads('"\\ud800"'),
-]  # fmt: skip
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2**64,
+    -(2**64),
+    10**400,
+    1e308,
+    -1e308,
+    1e-320,
+    0.5,
+    "",
+    "x",
+    "NaN",
+    [],
+    [1],
+    [None],
+    {},
+    {"a": 1},
+    {"inputs": "x"},
+    [[[]]],
+    {"": {"": {}}},
+    json.loads("NaN"),
+    json.loads("Infinity"),
+    json.loads("-Infinity"),
+    json.loads('"\\ud800"'),
+]
 
 PARAMETER_NAMES = [
-    "temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "frequency_penalty",
-    "presence_penalty", "max_new_tokens", "stop", "ignore_eos", "details", "decoder_input_details",
-    "return_full_text", "top_n_tokens", "truncate", "best_of", "watermark", "grammar", "adapter_id", "bogus", "",
-]  # fmt: skip
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "do_sample",
+    "seed",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "max_new_tokens",
+    "stop",
+    "ignore_eos",
+    "details",
+    "decoder_input_details",
+    "return_full_text",
+    "top_n_tokens",
+    "truncate",
+    "best_of",
+    "watermark",
+    "grammar",
+    "adapter_id",
+    "bogus",
+    "",
+]
 
 
 def _fuzz_bodies() -> list[object]:
@@ -369,9 +431,7 @@ def _fuzz_bodies() -> list[object]:
     bodies += [{"inputs": value} for value in ODD_VALUES]
     bodies += [{"inputs": "a", "parameters": value} for value in ODD_VALUES]
     bodies += [{"parameters": {"temperature": "hot"}}, {"inputs": {"inputs": {"inputs": "a"}}}]
-    bodies += [
-        {"inputs": "a", "parameters": {name: value}} for name in PARAMETER_NAMES for value in ODD_VALUES
-    ]
+    bodies += [{"inputs": "a", "parameters": {name: value}} for name in PARAMETER_NAMES for value in ODD_VALUES]
     bodies += [{"inputs": "a", "parameters": {"stop": [value]}} for value in ODD_VALUES]
     bodies += [json.loads(text) for text in ('{"inputs": "a", "parameters": {"top_p": NaN}}', "[NaN, Infinity]")]
     rng = random.Random(0)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-
 from conveyor.shard.device import to_device
 
 
@@ -24,8 +23,16 @@ class KVCache:
     values: list[torch.Tensor]
 
     @classmethod
-    def allocate(cls, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> "KVCache":  # fmt: skip
+    def allocate(
+        cls,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         # empty, not zeros: pages are touched only when a block is first written.
         return cls(
@@ -56,7 +63,7 @@ class AttentionGroup:
     query_valid: torch.Tensor  # [B, Q] False for padding queries
     token_index: torch.Tensor  # [T_g] flat index of each of the group's tokens, in query_valid's order
 
-    def to(self, device: torch.device) -> "AttentionGroup":
+    def to(self, device: torch.device) -> AttentionGroup:
         return AttentionGroup(**{f.name: to_device(getattr(self, f.name), device) for f in fields(self)})
 
 
@@ -76,7 +83,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         sliding_window: int | None = None,
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """`context_lens` count each sequence's tokens after this forward; the last `query_lens` of them are new."""
         starts = [0]
         for q in query_lens[:-1]:
@@ -87,8 +94,15 @@ class AttentionMetadata:
         # Built on the host, then moved (from pinned memory on a GPU) in one go per tensor.
         host = torch.device("cpu")
         groups = [
-            _group([block_tables[r] for r in rows], [context_lens[r] for r in rows], [query_lens[r] for r in rows],
-                   [starts[r] for r in rows], block_size, host, sliding_window)  # fmt: skip
+            _group(
+                [block_tables[r] for r in rows],
+                [context_lens[r] for r in rows],
+                [query_lens[r] for r in rows],
+                [starts[r] for r in rows],
+                block_size,
+                host,
+                sliding_window,
+            )
             for rows in _partition(context_lens, query_lens)
         ]
         return cls(to_device(torch.tensor(slots, dtype=torch.long), device), [g.to(device) for g in groups])
@@ -165,8 +179,9 @@ def paged_attention(
     return out.reshape(q.shape[0], -1)
 
 
-def _attend(q: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor, group: AttentionGroup,
-            scale: float) -> torch.Tensor:  # fmt: skip
+def _attend(
+    q: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor, group: AttentionGroup, scale: float
+) -> torch.Tensor:
     """The group's tokens' attention outputs [T_g, Hq, D], in `token_index` order."""
     # index_select on the flattened slots: the same rows as advanced indexing, ~25% faster on CPU.
     shape = (*group.context_slots.shape, *flat_keys.shape[1:])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.weights import Weights
@@ -21,7 +20,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.end = self.start + weight.shape[0]
 
     @classmethod
-    def load(cls, weights: Weights, name: str) -> "VocabParallelEmbedding":
+    def load(cls, weights: Weights, name: str) -> VocabParallelEmbedding:
         return cls(weights.get_sharded(name, dim=0), weights.group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -42,7 +41,7 @@ class ParallelLMHead(torch.nn.Module):
         self.group = group
 
     @classmethod
-    def load(cls, weights: Weights, name: str) -> "ParallelLMHead":
+    def load(cls, weights: Weights, name: str) -> ParallelLMHead:
         return cls(weights.get_sharded(name, dim=0), weights.group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

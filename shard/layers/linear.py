@@ -9,7 +9,6 @@ partial sum, and an all-reduce adds them up.
 from __future__ import annotations
 
 import torch
-
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.weights import Weights
@@ -22,7 +21,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.bias = bias
 
     @classmethod
-    def load(cls, weights: Weights, prefixes: list[str], bias: bool) -> "ColumnParallelLinear":
+    def load(cls, weights: Weights, prefixes: list[str], bias: bool) -> ColumnParallelLinear:
         """This rank's slice of each `prefix`.weight, stacked in order into one fused projection."""
         weight = torch.cat([weights.get_sharded(f"{p}.weight", dim=0) for p in prefixes])
         b = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes]) if bias else None
@@ -40,7 +39,7 @@ class RowParallelLinear(torch.nn.Module):
         self.group = group
 
     @classmethod
-    def load(cls, weights: Weights, prefix: str, bias: bool) -> "RowParallelLinear":
+    def load(cls, weights: Weights, prefix: str, bias: bool) -> RowParallelLinear:
         weight = weights.get_sharded(f"{prefix}.weight", dim=1)
         return cls(weight, weights.get(f"{prefix}.bias") if bias else None, weights.group)
 

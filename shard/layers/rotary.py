@@ -102,7 +102,7 @@ class RotaryEmbedding:
     attention_scaling: float
 
     @classmethod
-    def from_config(cls, config, head_dim: int, device: torch.device) -> "RotaryEmbedding":
+    def from_config(cls, config, head_dim: int, device: torch.device) -> RotaryEmbedding:
         inv_freq, scaling = frequencies(config, head_dim)
         return cls(inv_freq.to(device), scaling)
 

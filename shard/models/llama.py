@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache, paged_attention
 from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -103,9 +102,13 @@ class LlamaForCausalLM(torch.nn.Module):
         self.sliding_window: int | None = window if uses_window else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
         logits_index: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last)."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
