@@ -26,14 +26,10 @@ from conveyor.benchmarks.shards import DeploymentFailed  # noqa: F401 - callers 
 
 
 def launcher_flags() -> set[str]:
-    """The flags this checkout's launcher knows (from its --help), so that newer ones are used only when present.
-    Its main() is asked, not its parser: main parses first and exits on --help, wherever the parser lives."""
-    from conveyor.launcher import main as launcher
+    """The flags this checkout's launcher knows, so that newer ones are used only when present."""
+    from conveyor import config
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        launcher.main(["--help"])
-    return set(re.findall(r"--[a-z][a-z0-9-]*", out.getvalue()))
+    return set(re.findall(r"--[a-z][a-z0-9-]*", config.parser("launcher").format_help()))
 
 
 @dataclass(frozen=True)

@@ -247,12 +247,4 @@ class HttpServer:
     async def get_info(self, request: web.Request) -> web.Response:
         body = self.info.to_json()
         body.update(self.infer.scheduler.describe())
-        allocator = self.infer.scheduler.allocator
-        if allocator is not None:  # paged engine: KV use in blocks, live (free counts evictable cached blocks)
-            body.update(
-                block_size=allocator.block_size,
-                kv_blocks_total=allocator.num_blocks,
-                kv_blocks_free=allocator.free_blocks,
-                kv_blocks_cached=allocator.cached_blocks,
-            )
         return web.json_response(body)

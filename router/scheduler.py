@@ -65,12 +65,18 @@ class Scheduler:
         return next(self._request_ids)
 
     def describe(self) -> dict:
-        """What /info shows of the batching policy."""
+        """What /info shows of the batching policy, and the KV pool's use, live (free counts evictable cached
+        blocks)."""
+        allocator = self.allocator
         return {
             "scheduling": self.config.scheduling.value,
-            "prefix_caching": self.allocator.prefix_caching,
+            "prefix_caching": allocator.prefix_caching,
             "chunked_prefill": True,
             "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+            "block_size": allocator.block_size,
+            "kv_blocks_total": allocator.num_blocks,
+            "kv_blocks_free": allocator.free_blocks,
+            "kv_blocks_cached": allocator.cached_blocks,
         }
 
     async def run(self) -> None:
