@@ -25,6 +25,7 @@ from conveyor.router.queue import Queue
 from conveyor.router.sequence import Sequence, SequenceStatus
 from conveyor.router.shard_client import Metadata, ShardedClient, ShardError, StepResult
 from conveyor.router.step_planner import PlannerConfig, StepPlan, StepPlanner
+from conveyor.router.validation import Parameters
 from conveyor.v1 import shard_pb2 as pb
 
 from conveyor import tracing
@@ -252,17 +253,7 @@ def request_pb(sequence: Sequence) -> pb.Request:
         id=sequence.id,
         input_ids=sequence.token_ids,
         resumed_tokens=len(sequence.generated_ids),
-        parameters=pb.SamplingParameters(
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            typical_p=p.typical_p,
-            do_sample=p.sampling,
-            seed=p.seed or 0,
-            repetition_penalty=p.repetition_penalty,
-            frequency_penalty=p.frequency_penalty,
-            presence_penalty=p.presence_penalty,
-        ),
+        parameters=sampling_pb(p),
         stopping_parameters=pb.StoppingParameters(
             max_new_tokens=p.max_new_tokens, stop_sequences=p.stop, ignore_eos_token=p.ignore_eos
         ),
@@ -272,6 +263,14 @@ def request_pb(sequence: Sequence) -> pb.Request:
         cache_len=sequence.num_computed_tokens,
         chunk_len=sequence.step_tokens,
     )
+
+
+def sampling_pb(p: Parameters) -> pb.SamplingParameters:
+    """Every sampling field under its own name (the proto uses the router's names, so a new sampling parameter
+    needs nothing here); `do_sample` is the resolved rule, and a greedy request's seed is 0."""
+    values = {f.name: getattr(p, f.name) for f in pb.SamplingParameters.DESCRIPTOR.fields}
+    values.update(do_sample=p.sampling, seed=p.seed or 0)
+    return pb.SamplingParameters(**values)
 
 
 def _update(sequence: Sequence) -> pb.RequestUpdate:

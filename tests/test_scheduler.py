@@ -73,3 +73,25 @@ async def test_a_trickle_that_never_stops_does_not_hold_the_first_step_forever()
     stop.set()
     await feeder
     assert len(s.queue) > 1
+
+
+def test_every_sampling_parameter_reaches_the_shard_under_its_name() -> None:
+    from conveyor.router.scheduler import sampling_pb
+    from conveyor.router.validation import Parameters
+
+    p = Parameters(
+        temperature=0.5,
+        top_k=7,
+        top_p=0.9,
+        typical_p=0.8,
+        seed=11,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        presence_penalty=0.4,
+    )
+    message = sampling_pb(p)
+    assert message.do_sample  # temperature != 1 implies sampling (TGI's rule)
+    for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        assert abs(getattr(message, name) - getattr(p, name)) < 1e-6, name
+    assert (message.top_k, message.seed) == (7, 11)
+    assert sampling_pb(Parameters()).seed == 0 and not sampling_pb(Parameters()).do_sample
