@@ -33,11 +33,13 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     model_fixture, flags = DEPLOYMENTS[request.param]
     model_dir = request.getfixturevalue(model_fixture)
     server = start_server(model_dir, "--max-total-tokens", "512", "--master-port", str(free_port()), *flags)
-    with server.client() as client:
-        info = client.get("/info").json()
-    assert info["num_shard"] == (2 if "--num-shard" in flags else 1)
-    yield server
-    assert server.stop() == 0
+    try:
+        with server.client() as client:
+            info = client.get("/info").json()
+        assert info["num_shard"] == (2 if "--num-shard" in flags else 1)
+        yield server
+    finally:
+        assert server.stop() == 0  # also when the check above fails: no deployment outlives its test
 
 
 @dataclass
