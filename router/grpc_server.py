@@ -106,8 +106,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def _validate(self, request: pb.GenerateRequest, context, stream: bool) -> ValidRequest:
         await self._authorize(context)
         try:
-            return self.validation.validate_prompt(
-                request.inputs, parameters_from_pb(request.parameters), stream=stream
+            parameters = parameters_from_pb(request.parameters)
+            return await self.validation.off_loop(
+                self.validation.validate_prompt, request.inputs, parameters, stream=stream
             )
         except REQUEST_ERRORS as exc:
             self.infer.metrics.requests.labels(failure_of(exc).error_type).inc()
@@ -161,10 +162,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         await self._authorize(context)
         try:
-            valid = self.validation.validate_prompt(request.inputs, {})
+            valid = await self.validation.off_loop(self.validation.validate_prompt, request.inputs, {})
         except REQUEST_ERRORS as exc:
             await _abort(context, exc)
-        tokens = self.validation.token_offsets(valid)
+        tokens = await self.validation.off_loop(self.validation.token_offsets, valid)
         return pb.TokenizeResponse(tokens=[pb.TokenOffset(id=i, text=t, start=a, stop=b) for i, t, a, b in tokens])
 
     async def Info(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:

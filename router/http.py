@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from conveyor.router.responses import (
     open_sse,
     send_sse,
 )
-from conveyor.router.validation import Limits, Validation, ValidationError, ValidRequest
+from conveyor.router.validation import Limits, Validation, ValidationError, ValidRequest, parse_json
 
 from conveyor import __version__
 
@@ -141,11 +140,8 @@ class HttpServer:
         return app
 
     async def _validated(self, request: web.Request, stream: bool) -> ValidRequest:
-        try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValidationError(f"request body is not valid JSON: {exc}") from None
-        return self.validation.validate(body, stream=stream)
+        raw = await request.read()
+        return await self.validation.off_loop(self.validation.validate_json, raw, stream=stream)
 
     async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
         if self.draining:
@@ -162,8 +158,8 @@ class HttpServer:
         """TGI's `POST /`: `stream` in the body picks streaming; the non-streaming answer is a one-item list.
         Hugging Face's `text-generation` client speaks only this route."""
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = await self.validation.off_loop(parse_json, await request.read())
+        except ValidationError:
             body = None
         if isinstance(body, dict) and body.get("stream") is True:
             return await self.generate_stream(request)
@@ -217,7 +213,7 @@ class HttpServer:
             valid = await self._validated(request, stream=False)
         except REQUEST_ERRORS as exc:
             return error_response(exc)
-        tokens = self.validation.token_offsets(valid)
+        tokens = await self.validation.off_loop(self.validation.token_offsets, valid)
         return web.json_response([dict(zip(("id", "text", "start", "stop"), t)) for t in tokens])
 
     async def health(self, request: web.Request) -> web.Response:

@@ -4,6 +4,7 @@ every error has one shape."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -11,6 +12,8 @@ from conveyor.router.responses import UNAUTHORIZED, authorized, json_error
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
+
+log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
@@ -52,3 +55,8 @@ async def json_errors_middleware(request: web.Request, handler: Handler) -> web.
         return json_error(404, f"no route {request.method} {request.path}", "not_found")
     except web.HTTPMethodNotAllowed:
         return json_error(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed")
+    except web.HTTPException:
+        raise
+    except Exception:  # a bug, never the client's fault: still one JSON shape, and the trace in the log
+        log.exception("unhandled error", extra={"path": request.path})
+        return json_error(500, "internal error", "internal")

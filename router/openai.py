@@ -8,7 +8,6 @@ scheduler as `/generate`. `n` choices are `n` requests run side by side. Errors 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +19,7 @@ from aiohttp import web
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
 from conveyor.router.responses import REQUEST_ERRORS, error_event, error_response, open_sse, send_sse
-from conveyor.router.validation import Validation, ValidationError, ValidRequest
+from conveyor.router.validation import Validation, ValidationError, ValidRequest, parse_json
 
 MAX_CHOICES = 8  # n, and prompts per completion request, at most
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -96,10 +95,7 @@ class OpenAIRoutes:
     # --- request parsing ----------------------------------------------------------------------------------
 
     async def _body(self, request: web.Request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValidationError(f"request body is not valid JSON: {exc}") from None
+        body = await self.validation.off_loop(parse_json, await request.read())
         if not isinstance(body, dict):
             raise ValidationError("request body must be a JSON object")
         return body
@@ -162,7 +158,7 @@ class OpenAIRoutes:
             body = await self._body(request)
             stream = _get(body, "stream", bool, False)
             options = _get(body, "stream_options", dict, {})
-            choices = parse(body, stream)
+            choices = await self.validation.off_loop(parse, body, stream)
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
         wants_logprobs = any(c.request.parameters.top_n_tokens for c in choices)

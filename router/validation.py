@@ -11,9 +11,14 @@ The rules and messages follow text-generation-inference's, so TGI clients behave
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
+import json
 import math
 import random
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,6 +27,10 @@ from conveyor import tracing
 # Protobuf fields these values end up in (uint64 seed, uint32 top_k): larger values would fail at send time.
 _SEED_LIMIT = 2**64
 _UINT32_MAX = 2**32 - 1
+# Deeper JSON than any real request needs; deeper bodies are refused before anything walks them recursively.
+MAX_JSON_DEPTH = 32
+# Threads that tokenize and validate, off the event loop (TGI's validation workers).
+VALIDATION_WORKERS = 2
 # `stream` is what huggingface_hub's InferenceClient puts beside `inputs`; the route, not the body, decides it.
 _BODY_KEYS = frozenset({"inputs", "parameters", "stream"})
 
@@ -281,6 +290,30 @@ def parse_parameters(parameters: Mapping[str, object], limits: Limits) -> dict[s
 # --- Body shape -----------------------------------------------------------------------------------------------
 
 
+def parse_json(raw: bytes) -> object:
+    """A request body as JSON, or a ValidationError: malformed, not UTF-8, or nested deeper than MAX_JSON_DEPTH
+    (the parser itself recurses, so a body nested 100k deep would otherwise end in a RecursionError)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ValidationError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValidationError(f"request body is not valid JSON: {exc}") from None
+    _check_depth(body)
+    return body
+
+
+def _check_depth(value: object) -> None:
+    """Iterative, so that checking a deep value cannot itself overflow the stack."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        if children and depth >= MAX_JSON_DEPTH:
+            raise ValidationError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def _body_fields(body: object) -> tuple[str, dict[str, object]]:
     if not isinstance(body, dict):
         raise ValidationError("request body must be a JSON object with a string `inputs`")
@@ -340,6 +373,17 @@ class Validation:
     def __init__(self, tokenizer: Any, limits: Limits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self._workers = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs `fn` (parsing, tokenizing, rendering a chat template) on a validation worker. Tokenizing a
+        prompt of a few megabytes takes over a second: on the event loop it froze every running stream that
+        long. The caller's context (its trace span) goes along."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._workers, call)
+
+    def validate_json(self, raw: bytes, *, stream: bool) -> ValidRequest:
+        return self.validate(parse_json(raw), stream=stream)
 
     def validate(self, body: object, *, stream: bool) -> ValidRequest:
         inputs, parameters = _body_fields(body)
