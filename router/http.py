@@ -217,6 +217,8 @@ class HttpServer:
         return web.json_response([dict(zip(("id", "text", "start", "stop"), t)) for t in tokens])
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:  # a load balancer must stop sending here while in-flight requests finish
+            return json_error(503, "server is shutting down", "unavailable")
         try:
             await self.infer.scheduler.client.health(timeout=2.0)
         except Exception as exc:  # noqa: BLE001 - any failure means not ready

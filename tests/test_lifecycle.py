@@ -108,21 +108,31 @@ def test_a_killed_shard_ends_the_stream_with_an_error_and_the_launcher_fails(tin
         server.stop()
 
 
+def _draining(server) -> bool:
+    """Both doors say so during a drain: /health (for load balancers) and a new request."""
+    with server.client() as client:
+        health = client.get("/health")
+        refused = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
+    return health.status_code == 503 and health.json()["error_type"] == "unavailable" and refused.status_code == 503
+
+
 def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(tiny_model: Path) -> None:
     server = start_server(tiny_model, "--max-total-tokens", "512")
-    body = {"inputs": "x = 1", "parameters": {"max_new_tokens": 150, "details": True, "ignore_eos": True}}
+    # Long enough that the drain outlasts a few polls of /health even on a fast machine.
+    body = {"inputs": "x = 1", "parameters": {"max_new_tokens": 400, "details": True, "ignore_eos": True}}
     watcher = StreamWatcher(server, body)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(watcher.run)
         wait_for(lambda: watcher.received(2), 120, "the stream to start")
         children = [c.pid for c in server.children()]
         server.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: _draining(server), 60, "/health and new requests to answer 503 during the drain")
         future.result(timeout=120)
     assert server.process.wait(timeout=120) == 0
     assert watcher.events[-1]["details"]["finish_reason"] == "length"
     ids = [e["token"]["id"] for e in watcher.events]
-    reference = greedy_reference(tiny_model, "x = 1", 150)  # stops at an EOS the request ignored, if any
-    assert len(ids) == 150 and ids[: len(reference)] == reference
+    reference = greedy_reference(tiny_model, "x = 1", 400)  # stops at an EOS the request ignored, if any
+    assert len(ids) == 400 and ids[: len(reference)] == reference
     assert len(children) == 2  # a shard and the router, both stopped by the launcher
     wait_for(lambda: not any(psutil.pid_exists(pid) for pid in children), 30, "the children to be gone")
 
