@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -50,8 +51,19 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["CONVEYOR_API_KEY"] = args.api_key  # the router reads it; the environment keeps it out of `ps`
     # What every shard and the router get: the same configuration, with the model and the sockets decided.
     model_dir = resolve_model(args.model_id, args.demo_size)
-    uds_path = args.shard_uds_path or os.path.join(tempfile.gettempdir(), f"conveyor-{os.getpid()}")
+    # By default the sockets live in a fresh private directory (mode 0700): a predictable path in a shared /tmp
+    # would let another local user take the name first, or talk to the shards.
+    private_dir = None if args.shard_uds_path else tempfile.mkdtemp(prefix="conveyor-")
+    uds_path = args.shard_uds_path or os.path.join(private_dir, "shard")
     deployment = Deployment(replace(args, model_id=str(model_dir), shard_uds_path=uds_path))
+    try:
+        _serve(deployment, args, model_dir)
+    finally:
+        if private_dir is not None:
+            shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _serve(deployment: Deployment, args: Config, model_dir: Path) -> None:
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:

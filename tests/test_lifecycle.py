@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -108,6 +109,13 @@ def test_a_killed_shard_ends_the_stream_with_an_error_and_the_launcher_fails(tin
         server.stop()
 
 
+def _socket_dir(server) -> str:
+    """The directory of the shards' sockets, from the launcher's command line for its shard."""
+    (shard,) = [c for c in server.children() if "conveyor.shard.main" in " ".join(c.cmdline())]
+    argv = shard.cmdline()
+    return os.path.dirname(argv[argv.index("--shard-uds-path") + 1])
+
+
 def _draining(server) -> bool:
     """Both doors say so during a drain: /health (for load balancers) and a new request."""
     with server.client() as client:
@@ -125,6 +133,8 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(tiny_model: P
         future = pool.submit(watcher.run)
         wait_for(lambda: watcher.received(2), 120, "the stream to start")
         children = [c.pid for c in server.children()]
+        socket_dir = _socket_dir(server)
+        assert stat.S_IMODE(os.stat(socket_dir).st_mode) == 0o700  # private: not a guessable name in shared /tmp
         server.process.send_signal(signal.SIGTERM)
         wait_for(lambda: _draining(server), 60, "/health and new requests to answer 503 during the drain")
         future.result(timeout=120)
@@ -135,6 +145,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(tiny_model: P
     assert len(ids) == 400 and ids[: len(reference)] == reference
     assert len(children) == 2  # a shard and the router, both stopped by the launcher
     wait_for(lambda: not any(psutil.pid_exists(pid) for pid in children), 30, "the children to be gone")
+    assert not os.path.exists(socket_dir)  # no socket file, nor its directory, is left behind
 
 
 def test_a_shard_that_dies_while_loading_fails_the_launcher_clearly(tiny_model: Path, tmp_path: Path) -> None:
