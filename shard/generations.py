@@ -3,8 +3,10 @@ the most likely alternatives and, when asked, the prompt's own log-probabilities
 
 from __future__ import annotations
 
+import math
+
 import torch
-from conveyor.shard.requests import RequestState, prefill_tokens_pb
+from conveyor.shard.requests import RequestState
 from conveyor.shard.sampling import Sample
 from conveyor.v1 import shard_pb2 as pb
 
@@ -48,4 +50,10 @@ class Generations:
         """Log-probabilities of each prompt token, from the logits [len(prompt), V] of every prompt position."""
         targets = torch.tensor(state.input_ids[1:], dtype=torch.long, device=prompt_logits.device)
         logprobs = torch.log_softmax(prompt_logits[:-1].float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
-        return prefill_tokens_pb(state.input_ids, logprobs.tolist(), self.tokenizer)
+        ids = state.input_ids
+        return pb.Tokens(
+            ids=ids,
+            logprobs=[math.nan, *logprobs.tolist()],  # the first prompt token has none
+            texts=[self.tokenizer.decode([i], skip_special_tokens=False) for i in ids],
+            is_special=[i in self.special_ids for i in ids],
+        )

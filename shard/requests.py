@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from conveyor.shard.detokenize import IncrementalDetokenizer
@@ -133,15 +132,3 @@ class RequestState:
         if self.params.sampling:
             finished.seed = self.params.seed
         return finished
-
-
-def prefill_tokens_pb(input_ids: list[int], logprobs: list[float], tokenizer) -> pb.Tokens:
-    """The prompt tokens with the log-probability the model gave each; the first has none (NaN)."""
-    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in input_ids]
-    special = set(tokenizer.all_special_ids)
-    return pb.Tokens(
-        ids=input_ids,
-        logprobs=[math.nan, *logprobs],
-        texts=texts,
-        is_special=[i in special for i in input_ids],
-    )
