@@ -217,9 +217,8 @@ class Scheduler:
         log.info("preempted", extra={"requests": [s.id for s in preempted]})
         if self._batch is None:
             return
-        gone = {s.id for s in preempted}
-        try:
-            self._batch = await self._keep(self._batch, [s for s in self.running if s.id not in gone])
+        try:  # the planner already took them out of the running set: keep what is left
+            self._batch = await self._keep(self._batch, list(self.running))
         except ShardError as exc:
             await self._fail(str(exc))
 
