@@ -64,29 +64,7 @@ def test_missing_or_null_parameters_mean_defaults(validation: Validation, parame
 
 def test_every_parameter_null_means_default(validation: Validation) -> None:
     """huggingface_hub sends every TGI parameter, most of them null."""
-    names = [
-        "temperature",
-        "top_k",
-        "top_p",
-        "typical_p",
-        "do_sample",
-        "seed",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "max_new_tokens",
-        "stop",
-        "ignore_eos",
-        "details",
-        "decoder_input_details",
-        "return_full_text",
-        "top_n_tokens",
-        "truncate",
-        "best_of",
-        "watermark",
-        "grammar",
-        "adapter_id",
-    ]
+    names = TGI_PARAMETER_NAMES
     nulls = generate(validation, **dict.fromkeys(names)).parameters
     assert nulls == generate(validation).parameters
 
@@ -399,7 +377,7 @@ ODD_VALUES: list[Any] = [
     json.loads('"\\ud800"'),
 ]
 
-PARAMETER_NAMES = [
+TGI_PARAMETER_NAMES = [
     "temperature",
     "top_k",
     "top_p",
@@ -421,6 +399,9 @@ PARAMETER_NAMES = [
     "watermark",
     "grammar",
     "adapter_id",
+]
+PARAMETER_NAMES = [
+    *TGI_PARAMETER_NAMES,
     "bogus",
     "",
 ]
