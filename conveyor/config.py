@@ -75,6 +75,15 @@ class Config:
     # Process management
     startup_timeout: float = flag(600.0, "seconds to wait for shards and router to be ready")
     graceful_termination_timeout: float = flag(60.0, "seconds in-flight requests get to finish on shutdown")
+    # Failure and recovery
+    max_restarts: int = flag(10, "shard group restarts allowed within --restart-window; past them the launcher stops")
+    restart_window: float = flag(600.0, "seconds over which --max-restarts is counted")
+    max_request_retries: int = flag(
+        2, "times a request is replayed after failed steps blamed on it; then it ends with an error"
+    )
+    shard_step_timeout: float | None = flag(
+        None, "seconds a step may take before the shards count as hung and are restarted (default: sized from warmup)"
+    )
     log_level: str | None = flag(None, "DEBUG, INFO, WARNING (default; or CONVEYOR_LOG_LEVEL)")
     otlp_endpoint: str | None = flag(None, "export OpenTelemetry spans of router and shards there (OTLP/gRPC)")
 

@@ -2,7 +2,9 @@
 
 Shards start first, one per rank, each in its own session so that a terminal's Ctrl-C reaches only the
 launcher, which then shuts the deployment down in order: the router first (it finishes in-flight requests),
-then the shards. If any child dies on its own, the launcher stops the rest and exits non-zero.
+then the shards. A shard that dies takes its group down and the group is restarted (the router replays the
+requests it was running), up to --max-restarts within --restart-window; past that, or if the router dies, the
+launcher stops the rest and exits non-zero.
 """
 
 from __future__ import annotations

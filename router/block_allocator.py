@@ -34,13 +34,18 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a block allocator needs at least one block of at least one token")
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self._queried = self._hits = self._evictions = 0
+        self.reset(num_blocks)
+
+    def reset(self, num_blocks: int) -> None:
+        """Every block free and the prefix cache empty: after the shards restarted, their KV is gone, and the
+        new pool may be of another size."""
+        self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks))  # a min-heap (sorted already): low ids go out first
         self._free_set: set[int] = set(self._free)  # for catching double frees in O(1)
-        self._cache = PrefixCache(block_size)
-        self._queried = self._hits = self._evictions = 0
+        self._cache = PrefixCache(self.block_size)
 
     @property
     def free_blocks(self) -> int:

@@ -8,24 +8,25 @@ in flight finish before the process exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 from conveyor.router import grpc_server as grpc_front_door
 from conveyor.router.block_allocator import BlockAllocator
+from conveyor.router.connect import Connection, connect
 from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
-from conveyor.router.limits import LimitError, ResolvedLimits, resolve_limits, warmup_request
+from conveyor.router.limits import LimitError
 from conveyor.router.metrics import Metrics
-from conveyor.router.scheduler import Scheduler
-from conveyor.router.shard_client import ShardedClient
+from conveyor.router.scheduler import Reconnect, Scheduler
 from conveyor.router.step_planner import PlannerConfig, Scheduling
 from conveyor.router.validation import Validation
-from conveyor.v1 import shard_pb2 as pb
 
 from conveyor import config, tracing
 from conveyor import log as conveyor_log
@@ -37,17 +38,12 @@ log = logging.getLogger(__name__)
 async def run(args: Config) -> None:
     from transformers import AutoTokenizer
 
-    client = await ShardedClient.connect(f"{args.shard_uds_path}-0")
-    await client.clear_cache()
-    shard_info = await client.info()
     tokenizer = AutoTokenizer.from_pretrained(args.model_id)
-    limits = resolve_limits(args, shard_info, tokenizer)
-    log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})
-    capacity = await client.warmup(warmup_request(limits, tokenizer))
-    limits = limits.with_capacity(capacity)
+    connection = await connect(args, tokenizer)
+    client, shard_info, limits = connection.client, connection.info, connection.limits
 
     metrics = Metrics()
-    scheduler = make_scheduler(args, client, shard_info, limits, metrics)
+    scheduler = make_scheduler(args, connection, metrics, reconnect=lambda: connect(args, tokenizer, limits))
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     server = HttpServer(
         infer,
@@ -87,15 +83,36 @@ async def run(args: Config) -> None:
         await runner.cleanup()
         batching.result()  # re-raises the loop's crash so the process exits non-zero
         raise RuntimeError("the batching loop stopped")
-    server.draining = True
-    log.info("draining", extra={"in_flight": infer.in_flight})
-    if grpc_server is not None:
-        await grpc_server.stop(grace=args.graceful_termination_timeout)  # refuses new calls, finishes the rest
-    await _drain(infer, args.graceful_termination_timeout)
+    await _shut_down(args, server, scheduler, batching, grpc_server)
     await runner.cleanup()
-    batching.cancel()
-    await client.close()
+    await scheduler.client.close()
     log.info("router stopped")
+
+
+async def _shut_down(
+    args: Config, server: HttpServer, scheduler: Scheduler, batching: asyncio.Task, grpc_server
+) -> None:
+    """New requests get 503 (and /health too, so that a load balancer stops sending); those in flight get
+    --graceful-termination-timeout to finish, and the rest then end with an error event, so that no client is
+    left with a stream cut off mid-way. With the shards down (the launcher is stopping, or gave up restarting
+    them) nothing in flight can finish: they end at once."""
+    infer = server.infer
+    server.draining = True
+    timeout = args.graceful_termination_timeout
+    log.info("draining", extra={"in_flight": infer.in_flight, "timeout": timeout})
+    grpc_stopped = None
+    if grpc_server is not None:  # refuses new calls at once, lets the rest finish
+        grpc_stopped = asyncio.create_task(grpc_server.stop(grace=timeout + FLUSH_SECONDS))
+    await _drain(infer, timeout, until=lambda: scheduler.recovering)
+    batching.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await batching
+    if infer.in_flight:
+        log.warning("ending requests that did not finish in time", extra={"in_flight": infer.in_flight})
+        scheduler.abort("the server stopped before this request finished")
+        await _drain(infer, FLUSH_SECONDS)
+    if grpc_stopped is not None:
+        await grpc_stopped
 
 
 # Prompt tokens per step while streams decode: on CPU a step's cost grows with every token, so a chunk of 64
@@ -103,29 +120,27 @@ async def run(args: Config) -> None:
 DEFAULT_CHUNK_TOKENS = {"cpu": 64}
 
 
-def make_scheduler(
-    args: Config, client: ShardedClient, shard_info: pb.InfoResponse, limits: ResolvedLimits, metrics: Metrics
-) -> Scheduler:
-    allocator = BlockAllocator(
-        limits.max_batch_total_tokens // shard_info.block_size,
-        shard_info.block_size,
-        prefix_caching=args.prefix_caching,
-    )
+def make_scheduler(args: Config, connection: Connection, metrics: Metrics, reconnect: Reconnect) -> Scheduler:
+    info = connection.info
+    allocator = BlockAllocator(connection.num_blocks, info.block_size, prefix_caching=args.prefix_caching)
     planner = PlannerConfig(
-        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS.get(shard_info.device_type, 512),
+        max_batch_prefill_tokens=connection.limits.max_batch_prefill_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS.get(info.device_type, 512),
         max_batch_size=args.max_batch_size,
         scheduling=Scheduling(args.scheduling),
         static_batch_timeout=args.static_batch_timeout,
         watermark_blocks=allocator.num_blocks // 100,
     )
-    return Scheduler(client, planner, allocator, metrics)
+    return Scheduler(connection.client, planner, allocator, metrics, reconnect, args.max_request_retries)
 
 
-async def _drain(infer: Infer, timeout: float) -> None:
-    """Waits until every in-flight request has finished, or the timeout passes."""
+FLUSH_SECONDS = 5.0  # for the handlers of ended requests to send their error events
+
+
+async def _drain(infer: Infer, timeout: float, until: Callable[[], bool] = lambda: False) -> None:
+    """Waits until every in-flight request has finished, the timeout passes, or `until()` holds."""
     deadline = time.monotonic() + timeout
-    while infer.in_flight and time.monotonic() < deadline:
+    while infer.in_flight and time.monotonic() < deadline and not until():
         await asyncio.sleep(0.05)
 
 

@@ -36,6 +36,12 @@ class Metrics:
         self.preemptions = Counter(
             "conveyor_preemptions", "Running requests preempted for lack of KV blocks", registry=r
         )
+        self.shard_restarts = Counter(
+            "conveyor_shard_restarts", "Times the shards were lost and the router reconnected to them", registry=r
+        )
+        self.requests_replayed = Counter(
+            "conveyor_requests_replayed", "Running requests put back in the queue after a failed step", registry=r
+        )
         self.prefill_chunks = Counter(
             "conveyor_prefill_chunks", "Prompt chunks that left their prompt unfinished", registry=r
         )

@@ -32,3 +32,8 @@ class Queue:
         """Requests whose client left while waiting never reach a shard."""
         if any(s.cancelled for s in self._sequences):
             self._sequences = deque(s for s in self._sequences if not s.cancelled)
+
+    def take_all(self) -> list[Sequence]:
+        """Empties the line (the server is stopping): every waiting sequence, in order."""
+        sequences, self._sequences = list(self._sequences), deque()
+        return sequences

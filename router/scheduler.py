@@ -15,10 +15,11 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from conveyor.router.block_allocator import BlockAllocator
+from conveyor.router.connect import Connection
 from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.metrics import Metrics
 from conveyor.router.queue import Queue
@@ -34,19 +35,31 @@ log = logging.getLogger(__name__)
 
 SETTLE_QUIET_SECONDS = 0.01  # a burst has finished arriving when nobody new came for this long
 SETTLE_SECONDS = 0.1  # the longest an idle server waits for a burst to finish arriving
+RECONNECT_SECONDS = 0.2  # between two tries to reach restarted shards
+
+Reconnect = Callable[[], Awaitable[Connection]]
 
 
 class Scheduler:
     def __init__(
-        self, client: ShardedClient, config: PlannerConfig, allocator: BlockAllocator, metrics: Metrics
+        self,
+        client: ShardedClient,
+        config: PlannerConfig,
+        allocator: BlockAllocator,
+        metrics: Metrics,
+        reconnect: Reconnect | None = None,
+        max_request_retries: int = 2,
     ) -> None:
         self.client = client
         self.config = config
         self.allocator = allocator
         self.metrics = metrics
+        self.reconnect = reconnect  # warmed-up shards again, after a failed step (None: nothing to recover)
+        self.max_request_retries = max_request_retries
         self.queue = Queue()
         self.planner = StepPlanner(config, allocator, self.queue)
         self.healthy = True
+        self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
         self._batch: pb.CachedBatch | None = None  # the running batch on the shards
         self._wakeup = asyncio.Event()
         self._request_ids = itertools.count()
@@ -70,6 +83,7 @@ class Scheduler:
         blocks)."""
         allocator = self.allocator
         return {
+            "status": "recovering" if self.recovering else "serving",
             "scheduling": self.config.scheduling.value,
             "prefix_caching": allocator.prefix_caching,
             "chunked_prefill": True,
@@ -131,7 +145,7 @@ class Scheduler:
                 with self.metrics.step.labels(method).time():
                     result = await self._post(plan, metadata)
             except ShardError as exc:
-                await self._fail(str(exc))
+                await self._recover(exc)
                 return
         self.healthy = True
         self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
@@ -144,7 +158,7 @@ class Scheduler:
         try:
             self._batch = await self._keep(result.batch, [s for s in in_batch if self._alive(s)])
         except ShardError as exc:
-            await self._fail(str(exc))
+            await self._recover(exc)
 
     async def _post(self, plan: StepPlan, metadata: Metadata) -> StepResult:
         updates = [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling]
@@ -220,28 +234,82 @@ class Scheduler:
         try:  # the planner already took them out of the running set: keep what is left
             self._batch = await self._keep(self._batch, list(self.running))
         except ShardError as exc:
-            await self._fail(str(exc))
+            await self._recover(exc)
 
-    async def _fail(self, message: str) -> None:
-        """A failed RPC fails every sequence in the batch; the shards drop their batches if they still can."""
-        log.error("generation step failed", extra={"error": message})
-        self.healthy = False
-        self._batch = None
-        for sequence in list(self.running):
+    # --- failure and recovery -----------------------------------------------------------------------------
+
+    async def _recover(self, error: ShardError) -> None:
+        """A step failed (a rank died, hung or raised), so the shards' batch is lost. Every running sequence goes
+        back to the queue to be recomputed from its prompt and the tokens it has streamed, as after a preemption:
+        its stream goes on after a pause with no gap and no duplicate. The loop then waits until the shards
+        answer again (the launcher restarts a group that lost a rank; a hung group is killed here first), warms
+        them up, and resumes with an empty KV pool."""
+        log.error("generation step failed; recovering", extra={"error": str(error)})
+        self.healthy, self.recovering, self._batch = False, True, None
+        if error.timed_out:
+            self.client.kill()
+        self._replay(str(error))
+        self._update_gauges()
+        await self._reconnect()
+        self.recovering = False
+
+    def _replay(self, message: str) -> None:
+        """The failed step is blamed on the suspects in it if there are any (sequences replayed after an earlier
+        failure that had not read their tokens back yet: they join alone, see StepPlanner._admit), else on every
+        sequence in it. A sequence blamed more than `max_request_retries` times ends with an error instead: a
+        prompt that kills the shards every time cannot kill them for ever."""
+        failed = list(self.running)
+        blamed = [s for s in failed if s.suspect] or failed
+        for sequence in reversed(failed):  # each goes to the front: in reverse, they keep their order
+            if sequence.is_finished or sequence.cancelled:
+                self.planner.remove(sequence)
+                continue
+            sequence.num_replays += sequence in blamed
+            if sequence.num_replays > self.max_request_retries:
+                self.planner.remove(sequence)
+                _end(sequence, f"the request was in {sequence.num_replays} failed steps, the last: {message}")
+                continue
+            sequence.suspect = True
+            self.planner.requeue(sequence)
+            self.metrics.requests_replayed.inc()
+
+    async def _reconnect(self) -> None:
+        """Tries until restarted shards answer and are warmed up; their KV died with them, so the pool starts
+        empty (prefix cache included), sized by the new warmup."""
+        if self.reconnect is None:
+            raise RuntimeError("a step failed and this scheduler cannot reconnect to shards")
+        await self.client.close()
+        while True:
+            try:
+                connection = await self.reconnect()
+                break
+            except Exception as exc:  # noqa: BLE001 - shards still down or starting: try again
+                log.info("shards not ready yet", extra={"error": str(exc)})
+                await asyncio.sleep(RECONNECT_SECONDS)
+        self.client = connection.client
+        self.allocator.reset(connection.num_blocks)
+        self.metrics.shard_restarts.inc()
+        log.warning("shards recovered", extra={"queued": len(self.queue), "kv_blocks": connection.num_blocks})
+
+    def abort(self, message: str) -> None:
+        """Ends every request, running or queued, with an `unavailable` error event: the server is stopping and
+        they could not finish. Only once the loop is stopped (it would step the sequences otherwise)."""
+        for sequence in [*self.running, *self.queue.take_all()]:
             self.planner.remove(sequence)
             if not sequence.is_finished:
-                sequence.status = SequenceStatus.FINISHED
-                sequence.events.put_nowait(ErrorEvent(message, "generation"))
-        try:
-            await self.client.clear_cache()
-        except ShardError:
-            pass
+                _end(sequence, message, "unavailable")
+        self._update_gauges()
 
     def _update_gauges(self) -> None:
         self.metrics.queue_size.set(len(self.queue))
         self.metrics.batch_size.set(len(self.running))
         self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
         self.metrics.kv_blocks_used.set(self.allocator.num_blocks - self.allocator.free_blocks)
+
+
+def _end(sequence: Sequence, message: str, error_type: str = "generation") -> None:
+    sequence.status = SequenceStatus.FINISHED
+    sequence.events.put_nowait(ErrorEvent(message, error_type))
 
 
 def request_pb(sequence: Sequence) -> pb.Request:

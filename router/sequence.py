@@ -43,6 +43,10 @@ class Sequence:
         0  # tokens to read before it samples: its prompt, plus what it had generated when preempted
     )
     num_preemptions: int = 0
+    # Crash recovery: how many failed steps were blamed on it, and whether it was replayed after one and has
+    # not yet read its tokens back through a step that succeeded (it then runs beside no other suspect).
+    num_replays: int = 0
+    suspect: bool = False
 
     # This step, as the planner decided it; the loop applies it once the shards ran the step.
     step_tokens: int = 0  # tokens computed at this step: 1 when decoding, a prompt chunk when prefilling

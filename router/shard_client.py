@@ -6,6 +6,8 @@ Ranks run the same forward in lockstep and answer the same tokens; the first ran
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,6 +25,14 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receiv
 class ShardError(RuntimeError):
     """A rank failed an RPC; the message names the rank, the RPC and the shard's own error text."""
 
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code  # the gRPC status, if the rank answered one
+
+    @property
+    def timed_out(self) -> bool:
+        return self.code is grpc.StatusCode.DEADLINE_EXCEEDED
+
 
 @dataclass
 class StepResult:
@@ -34,8 +44,20 @@ class StepResult:
 class ShardedClient:
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
+        # Seconds a step (and a filter or clear) may take before the shards count as hung; None waits for ever.
+        self.step_timeout: float | None = None
+        self.pids: list[int] = []  # every rank's process id, when known: `kill` needs them
         self._channels = [grpc.aio.insecure_channel(u, options=CHANNEL_OPTIONS) for u in urls]
         self._stubs = [pb_grpc.ShardStub(c) for c in self._channels]
+
+    def kill(self) -> None:
+        """SIGKILLs every rank: a hung shard group cannot be asked to stop. The launcher then restarts the group.
+        Only a router on the shards' host can do this (the ranks' process ids mean nothing elsewhere)."""
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     @classmethod
     async def connect(cls, master_uds: str, timeout: float = 10.0) -> ShardedClient:
@@ -53,28 +75,36 @@ class ShardedClient:
         await asyncio.gather(*(c.close() for c in self._channels))
 
     async def _all(self, name: str, call: Callable[[pb_grpc.ShardStub], Awaitable[T]]) -> list[T]:
-        """Runs `call` on every rank at once and waits for all; the first failure fails the whole call."""
-        results = await asyncio.gather(*(call(s) for s in self._stubs), return_exceptions=True)
-        for rank, result in enumerate(results):
-            if isinstance(result, grpc.aio.AioRpcError):
-                raise ShardError(f"shard {rank} failed {name}: {result.details() or result.code().name}")
-            if isinstance(result, BaseException):
-                raise ShardError(f"shard {rank} failed {name}: {result!r}")
-        return results  # type: ignore[return-value]
+        """Runs `call` on every rank at once; the first failure fails the whole call at once, without waiting for
+        the other ranks (when one rank dies, the others may wait for it in a collective for ever)."""
+        tasks = [asyncio.ensure_future(call(s)) for s in self._stubs]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for rank, task in enumerate(tasks):
+                if task.done() and (exc := task.exception()) is not None:
+                    raise _shard_error(rank, name, exc)
+            return [t.result() for t in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def infos(self) -> list[pb.InfoResponse]:
+        """Every rank's Info (each names its own process id)."""
+        return await self._all("Info", lambda s: s.Info(pb.InfoRequest()))
 
     async def info(self) -> pb.InfoResponse:
-        return (await self._all("Info", lambda s: s.Info(pb.InfoRequest())))[0]
+        return (await self.infos())[0]
 
     async def health(self, timeout: float = 5.0) -> None:
         await self._all("Health", lambda s: s.Health(pb.HealthRequest(), timeout=timeout))
 
     async def clear_cache(self, batch_id: int | None = None) -> None:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
-        await self._all("ClearCache", lambda s: s.ClearCache(request))
+        await self._all("ClearCache", lambda s: s.ClearCache(request, timeout=self.step_timeout))
 
-    async def warmup(self, request: pb.WarmupRequest) -> int:
+    async def warmup(self, request: pb.WarmupRequest, timeout: float | None = None) -> int:
         """Returns the KV capacity in tokens the smallest rank supports."""
-        responses = await self._all("Warmup", lambda s: s.Warmup(request))
+        responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=timeout))
         return min(r.max_supported_total_tokens for r in responses)
 
     async def prefill(
@@ -87,17 +117,27 @@ class ShardedClient:
         """`metadata` carries the trace context, so the shards' spans join the request's trace. With a
         `cached_batch` the new requests join that running batch in the same forward (a mixed step)."""
         request = pb.PrefillRequest(batch=batch, cached_batch=cached_batch, updates=updates)
-        return _step_result(await self._all("Prefill", lambda s: s.Prefill(request, metadata=metadata)))
+        return _step_result(
+            await self._all("Prefill", lambda s: s.Prefill(request, metadata=metadata, timeout=self.step_timeout))
+        )
 
     async def decode(
         self, batches: list[pb.CachedBatch], metadata: Metadata = None, updates: list[pb.RequestUpdate] = ()
     ) -> StepResult:
         request = pb.DecodeRequest(batches=batches, updates=updates)
-        return _step_result(await self._all("Decode", lambda s: s.Decode(request, metadata=metadata)))
+        return _step_result(
+            await self._all("Decode", lambda s: s.Decode(request, metadata=metadata, timeout=self.step_timeout))
+        )
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
-        return (await self._all("FilterBatch", lambda s: s.FilterBatch(request)))[0].batch
+        return (await self._all("FilterBatch", lambda s: s.FilterBatch(request, timeout=self.step_timeout)))[0].batch
+
+
+def _shard_error(rank: int, name: str, exc: BaseException) -> ShardError:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return ShardError(f"shard {rank} failed {name}: {exc.details() or exc.code().name}", exc.code())
+    return ShardError(f"shard {rank} failed {name}: {exc!r}")
 
 
 def _unix_url(path: str) -> str:

@@ -134,10 +134,17 @@ class StepPlanner:
         return capacity - sequence.num_computed_tokens
 
     def _preempt(self, sequence: Sequence, plan: StepPlan) -> None:
-        self.release(sequence)
+        self.requeue(sequence)
         sequence.num_preemptions += 1
-        sequence.status = SequenceStatus.WAITING
         plan.preempted.append(sequence)
+
+    def requeue(self, sequence: Sequence) -> None:
+        """Back to the front of the queue holding nothing, to be recomputed from its prompt and the tokens it
+        had generated: after a preemption, or after a failed step."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        self.release(sequence)
+        sequence.status = SequenceStatus.WAITING
         self.queue.appendleft(sequence)
 
     def release(self, sequence: Sequence) -> None:
@@ -150,9 +157,16 @@ class StepPlanner:
     # --- admission ----------------------------------------------------------------------------------------
 
     def _admit(self, budget: int, plan: StepPlan) -> None:
+        """Waiting sequences join in order. A suspect (replayed after a failed step) joins alone and nobody joins
+        until it has read its tokens back: if the shards die again meanwhile, the blame is its alone, and a
+        request that kills the shards every time cannot take the others' retries with it."""
         limit = self._admission_limit()
         whole_budget = budget
+        if any(s.suspect for s in self.running):
+            return
         while budget > 0 and len(self.running) < limit and (sequence := self.queue.peek()) is not None:
+            if sequence.suspect and plan.admitted:
+                break
             if not self._start(sequence, budget, first=budget == whole_budget, plan=plan):
                 break
             self.queue.popleft()
@@ -160,6 +174,8 @@ class StepPlanner:
             self.running.append(sequence)
             plan.admitted.append(sequence)
             budget -= sequence.step_tokens
+            if sequence.suspect:
+                break
 
     def _admission_limit(self) -> int:
         """How many sequences may be running once this step's newcomers joined."""
@@ -207,6 +223,7 @@ class StepPlanner:
         size = self.allocator.block_size
         for sequence in plan.sequences:
             sequence.num_computed_tokens += sequence.step_tokens
+            sequence.suspect = sequence.suspect and sequence.is_prefilling
             full = sequence.num_computed_tokens // size
             if full > sequence.num_cached_blocks:
                 # Past a conflict (the same content cached in another block) insert stops; trying again at

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +28,14 @@ from opentelemetry.trace import SpanKind
 from conveyor import tracing
 
 log = logging.getLogger(__name__)
+
+# A failpoint for the fault tests: with CONVEYOR_FAILPOINT_EXIT_ON_TOKEN=<token id> in its environment, a shard
+# dies at once (as on a segfault) at any step that reads a prompt containing that token: "the request that
+# crashes the shard every time". Unset, it costs one comparison per step.
+FAILPOINT_TOKEN = (
+    int(os.environ["CONVEYOR_FAILPOINT_EXIT_ON_TOKEN"]) if "CONVEYOR_FAILPOINT_EXIT_ON_TOKEN" in os.environ else None
+)
+FAILPOINT_EXIT_CODE = 70
 
 
 def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -68,6 +77,13 @@ class ShardService(pb_grpc.ShardServicer):
         """Runs one step over the cached batches and the new requests; a refused step (BadRequest) leaves the
         cache as it was. Requests are parsed and updated on the worker thread, which alone touches batches."""
         taken = self._take(*cached_ids)
+        if (
+            new is not None
+            and FAILPOINT_TOKEN is not None
+            and any(FAILPOINT_TOKEN in r.input_ids for r in new.requests)
+        ):
+            log.error("failpoint: exiting", extra={"token": FAILPOINT_TOKEN})
+            os._exit(FAILPOINT_EXIT_CODE)
 
         def step() -> StepOutput:
             batches = [Batch.concatenate(taken)] if taken else []
@@ -98,7 +114,9 @@ class ShardService(pb_grpc.ShardServicer):
 
     @rpc
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        return self.engine.info()
+        info = self.engine.info()
+        info.pid = os.getpid()
+        return info
 
     @rpc
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:

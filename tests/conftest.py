@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import sseclient
 from conveyor.launcher import demo_model
 
 # The probe prompt whose greedy continuation ends on the extra EOS id the test model declares.
@@ -137,10 +139,61 @@ class Server:
     def shard_pids(self) -> list[int]:
         return [c.pid for c in self.children() if "conveyor.shard.main" in " ".join(c.cmdline())]
 
+    def shard_pid(self, rank: int) -> int:
+        import psutil
+
+        (pid,) = [pid for pid in self.shard_pids() if psutil.Process(pid).environ().get("RANK") == str(rank)]
+        return pid
+
+    def health(self) -> int:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5.0).status_code
+        except httpx.HTTPError:
+            return 0
+
+    def info(self) -> dict:
+        return httpx.get(f"{self.url}/info", timeout=10.0).json()
+
+    def metric(self, name: str) -> float:
+        """A counter or gauge without labels, from /metrics."""
+        for line in httpx.get(f"{self.url}/metrics", timeout=10.0).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=90)
+
+
+class StreamWatcher:
+    """Reads one stream on a thread, recording each event, so a test can wait for 'n tokens arrived'."""
+
+    def __init__(self, server: Server, body: dict) -> None:
+        self.events: list[dict] = []
+        self.lock = threading.Lock()
+        self.server, self.body = server, body
+        self.hang_up = threading.Event()  # set to make the client disconnect at its next event
+        self.finished = False
+
+    def run(self) -> None:
+        with self.server.client() as client, client.stream("POST", "/generate_stream", json=self.body) as r:
+            assert r.status_code == 200, r.read()
+            for event in sseclient.SSEClient(r.iter_bytes()).events():
+                with self.lock:
+                    self.events.append(json.loads(event.data))
+                if self.hang_up.is_set():
+                    return
+        self.finished = True
+
+    def received(self, n: int) -> bool:
+        with self.lock:
+            return len(self.events) >= n
+
+    def token_ids(self) -> list[int]:
+        with self.lock:
+            return [e["token"]["id"] for e in self.events if "token" in e]
 
 
 def _healthy(url: str) -> bool:

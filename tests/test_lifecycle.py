@@ -5,48 +5,20 @@ Each test starts its own deployment, since each ends it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import stat
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
-import sseclient
-from conftest import Server, free_port, greedy_reference, start_server, wait_for
+from conftest import Server, StreamWatcher, free_port, greedy_reference, start_server, wait_for
 
 LONG = {"inputs": "def forever():", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
-
-
-class StreamWatcher:
-    """Reads one stream on a thread, recording each event, so a test can wait for 'n tokens arrived'."""
-
-    def __init__(self, server: Server, body: dict) -> None:
-        self.events: list[dict] = []
-        self.lock = threading.Lock()
-        self.server, self.body = server, body
-        self.hang_up = threading.Event()  # set to make the client disconnect at its next event
-        self.finished = False
-
-    def run(self) -> None:
-        with self.server.client() as client, client.stream("POST", "/generate_stream", json=self.body) as r:
-            assert r.status_code == 200, r.read()
-            for event in sseclient.SSEClient(r.iter_bytes()).events():
-                with self.lock:
-                    self.events.append(json.loads(event.data))
-                if self.hang_up.is_set():
-                    return
-        self.finished = True
-
-    def received(self, n: int) -> bool:
-        with self.lock:
-            return len(self.events) >= n
 
 
 def _refused_while_two_in_flight(server: Server) -> tuple[httpx.Response, httpx.Response] | None:
@@ -91,20 +63,26 @@ def test_over_max_concurrent_requests_is_429_and_the_slots_come_back(tiny_model:
         assert server.stop() == 0
 
 
-def test_a_killed_shard_ends_the_stream_with_an_error_and_the_launcher_fails(tiny_model: Path) -> None:
-    server = start_server(tiny_model)
+def test_past_max_restarts_a_killed_shard_ends_the_stream_with_an_error_and_the_launcher_fails(
+    tiny_model: Path,
+) -> None:
+    """With no restart allowed, the first death is the last: the stream ends with an error event at once (not
+    after the graceful timeout) and the launcher exits non-zero with nothing left running."""
+    server = start_server(tiny_model, "--max-restarts", "0")
     try:
         watcher = StreamWatcher(server, LONG)
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(watcher.run)
             wait_for(lambda: watcher.received(3), 120, "the stream to start")
+            children = [c.pid for c in server.children()]
             (shard,) = server.shard_pids()
             os.kill(shard, signal.SIGKILL)
             future.result(timeout=120)
         last = watcher.events[-1]
-        assert last.get("error_type") == "generation" and last["error"]
+        assert last.get("error_type") == "unavailable" and last["error"]
         assert len(watcher.events) < 1000
         assert server.process.wait(timeout=120) != 0
+        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in children), 30, "the children to be gone")
     finally:
         server.stop()
 

@@ -1,0 +1,56 @@
+"""Reaching warmed-up shards: at startup, and again each time the shard group has been restarted.
+
+The order is TGI's: discover every rank from rank 0, clear their caches, read `Info`, run `Warmup` with the
+largest prefill the limits allow (which sizes the KV pool), and only then serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from conveyor.router.limits import ResolvedLimits, resolve_limits, warmup_request
+from conveyor.router.shard_client import ShardedClient
+from conveyor.v1 import shard_pb2 as pb
+
+from conveyor.config import Config
+
+log = logging.getLogger(__name__)
+
+# With no --shard-step-timeout, a step may take this many times the warmup (the largest prefill there is),
+# and never less than MIN_STEP_TIMEOUT seconds: generous, since a loaded machine stretches every step.
+STEP_TIMEOUT_WARMUPS = 10
+MIN_STEP_TIMEOUT = 60.0
+
+
+@dataclass
+class Connection:
+    client: ShardedClient
+    info: pb.InfoResponse  # rank 0's
+    limits: ResolvedLimits  # with the KV capacity the warmup measured
+
+    @property
+    def num_blocks(self) -> int:
+        return self.limits.max_batch_total_tokens // self.info.block_size
+
+
+async def connect(args: Config, tokenizer, limits: ResolvedLimits | None = None) -> Connection:
+    """A client to every rank, warmed up. On a reconnection `limits` are the ones requests were validated
+    against: they stay, and only the KV capacity is measured again (it must still hold the longest request)."""
+    client = await ShardedClient.connect(f"{args.shard_uds_path}-0")
+    try:
+        await client.clear_cache()
+        infos = await client.infos()
+        client.pids = [info.pid for info in infos]
+        limits = limits or resolve_limits(args, infos[0], tokenizer)
+        log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})
+        start = time.monotonic()
+        capacity = await client.warmup(warmup_request(limits, tokenizer), timeout=args.startup_timeout)
+        client.step_timeout = args.shard_step_timeout or max(
+            MIN_STEP_TIMEOUT, STEP_TIMEOUT_WARMUPS * (time.monotonic() - start)
+        )
+        return Connection(client, infos[0], limits.with_capacity(capacity))
+    except BaseException:
+        await client.close()
+        raise

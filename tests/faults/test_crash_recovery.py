@@ -1,0 +1,121 @@
+"""A shard group that crashes or hangs under load loses no request: the launcher restarts the group, the router
+replays what was running, and every stream goes on where it stopped. The oracle is transformers' own
+`generate()` for each prompt alone: a token repeated, skipped or changed by the replay would show there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import ORACLE_PROMPTS, Server, StreamWatcher, free_port, greedy_reference, start_server, wait_for
+
+# 16 greedy streams, long enough to be mid-way when the shards die; at most 8 run at once, so 8 are queued.
+STREAMS = [(prompt, 40 + 4 * i) for i, (prompt, _) in enumerate(ORACLE_PROMPTS + ORACLE_PROMPTS[:2])]
+MAX_BATCH = "8"
+
+
+def _idle_and_whole(server: Server) -> bool:
+    info = server.info()
+    return info["status"] == "serving" and info["kv_blocks_free"] == info["kv_blocks_total"]
+
+
+def _serve_through(server: Server, fault: Callable[[], None]) -> list[StreamWatcher]:
+    """Starts every stream, injects `fault` once 8 are running, and checks the deployment heals: /health 503
+    while the shards are down, 200 after, every stream complete and exact, every KV block free."""
+    watchers = [StreamWatcher(server, {"inputs": p, "parameters": {"max_new_tokens": n}}) for p, n in STREAMS]
+    with ThreadPoolExecutor(len(watchers)) as pool:
+        futures = [pool.submit(w.run) for w in watchers]
+        wait_for(lambda: sum(w.received(1) for w in watchers) >= 8, 120, "8 streams to be running")
+        at_fault = [len(w.token_ids()) for w in watchers]
+        fault()
+        wait_for(lambda: server.health() == 503, 60, "/health to answer 503 while the shards are down")
+        wait_for(lambda: server.health() == 200, 300, "/health to answer 200 again")
+        for future in futures:
+            future.result(timeout=300)
+    for watcher, (prompt, max_new_tokens) in zip(watchers, STREAMS):
+        assert watcher.token_ids() == greedy_reference(server.model_dir, prompt, max_new_tokens), prompt
+        assert watcher.events[-1]["generated_text"] is not None
+    # The fault cut some streams mid-way (they had tokens and more were to come): those were replayed.
+    assert any(0 < before < len(w.token_ids()) for w, before in zip(watchers, at_fault))
+    assert server.metric("conveyor_shard_restarts_total") == 1
+    assert server.metric("conveyor_requests_replayed_total") >= 1
+    wait_for(lambda: _idle_and_whole(server), 60, "every KV block to be free")
+    return watchers
+
+
+@pytest.mark.parametrize("num_shard", [1, 2])
+def test_a_killed_shard_under_load_loses_no_request(tiny_model: Path, num_shard: int) -> None:
+    server = start_server(
+        tiny_model,
+        *("--num-shard", str(num_shard), "--master-port", str(free_port()), "--max-batch-size", MAX_BATCH),
+    )
+    try:
+        _serve_through(server, lambda: os.kill(server.shard_pid(num_shard - 1), signal.SIGKILL))
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_hung_shard_is_killed_and_restarted(tiny_model: Path) -> None:
+    """SIGSTOP: the shard neither answers nor dies. The step deadline catches it; the router kills the group."""
+    server = start_server(tiny_model, "--max-batch-size", MAX_BATCH, "--shard-step-timeout", "5")
+    stopped = []
+
+    def hang() -> None:
+        stopped.append(server.shard_pid(0))
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    try:
+        _serve_through(server, hang)
+        assert stopped[0] not in server.shard_pids()
+    finally:
+        if stopped:
+            try:
+                os.kill(stopped[0], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert server.stop() == 0
+
+
+def _crasher_token(model_dir: Path, crasher: str, others: list[tuple[str, int]]) -> int:
+    """A token of the crasher's prompt found in no other prompt nor in any of their greedy continuations
+    (replays send those back as input), so that only the crasher trips the failpoint."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    seen = set()
+    for prompt, n in others:
+        seen.update(tokenizer(prompt).input_ids, greedy_reference(model_dir, prompt, n))
+    return next(t for t in tokenizer(crasher).input_ids if t not in seen)
+
+
+def test_a_request_that_kills_the_shard_every_time_fails_alone(tiny_model: Path) -> None:
+    """The shard dies at every step that reads the crasher's prompt. After --max-request-retries replays the
+    crasher ends with an error event; the requests that were in the failed steps with it complete exactly."""
+    crasher = "zebra quartz jukebox"
+    others = STREAMS[:6]
+    token = _crasher_token(tiny_model, crasher, others)
+    server = start_server(tiny_model, env={"CONVEYOR_FAILPOINT_EXIT_ON_TOKEN": str(token)})
+    try:
+        bodies = [{"inputs": p, "parameters": {"max_new_tokens": n}} for p, n in others]
+        watchers = [StreamWatcher(server, b) for b in bodies]
+        doomed = StreamWatcher(server, {"inputs": crasher, "parameters": {"max_new_tokens": 20}})
+        with ThreadPoolExecutor(len(watchers) + 1) as pool:
+            futures = [pool.submit(w.run) for w in watchers]
+            wait_for(lambda: all(w.received(1) for w in watchers), 120, "the other streams to start")
+            futures.append(pool.submit(doomed.run))
+            for future in futures:
+                future.result(timeout=300)
+        assert doomed.events[-1]["error_type"] == "generation"
+        assert "3 failed steps" in doomed.events[-1]["error"]
+        for watcher, (prompt, n) in zip(watchers, others):
+            assert watcher.token_ids() == greedy_reference(tiny_model, prompt, n), prompt
+        assert server.metric("conveyor_shard_restarts_total") == 3  # the first try and two replays
+        wait_for(lambda: server.health() == 200, 120, "the deployment to be healthy")
+        wait_for(lambda: _idle_and_whole(server), 60, "every KV block to be free")
+    finally:
+        assert server.stop() == 0
