@@ -59,17 +59,23 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def greedy_reference(model_dir: Path, prompt: str, max_new_tokens: int) -> list[int]:
-    """What transformers' own `generate()` yields for this prompt alone: the oracle."""
+    """What transformers' own `generate()` yields for this prompt alone: the oracle (computed once per session)."""
     import torch
 
-    model, tokenizer = _load(model_dir)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, ids.shape[1] :].tolist()
+    key = (model_dir, prompt, max_new_tokens)
+    if key not in _REFERENCES:
+        model, tokenizer = _load(model_dir)
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            )
+        _REFERENCES[key] = out[0, ids.shape[1] :].tolist()
+    return list(_REFERENCES[key])
 
 
 _LOADED: dict[Path, tuple] = {}
+_REFERENCES: dict[tuple[Path, str, int], list[int]] = {}
 
 
 def _load(model_dir: Path):
@@ -99,7 +105,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config["eos_token_id"] = [base_eos, probe[step - 1]]
     config_path.write_text(json.dumps(config, indent=2))
     (path / "eos_probe.json").write_text(json.dumps({"prompt": EOS_PROBE_PROMPT, "step": step}))
-    _LOADED.clear()
+    _LOADED.clear()  # the model changed (a second EOS id): load it again, and compute references again
+    _REFERENCES.clear()
     return path
 
 
