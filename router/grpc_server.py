@@ -7,8 +7,9 @@ server streaming. The standard gRPC health service reports SERVING once the rout
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -19,6 +20,7 @@ from conveyor.router.responses import (
     GENERATION,
     REQUEST_ERRORS,
     UNAUTHORIZED,
+    VALIDATION,
     Details,
     authorized,
     details,
@@ -35,6 +37,8 @@ from opentelemetry.trace import SpanKind
 from conveyor import tracing
 
 log = logging.getLogger(__name__)
+
+_SERVICE = "conveyor.v1.TextGeneration"
 
 _OPTIONAL = (
     "temperature",
@@ -183,6 +187,66 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         )
 
 
+@dataclass(frozen=True)
+class _Malformed:
+    """A request whose bytes do not parse as its message (truncated, not protobuf, a string field that is not
+    UTF-8). grpc's own deserializer would fail the call with UNKNOWN; this lets the handler answer
+    INVALID_ARGUMENT, the client's mistake."""
+
+    error: str
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - whatever the parser raises, the bytes were bad
+            return _Malformed(f"the request is not a valid message: {exc}".strip())
+
+    return parse
+
+
+class _MalformedRequests(grpc.aio.ServerInterceptor):
+    """Answers a TextGeneration call whose request does not parse with INVALID_ARGUMENT before the handler runs
+    (a generation call is counted as a validation refusal, as a bad parameter is)."""
+
+    def __init__(self, metrics: Any) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{_SERVICE}/") or handler.request_streaming:
+            return handler
+
+        generation = details.method.rpartition("/")[2] in ("Generate", "GenerateStream")
+
+        async def refuse(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
+            if generation:
+                self.metrics.requests.labels(VALIDATION.error_type).inc()
+            await context.abort(VALIDATION.grpc_code, request.error)
+
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                return await behavior(request, context)
+
+            return handler._replace(
+                request_deserializer=_lenient(handler.request_deserializer), unary_unary=unary_unary
+            )
+        stream = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            async for message in stream(request, context):
+                yield message
+
+        return handler._replace(request_deserializer=_lenient(handler.request_deserializer), unary_stream=unary_stream)
+
+
 def _server_span(method: str, context: grpc.aio.ServicerContext):
     """A server span continuing the caller's trace from `traceparent` in the call's metadata."""
     parent = tracing.extract(dict(context.invocation_metadata() or ()))
@@ -190,13 +254,13 @@ def _server_span(method: str, context: grpc.aio.ServicerContext):
 
 
 async def start(service: TextGenerationService, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[_MalformedRequests(service.infer.metrics)])
     pb_grpc.add_TextGenerationServicer_to_server(service, server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    for name in ("", "conveyor.v1.TextGeneration"):
+    for name in ("", _SERVICE):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.warning("grpc front door listening", extra={"address": f"{host}:{port}"})
     return server

@@ -11,7 +11,13 @@ from aiohttp import web
 from conveyor.router import openapi
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
-from conveyor.router.middleware import api_key_middleware, json_errors_middleware, trace_middleware
+from conveyor.router.middleware import (
+    api_key_middleware,
+    json_body_middleware,
+    json_errors_middleware,
+    json_protocol_errors,
+    trace_middleware,
+)
 from conveyor.router.openai import OpenAIRoutes
 from conveyor.router.responses import (
     REQUEST_ERRORS,
@@ -119,6 +125,7 @@ class HttpServer:
         self.draining = False
 
     def app(self) -> web.Application:
+        json_protocol_errors()
         app = web.Application(
             client_max_size=self.payload_limit,
             middlewares=[
@@ -126,6 +133,7 @@ class HttpServer:
                 self._count_refusals,
                 json_errors_middleware,
                 api_key_middleware(self.api_key),
+                json_body_middleware,
             ],
         )
         app.router.add_post("/", self.compat)

@@ -1,5 +1,6 @@
 """The aiohttp middlewares every route shares: the trace of each generation call, the API key on generation
-routes, and JSON bodies for the errors aiohttp raises itself (an oversized body, an unknown route), so that
+routes, the JSON Content-Type of request bodies, and JSON bodies for the errors aiohttp raises itself (an
+oversized body, an unknown route, a body that does not decompress, a request it cannot even parse), so that
 every error has one shape."""
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from conveyor.router.responses import UNAUTHORIZED, authorized, json_error
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from conveyor.router.responses import UNAUTHORIZED, authorized, error_body, json_error
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
@@ -39,24 +42,82 @@ def api_key_middleware(api_key: str | None) -> Middleware:
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method == "POST" and not authorized(request.headers.get("Authorization", ""), api_key):
             message = "a valid API key is required: Authorization: Bearer <key>"
-            return json_error(UNAUTHORIZED.status, message, UNAUTHORIZED.error_type)
+            return json_error(UNAUTHORIZED.status, message, UNAUTHORIZED.error_type, openai=_openai(request))
         return await handler(request)
 
     return middleware
 
 
+def _openai(request: web.Request) -> bool:
+    """OpenAI's routes answer errors in OpenAI's shape (with `error_type` beside it)."""
+    return request.path.startswith("/v1/")
+
+
+@web.middleware
+async def json_body_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every POST body is JSON: a body declared as something else (text/plain, a form) is refused with 415
+    rather than parsed as JSON anyway. A body with no Content-Type at all is read as JSON, as TGI's clients and
+    `curl --data-binary` without a header expect."""
+    declared = request.headers.get("Content-Type")
+    if request.method == "POST" and declared is not None and not _is_json(declared):
+        message = f"Content-Type must be application/json (with charset utf-8, if any). Given: {declared[:100]}"
+        return json_error(415, message, "unsupported_media_type", openai=_openai(request))
+    return await handler(request)
+
+
+def _is_json(content_type: str) -> bool:
+    mime, *params = (part.strip().lower() for part in content_type.split(";"))
+    if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
+        return False
+    charsets = [p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")]
+    return all(charset in ("utf-8", "utf8") for charset in charsets)
+
+
 @web.middleware
 async def json_errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    openai = _openai(request)
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge as exc:
-        return json_error(413, f"request body too large: {exc.text}", "payload_too_large")
+        return json_error(413, f"request body too large: {exc.text}", "payload_too_large", openai)
     except web.HTTPNotFound:
-        return json_error(404, f"no route {request.method} {request.path}", "not_found")
-    except web.HTTPMethodNotAllowed:
-        return json_error(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed")
-    except web.HTTPException:
-        raise
+        return json_error(404, f"no route {request.method} {request.path}", "not_found", openai)
+    except web.HTTPMethodNotAllowed as exc:
+        response = json_error(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed", openai)
+        response.headers["Allow"] = exc.headers.get("Allow", "")
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return json_error(exc.status, exc.text or exc.reason, "bad_request" if exc.status < 500 else "internal", openai)
+    except (RequestPayloadError, HttpProcessingError) as exc:  # a body that does not decode (bad gzip), a bad chunk
+        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
+        message = cause.message if isinstance(cause, HttpProcessingError) else str(cause)
+        return json_error(400, f"the request body could not be read: {message}", "bad_request", openai)
     except Exception:  # a bug, never the client's fault: still one JSON shape, and the trace in the log
         log.exception("unhandled error", extra={"path": request.path})
-        return json_error(500, "internal error", "internal")
+        return json_error(500, "internal error", "internal", openai)
+
+
+def json_protocol_errors() -> None:
+    """Makes the answers aiohttp gives before any route or middleware runs JSON as well: a request it cannot
+    parse (a header line over 8190 bytes, more than 128 headers, a malformed request line, chunk or length, a
+    Content-Encoding it cannot decode) gets a 400 with `{"error", "error_type": "bad_request"}` instead of
+    text/plain. aiohttp has no setting for this, so its `RequestHandler.handle_error` is wrapped (once, for
+    this process): the status, the logging and the closing of the connection stay aiohttp's."""
+    original = RequestHandler.handle_error
+    if getattr(original, "conveyor_json", False):
+        return
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
+        response = original(self, request, status, exc, message)
+        if status < 500:
+            body = error_body(message or response.reason, "bad_request")
+        else:
+            body = error_body("internal error" if status == 500 else response.reason, "internal")
+        json_response = web.json_response(body, status=status)
+        json_response.force_close()
+        return json_response
+
+    handle_error.conveyor_json = True  # type: ignore[attr-defined]
+    RequestHandler.handle_error = handle_error  # type: ignore[method-assign]

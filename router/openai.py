@@ -18,11 +18,57 @@ from typing import Any
 from aiohttp import web
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
-from conveyor.router.responses import REQUEST_ERRORS, error_event, error_response, open_sse, send_sse
+from conveyor.router.responses import (
+    REQUEST_ERRORS,
+    error_event,
+    error_response,
+    open_sse,
+    openai_logprob,
+    send_sse,
+)
 from conveyor.router.validation import Validation, ValidationError, ValidRequest, parse_json
 
 MAX_CHOICES = 8  # n, and prompts per completion request, at most
+MAX_MESSAGES = 1024  # messages per chat request: far beyond any conversation that fits a context window
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+
+# Every field each route knows. Anything else is refused rather than ignored: an ignored field the client meant
+# (`top_k`, `min_p`, `response_format`...) would silently change what it gets. Fields Conveyor knows but does not
+# implement pass only with their neutral value (see `_unsupported`); `model` and `user` are accepted and ignored.
+_COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "user",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "logprobs",
+        "logit_bias",
+        "ignore_eos",
+    }
+)
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+}
+_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_TOOL_CALLS = "Conveyor does not support tool calls yet"
 
 
 def _get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -34,12 +80,61 @@ def _get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = No
     return value
 
 
+def _check_fields(body: dict, known: frozenset[str]) -> None:
+    unknown = sorted(name for name in body if name not in known)
+    if unknown:
+        raise ValidationError(f"unknown field `{unknown[0]}`: Conveyor does not support it")
+    _get(body, "model", str)
+    _get(body, "user", str)
+
+
+def _unsupported(body: dict) -> None:
+    """OpenAI fields Conveyor does not implement: their neutral values pass (clients send some of them by
+    default), any other value is refused, since ignoring it would answer a different request."""
+    for name in ("tools", "functions"):
+        if body.get(name) not in (None, []):
+            raise ValidationError(f"{_TOOL_CALLS}: `{name}` must be left out")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise ValidationError(f'{_TOOL_CALLS}: `{name}` must be left out or "none"')
+    _get(body, "parallel_tool_calls", bool)
+    if body.get("logit_bias") not in (None, {}):
+        raise ValidationError("`logit_bias` is not supported")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise ValidationError('`response_format` is not supported (only {"type": "text"})')
+    if _get(body, "best_of", int, 1) != 1:
+        raise ValidationError("`best_of` other than 1 is not supported")
+    if _get(body, "echo", bool, False):
+        raise ValidationError("`echo` is not supported")
+    if body.get("suffix") is not None:
+        raise ValidationError("`suffix` is not supported")
+
+
+def _max_tokens(body: dict) -> int | None:
+    """`max_tokens`, or its newer name; 0 is passed on (and refused), not taken as unset."""
+    max_tokens = _get(body, "max_tokens", int)
+    return max_tokens if max_tokens is not None else _get(body, "max_completion_tokens", int)
+
+
+def _stream_options(body: dict, stream: bool) -> dict:
+    options = _get(body, "stream_options", dict, {})
+    if options and not stream:
+        raise ValidationError("`stream_options` is only allowed when `stream` is true")
+    unknown = sorted(name for name in options if name != "include_usage")
+    if unknown:
+        raise ValidationError(f"unknown field `stream_options.{unknown[0]}`")
+    _get(options, "include_usage", bool)
+    return options
+
+
 def sampling_parameters(body: dict, logprobs: int) -> dict[str, Any]:
     """OpenAI's fields under TGI's names. Temperature 0 means greedy; unset means sampling at 1, as OpenAI does."""
     temperature = _get(body, "temperature", (int, float), 1.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ValidationError(f"`temperature` must be >= 0 and <= {MAX_TEMPERATURE:g}. Given: {temperature:g}")
     stop = _get(body, "stop", (str, list), [])
     parameters: dict[str, Any] = {
-        "max_new_tokens": _get(body, "max_tokens", int) or _get(body, "max_completion_tokens", int),
+        "max_new_tokens": _max_tokens(body),
         "top_p": _get(body, "top_p", (int, float)),
         "seed": _get(body, "seed", int),
         "stop": [stop] if isinstance(stop, str) else stop,
@@ -101,10 +196,8 @@ class OpenAIRoutes:
         return body
 
     def _completion_choices(self, body: dict, stream: bool) -> list[Choice]:
-        if body.get("suffix") is not None:
-            raise ValidationError("`suffix` is not supported")
-        if body.get("echo"):
-            raise ValidationError("`echo` is not supported")
+        _check_fields(body, COMPLETION_FIELDS)
+        _unsupported(body)
         prompt = body.get("prompt")
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
@@ -112,7 +205,7 @@ class OpenAIRoutes:
         n = _choices(body)
         if len(prompts) * n > MAX_CHOICES:
             raise ValidationError(f"at most {MAX_CHOICES} choices (prompts times `n`) per request")
-        logprobs = _get(body, "logprobs", int, 0)
+        logprobs = self._top_logprobs(body, "logprobs")
         parameters = sampling_parameters(body, logprobs)
         choices = []
         for p in prompts:
@@ -121,15 +214,24 @@ class OpenAIRoutes:
                 choices.append(Choice(len(choices), _with_seed(valid, i)))
         return choices
 
+    def _top_logprobs(self, body: dict, name: str) -> int:
+        """Alternatives per token (`logprobs` of completions, `top_logprobs` of chat), within the server's limit."""
+        count = _get(body, name, int, 0)
+        limit = self.validation.limits.max_top_n_tokens
+        if not 0 <= count <= limit:
+            raise ValidationError(f"`{name}` must be >= 0 and <= {limit}. Given: {count}")
+        return count
+
     def _chat_choices(self, body: dict, stream: bool) -> list[Choice]:
+        _check_fields(body, CHAT_FIELDS)
+        _unsupported(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValidationError("`messages` must be a non-empty list")
+        if len(messages) > MAX_MESSAGES:
+            raise ValidationError(f"at most {MAX_MESSAGES} `messages` per request. Given: {len(messages)}")
         for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                raise ValidationError("each message needs a `role` of system, user or assistant")
-            if not isinstance(m.get("content"), str):
-                raise ValidationError("each message needs a string `content`")
+            _check_message(m)
         try:
             prompt = self.validation.tokenizer.apply_chat_template(
                 [{"role": m["role"], "content": m["content"]} for m in messages],
@@ -138,8 +240,11 @@ class OpenAIRoutes:
             )
         except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
             raise ValidationError(f"the chat template could not render the messages: {exc}") from None
-        top = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool, False) else 0
-        if _get(body, "logprobs", bool, False) and not top:
+        wants_logprobs = _get(body, "logprobs", bool, False)
+        top = self._top_logprobs(body, "top_logprobs")
+        if top and not wants_logprobs:
+            raise ValidationError("`top_logprobs` needs `logprobs` set to true")
+        if wants_logprobs and not top:
             top = 1  # the chosen token's logprob comes with it; report at least one alternative
         parameters = sampling_parameters(body, top)
         valid = self.validation.validate_prompt(prompt, parameters, stream=stream, add_special_tokens=False)
@@ -157,7 +262,7 @@ class OpenAIRoutes:
         try:
             body = await self._body(request)
             stream = _get(body, "stream", bool, False)
-            options = _get(body, "stream_options", dict, {})
+            options = _stream_options(body, stream)
             choices = await self.validation.off_loop(parse, body, stream)
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
@@ -194,6 +299,21 @@ class OpenAIRoutes:
                     await send_sse(response, fmt.usage_chunk(_usage(usage)))
                 await response.write(b"data: [DONE]\n\n")
             return response
+
+
+def _check_message(message: object) -> None:
+    if not isinstance(message, dict):
+        raise ValidationError("each message must be a JSON object with a `role` and a string `content`")
+    if message.get("role") in ("tool", "function") or message.get("tool_calls") or "tool_call_id" in message:
+        raise ValidationError(f"{_TOOL_CALLS}: messages of role system, user or assistant only")
+    if message.get("role") not in ("system", "user", "assistant"):
+        raise ValidationError("each message needs a `role` of system, user or assistant")
+    if not isinstance(message.get("content"), str):
+        raise ValidationError("each message needs a string `content`")
+    unknown = sorted(name for name in message if name not in _MESSAGE_FIELDS)
+    if unknown:
+        raise ValidationError(f"unknown field `{unknown[0]}` in a message")
+    _get(message, "name", str)
 
 
 async def _merge(choices: list[Choice], streams: list[AsyncIterator]) -> AsyncIterator[tuple[Choice, Any]]:
@@ -280,8 +400,8 @@ class CompletionFormat(Format):
             position += len(e.token.text)
         return {
             "tokens": [e.token.text for e in events],
-            "token_logprobs": [e.token.logprob for e in events],
-            "top_logprobs": [{t.text: t.logprob for t in e.top_tokens} for e in events],
+            "token_logprobs": [openai_logprob(e.token) for e in events],
+            "top_logprobs": [{t.text: openai_logprob(t) for t in e.top_tokens} for e in events],
             "text_offset": offsets,
         }
 
@@ -314,7 +434,7 @@ class ChatFormat(Format):
 
     @staticmethod
     def _entry(token: Token) -> dict:
-        return {"token": token.text, "logprob": token.logprob, "bytes": list(token.text.encode())}
+        return {"token": token.text, "logprob": openai_logprob(token), "bytes": list(token.text.encode())}
 
     def _logprobs(self, events: list[TokenEvent]) -> dict:
         return {

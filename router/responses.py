@@ -54,17 +54,22 @@ def error_body(error: str | dict[str, Any], error_type: str) -> dict[str, Any]:
     return {"error": error, "error_type": error_type}
 
 
-def json_error(status: int, message: str, error_type: str) -> web.Response:
-    return web.json_response(error_body(message, error_type), status=status)
+def json_error(status: int, message: str, error_type: str, openai: bool = False) -> web.Response:
+    """With `openai`, `error` is OpenAI's error object, as OpenAI's clients expect on its routes."""
+    error: str | dict[str, Any] = message
+    if openai:
+        error = openai_error(message, "invalid_request_error" if status < 500 else "server_error")
+    return web.json_response(error_body(error, error_type), status=status)
+
+
+def openai_error(message: str, kind: str) -> dict[str, Any]:
+    return {"message": message, "type": kind, "param": None, "code": None}
 
 
 def error_response(exc: Exception, openai: bool = False) -> web.Response:
-    """The answer to one of `REQUEST_ERRORS`. With `openai`, `error` is OpenAI's error object, as OpenAI's
-    clients expect on its routes."""
+    """The answer to one of `REQUEST_ERRORS`, in OpenAI's shape on its routes (`openai`)."""
     failure = failure_of(exc)
-    error: str | dict[str, Any] = str(exc)
-    if openai:
-        error = {"message": str(exc), "type": failure.openai_type, "param": None, "code": None}
+    error: str | dict[str, Any] = openai_error(str(exc), failure.openai_type) if openai else str(exc)
     return web.json_response(error_body(error, failure.error_type), status=failure.status)
 
 
@@ -110,8 +115,17 @@ def full_text(valid: ValidRequest, text: str) -> str:
 
 
 def logprob(token: Token) -> float | None:
-    """The first prompt token has no log-probability (NaN inside the router); both protocols send none."""
-    return None if math.isnan(token.logprob) else token.logprob
+    """The first prompt token has no log-probability (NaN inside the router), and an alternative a warper ruled
+    out (top-k, top-p) has -inf, which JSON cannot carry: both protocols send none, as TGI does (null)."""
+    return token.logprob if math.isfinite(token.logprob) else None
+
+
+OPENAI_MIN_LOGPROB = -9999.0
+
+
+def openai_logprob(token: Token) -> float:
+    """OpenAI's routes always carry a number: an impossible token's -inf is -9999.0, as OpenAI and vLLM send."""
+    return token.logprob if token.logprob >= OPENAI_MIN_LOGPROB else OPENAI_MIN_LOGPROB
 
 
 # --- server-sent events -------------------------------------------------------------------------------------

@@ -27,6 +27,13 @@ from conveyor import tracing
 # Protobuf fields these values end up in (uint64 seed, uint32 top_k): larger values would fail at send time.
 _SEED_LIMIT = 2**64
 _UINT32_MAX = 2**32 - 1
+# Sampling floats travel to the shards as float32, where a positive value below ~1e-45 is 0, which the shard reads
+# as "unset" (1.0): `temperature: 1e-50` sampled at temperature 1, `top_p: 1e-50` from the whole vocabulary. So
+# smaller values of temperature, top_p, typical_p and repetition_penalty are taken as this floor, where the
+# shard already picks the most likely token (it clamps temperature there itself).
+MIN_POSITIVE = 1e-6
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
 # Deeper JSON than any real request needs; deeper bodies are refused before anything walks them recursively.
 MAX_JSON_DEPTH = 32
 # Threads that tokenize and validate, off the event loop (TGI's validation workers).
@@ -128,12 +135,17 @@ def _text(name: str, value: object) -> str:
 Check = Callable[[object, Limits], Any]
 
 
-def _strictly_positive(name: str) -> Check:
+def _strictly_positive(name: str, maximum: float) -> Check:
+    """TGI's rule (> 0), with a ceiling: `temperature: 1e308` is no request anyone means, and on the float32 wire it
+    is infinity, which turns logits into NaN."""
+
     def check(value: object, limits: Limits) -> float:
         number = _float(name, value)
         if number <= 0:
             raise ValidationError(f"`{name}` must be strictly positive")
-        return number
+        if number > maximum:
+            raise ValidationError(f"`{name}` must be strictly positive and <= {maximum:g}. Given: {number:g}")
+        return max(number, MIN_POSITIVE)
 
     return check
 
@@ -155,7 +167,7 @@ def _probability(name: str) -> Check:
         number = _float(name, value)
         if not 0.0 < number <= 1.0:
             raise ValidationError(f"`{name}` must be > 0.0 and <= 1.0")
-        return number
+        return max(number, MIN_POSITIVE)
 
     return check
 
@@ -219,13 +231,13 @@ def _truncate(value: object, limits: Limits) -> int:
 
 
 _CHECKS: dict[str, Check] = {
-    "temperature": _strictly_positive("temperature"),
+    "temperature": _strictly_positive("temperature", MAX_TEMPERATURE),
     "top_k": _top_k,
     "top_p": _probability("top_p"),
     "typical_p": _probability("typical_p"),
     "do_sample": _flag("do_sample"),
     "seed": _seed,
-    "repetition_penalty": _strictly_positive("repetition_penalty"),
+    "repetition_penalty": _strictly_positive("repetition_penalty", MAX_REPETITION_PENALTY),
     "frequency_penalty": _penalty("frequency_penalty"),
     "presence_penalty": _penalty("presence_penalty"),
     "max_new_tokens": _max_new_tokens,
@@ -294,13 +306,18 @@ def parse_json(raw: bytes) -> object:
     """A request body as JSON, or a ValidationError: malformed, not UTF-8, or nested deeper than MAX_JSON_DEPTH
     (the parser itself recurses, so a body nested 100k deep would otherwise end in a RecursionError)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json)
     except RecursionError:
         raise ValidationError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # malformed, not UTF-8, NaN or Infinity, an integer of over 4300 digits
         raise ValidationError(f"request body is not valid JSON: {exc}") from None
     _check_depth(body)
     return body
+
+
+def _not_json(constant: str) -> None:
+    """Python's parser accepts NaN, Infinity and -Infinity, which JSON does not have."""
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 def _check_depth(value: object) -> None:
