@@ -95,3 +95,33 @@ def test_every_sampling_parameter_reaches_the_shard_under_its_name() -> None:
         assert abs(getattr(message, name) - getattr(p, name)) < 1e-6, name
     assert (message.top_k, message.seed) == (7, 11)
     assert sampling_pb(Parameters()).seed == 0 and not sampling_pb(Parameters()).do_sample
+
+
+def _running(s: Scheduler, count: int) -> list[Sequence]:
+    sequences = [sequence(n, 8) for n in range(count)]
+    for each in sequences:
+        s.submit(each)
+    assert s.planner.plan().admitted == sequences
+    return sequences
+
+
+def test_a_failed_step_puts_the_running_sequences_back_in_order_as_suspects() -> None:
+    s = scheduler()
+    running = _running(s, 3)
+    running[1].generated_ids = [7, 8]
+    s._replay("shard 0 failed Decode")
+    assert s.queue.take_all() == running  # at the front, in admission order, holding no block
+    assert all(r.suspect and r.num_replays == 1 and not r.block_table for r in running)
+    assert s.allocator.free_blocks == s.allocator.num_blocks
+    assert running[1].generated_ids == [7, 8]  # kept: the replay reads them back, the stream goes on after them
+
+
+def test_a_failure_with_a_suspect_in_the_step_is_blamed_on_the_suspect_alone() -> None:
+    s = scheduler()
+    innocent, crasher = _running(s, 2)
+    crasher.suspect, crasher.num_replays = True, 2  # replayed twice already
+    s._replay("shard 0 failed Prefill")
+    assert innocent.num_replays == 0 and innocent in s.queue.take_all()
+    assert crasher.is_finished and crasher not in s.running  # a third failure: past max_request_retries (2)
+    error = crasher.events.get_nowait()
+    assert error.error_type == "generation" and "3 failed steps" in error.message

@@ -740,3 +740,25 @@ def test_prompts_are_read_in_small_chunks_only_while_someone_decodes() -> None:
         assert all(sim.tokens_of(s) == 1 for s in burst)
         chunks.append(sim.tokens_of(late))
     assert chunks == [8, 8, 4]
+
+
+# --- replay after a failed step -----------------------------------------------------------------------------
+
+
+def test_a_suspect_joins_alone_and_nobody_joins_until_it_has_read_its_tokens_back() -> None:
+    """Sequences replayed after a failed step are suspects: each joins a step of its own and holds admission
+    until its prompt and generated tokens are read back, so a second failure is blamed on one of them only."""
+    sim = Sim(max_batch_prefill_tokens=8, prefill_chunk_tokens=8)
+    first, second = make_sequence(0, 20), make_sequence(1, 4)
+    fresh = make_sequence(2, 4)
+    for suspect in (first, second):
+        suspect.suspect = True
+    sim.submit(first, second, fresh)
+    plan = sim.step()
+    assert plan.admitted == [first] and first.suspect  # alone, and its prompt takes three chunks of 8
+    while first.is_prefilling:
+        assert sim.step().admitted == []
+    assert not first.suspect  # read back: no longer suspect
+    plan = sim.step()
+    assert plan.admitted == [second]  # the next suspect, alone again, beside the proven one decoding
+    assert sim.step().admitted == [fresh]

@@ -17,6 +17,11 @@ from conftest import ORACLE_PROMPTS, Server, StreamWatcher, free_port, greedy_re
 # 16 greedy streams, long enough to be mid-way when the shards die; at most 8 run at once, so 8 are queued.
 STREAMS = [(prompt, 24 + 2 * i) for i, (prompt, _) in enumerate(ORACLE_PROMPTS + ORACLE_PROMPTS[:2])]
 MAX_BATCH = "8"
+# A sampled stream: its replay must go on with the same random draws (each is seeded by position).
+SEEDED = {
+    "inputs": "def sample():",
+    "parameters": {"max_new_tokens": 40, "do_sample": True, "seed": 7, "ignore_eos": True},
+}
 
 
 def _idle_and_whole(server: Server) -> bool:
@@ -28,6 +33,8 @@ def _serve_through(server: Server, fault: Callable[[], None], restarts: int) -> 
     """Starts every stream, injects `fault` once 8 are running, and checks the deployment heals: /health 503
     while the shards are down, 200 after, every stream complete and exact, every KV block free."""
     watchers = [StreamWatcher(server, {"inputs": p, "parameters": {"max_new_tokens": n}}) for p, n in STREAMS]
+    seeded = StreamWatcher(server, SEEDED)
+    watchers.insert(1, seeded)  # among the first admitted, so it is running when the fault comes
     with ThreadPoolExecutor(len(watchers)) as pool:
         futures = [pool.submit(w.run) for w in watchers]
         wait_for(lambda: sum(w.received(1) for w in watchers) >= 8, 120, "8 streams to be running")
@@ -37,9 +44,13 @@ def _serve_through(server: Server, fault: Callable[[], None], restarts: int) -> 
         wait_for(lambda: server.health() == 200, 300, "/health to answer 200 again")
         for future in futures:
             future.result(timeout=300)
-    for watcher, (prompt, max_new_tokens) in zip(watchers, STREAMS):
+    greedy = [w for w in watchers if w is not seeded]
+    for watcher, (prompt, max_new_tokens) in zip(greedy, STREAMS):
         assert watcher.token_ids() == greedy_reference(server.model_dir, prompt, max_new_tokens), prompt
         assert watcher.events[-1]["generated_text"] is not None
+    alone = StreamWatcher(server, SEEDED)
+    alone.run()
+    assert seeded.token_ids() == alone.token_ids() and len(alone.token_ids()) == 40
     # The fault cut some streams mid-way (they had tokens and more were to come): those were replayed.
     assert any(0 < before < len(w.token_ids()) for w, before in zip(watchers, at_fault))
     assert server.metric("conveyor_shard_restarts_total") == restarts
