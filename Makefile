@@ -2,6 +2,7 @@
 #   make serve   builds the venv if needed, then serves the built-in demo model
 #   make test    builds the venv if needed, then runs the test suite
 #   make bench   adds the benchmark extras and vLLM's CPU build, then compares Conveyor with its peers
+#   make soak    runs the 1,000-request fault soak (tests/faults/test_soak.py) and prints its figures
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench
+.PHONY: serve test venv clean proto bench soak
 
 venv: $(STAMP)
 
@@ -30,6 +31,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The fault soak at full size: 1,000 requests of every generating route, ~10% of clients hanging up, on a small KV
+# pool (tests/faults/test_soak.py; CI runs fewer). Prints sent, completed, cancelled, lost, blocks leaked, preemptions.
+soak: $(STAMP)
+	CONVEYOR_SOAK_REQUESTS=1000 $(BIN)/python -m pytest -q -s tests/faults/test_soak.py $(ARGS)
 
 # Conveyor's scheduling modes vs vLLM's CPU build vs `transformers serve` vs the bare forward
 # (benchmarks/compare.py, ~30 min on a 2-core CPU).

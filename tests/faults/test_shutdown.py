@@ -1,0 +1,180 @@
+"""Shutdown: SIGTERM to the launcher while requests stream, wait whole, or wait in the queue, on TGI's and
+OpenAI's routes. They all finish; meanwhile /health, the gRPC front door and every generating route answer
+503 `unavailable` (OpenAI's routes do not yet: see the skipped test); then the launcher exits 0 with no process
+and no socket left. Past `--graceful-termination-timeout`, the requests still running or queued end with an
+error event instead of being cut off.
+
+tests/test_lifecycle.py checks the single-stream case against the reference tokens; these widen it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+import pytest
+from clients import (
+    COMPLETIONS,
+    GENERATE,
+    GENERATE_STREAM,
+    GENERATING_ROUTES,
+    Call,
+    check,
+    check_error_event,
+    http_client,
+    launch,
+    sample,
+    scrape,
+    wait_until,
+)
+from conftest import Server, free_port, start_server
+from conveyor.client import AsyncClient, ConveyorError
+from test_lifecycle import _socket_dir
+
+BATCH = 3
+LONG = 500  # tokens: two rounds of the batch outlast by far the checks made during the drain
+
+
+def tgi(new_tokens: int) -> dict:
+    return {"inputs": "x = 1", "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True, "details": True}}
+
+
+def openai(new_tokens: int, stream: bool) -> dict:
+    return {"model": "m", "prompt": "x = 1", "max_tokens": new_tokens, "ignore_eos": True, "stream": stream}
+
+
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+async def in_server(client: httpx.AsyncClient, batch: int, queue: int) -> bool:
+    """Whether the server runs `batch` requests and queues `queue` others, by its gauges."""
+    samples = await scrape(client)
+    return (sample(samples, "conveyor_batch_current_size"), sample(samples, "conveyor_queue_size")) == (batch, queue)
+
+
+async def refused(client: httpx.AsyncClient, route: str) -> bool:
+    response = (
+        await client.get(route) if route == "/health" else await client.post(route, json=GENERATING_ROUTES[route])
+    )
+    return response.status_code == 503 and response.json().get("error_type") == "unavailable"
+
+
+async def wait_until_gone(server: Server, family: list[psutil.Process], socket_dir: str) -> None:
+    """The launcher exited 0 and took every process it started (and theirs) and the shards' sockets with it."""
+    assert await asyncio.to_thread(server.process.wait, 120) == 0
+
+    def alive(process: psutil.Process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    async def gone() -> bool:
+        return not any(alive(p) for p in family)
+
+    await wait_until(gone, 30, "every child of the launcher to be gone")
+    assert not os.path.exists(socket_dir)
+
+
+async def test_sigterm_serves_running_waiting_and_queued_requests_and_refuses_new_ones(tiny_model: Path) -> None:
+    server = start_server(tiny_model, "--master-port", str(free_port()), "--max-batch-size", str(BATCH))
+    running = [
+        Call(GENERATE_STREAM, True, tgi(LONG)),
+        Call(COMPLETIONS, True, openai(LONG, True)),
+        Call(GENERATE, False, tgi(LONG)),
+    ]
+    queued = [
+        Call(GENERATE_STREAM, True, tgi(LONG)),
+        Call(COMPLETIONS, False, openai(LONG, False)),
+        Call(COMPLETIONS, True, openai(LONG, True)),
+    ]
+    try:
+        async with http_client(server.url, 16) as client:
+            started = [launch(client, call) for call in running]
+            await wait_until(lambda: in_server(client, BATCH, 0), 60, "the first requests to run")
+            started += [launch(client, call) for call in queued]
+            await wait_until(lambda: in_server(client, BATCH, len(queued)), 60, "the others to be queued")
+            family = psutil.Process(server.process.pid).children(recursive=True)
+            socket_dir = _socket_dir(server)
+            server.process.send_signal(signal.SIGTERM)
+            await wait_until(lambda: refused(client, "/health"), 30, "/health to answer 503 during the drain")
+            # OPENAI_ROUTES are not refused yet: see the skipped test below.
+            refusals = {
+                route: await refused(client, route) for route in GENERATING_ROUTES if route not in OPENAI_ROUTES
+            }
+            with pytest.raises(ConveyorError) as grpc_refusal:
+                async with AsyncClient(server.grpc, timeout=10) as grpc_client:
+                    await grpc_client.generate("x", max_new_tokens=2)
+            assert not all(task.done() for _, task in started), "the drain ended before its checks: too short"
+            results = await asyncio.wait_for(asyncio.gather(*(task for _, task in started)), 120)
+
+        assert refusals == dict.fromkeys(refusals, True), refusals
+        assert grpc_refusal.value.code == grpc.StatusCode.UNAVAILABLE, grpc_refusal.value
+        assert [check(r) for r in results] == [None] * len(results)  # each whole, with its one final event
+        await wait_until_gone(server, family, socket_dir)
+    finally:
+        server.stop()
+
+
+@pytest.mark.skip(reason="product bug: /v1/completions and /v1/chat/completions accept new requests during a drain")
+async def test_openai_routes_refuse_new_requests_during_the_drain(tiny_model: Path) -> None:
+    server = start_server(tiny_model, "--master-port", str(free_port()))
+    try:
+        async with http_client(server.url, 4) as client:
+            result, task = launch(client, Call(GENERATE_STREAM, True, tgi(LONG)))
+
+            async def streaming() -> bool:
+                return result.tokens >= 1
+
+            await wait_until(streaming, 60, "the stream to start")
+            server.process.send_signal(signal.SIGTERM)
+            await wait_until(lambda: refused(client, "/health"), 30, "/health to answer 503 during the drain")
+            for route in OPENAI_ROUTES:
+                response = await client.post(route, json=GENERATING_ROUTES[route])
+                assert (response.status_code, response.json().get("error_type")) == (503, "unavailable"), route
+            assert check(await asyncio.wait_for(task, 120)) is None
+        assert await asyncio.to_thread(server.process.wait, 120) == 0
+    finally:
+        server.stop()
+
+
+async def test_streams_outlasting_the_graceful_timeout_end_with_an_error_event(tiny_model: Path) -> None:
+    """Two at a time, six streams of 1,000 tokens cannot all finish within a second: those still running or
+    queued when it is up end with an `unavailable` error event; a request waiting whole gets a JSON error."""
+    server = start_server(
+        tiny_model,
+        "--master-port",
+        str(free_port()),
+        "--graceful-termination-timeout",
+        "1",
+        "--max-total-tokens",
+        "1024",
+        "--max-batch-size",
+        "2",
+    )
+    streams = [Call(GENERATE_STREAM, True, tgi(1000)), Call(COMPLETIONS, True, openai(1000, True))] * 3
+    try:
+        async with http_client(server.url, 16) as client:
+            started = [launch(client, call) for call in streams[:2]]
+            await wait_until(lambda: in_server(client, 2, 0), 60, "the first streams to run")
+            started += [launch(client, call) for call in [*streams[2:], Call(GENERATE, False, tgi(1000))]]
+            await wait_until(lambda: in_server(client, 2, 5), 60, "the others to be queued")
+            family = psutil.Process(server.process.pid).children(recursive=True)
+            socket_dir = _socket_dir(server)
+            server.process.send_signal(signal.SIGTERM)
+            results = await asyncio.wait_for(asyncio.gather(*(task for _, task in started)), 120)
+        *streamed, whole = results
+        ended = [r for r in streamed if check(r) is not None]
+        assert ended, "every stream finished within the timeout: it was meant to be too short"
+        assert [check_error_event(r, "unavailable") for r in ended] == [None] * len(ended)
+        # Not cut off either: an answer in JSON. (It is a 424 `generation` today, where the streams say
+        # `unavailable`.)
+        assert whole.error is None and whole.status >= 400 and whole.body["error_type"], (whole.status, whole.body)
+        await wait_until_gone(server, family, socket_dir)
+    finally:
+        server.stop()

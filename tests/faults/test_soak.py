@@ -1,0 +1,98 @@
+"""Soak: many requests of every generating route at once through a real deployment whose KV pool is small
+enough that requests are preempted, with about one client in ten hanging up before its first token, right
+after it, mid-stream, or (not streaming) while it waits. Nothing is lost, every stream ends exactly once, every
+KV block comes back, and /metrics agrees with what the clients saw.
+
+CI runs a small count; `make soak` runs 1,000 (CONVEYOR_SOAK_REQUESTS) and prints the figures. Loopback only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clients import (
+    HangUp,
+    Result,
+    check,
+    http_client,
+    outcomes,
+    perform_all,
+    random_call,
+    sample,
+    scrape,
+    wait_until_idle,
+)
+from conftest import Server, free_port, start_server
+
+REQUESTS = int(os.environ.get("CONVEYOR_SOAK_REQUESTS", "200"))
+SEED = int(os.environ.get("CONVEYOR_SOAK_SEED", "11"))
+CONCURRENCY = 48
+HANG_UP_SHARE = 0.1
+# 32 blocks of 16 tokens: a few dozen requests of up to ~100 prompt tokens plus 64 new ones outgrow it.
+FLAGS = ("--max-batch-total-tokens", "512", "--max-total-tokens", "256")
+# Generous bounds, so that only a hang trips them: the whole run, and each read of each request.
+RUN_LIMIT = 60 + REQUESTS * 0.5
+READ_TIMEOUT = 120
+
+
+@pytest.fixture
+def small_kv(tiny_model: Path) -> Iterator[Server]:
+    server = start_server(tiny_model, "--master-port", str(free_port()), *FLAGS)
+    yield server
+    assert server.stop() == 0
+
+
+def lost(result: Result) -> str | None:
+    """Why a request counts as lost: one read to its end that is not a whole, well-formed answer, or one whose
+    client hung up after an error or a failed connection (a hang-up itself loses nothing)."""
+    if not result.hung_up:
+        return check(result)
+    if result.error is not None or result.status not in (200, None):  # None: not streaming, no answer yet
+        return f"before hanging up: status {result.status}, {result.error or result.body}"
+    errors = [e for e in result.events if isinstance(e, dict) and "error" in e]
+    return f"error event before hanging up: {errors[0]}" if errors else None
+
+
+@pytest.mark.timeout(RUN_LIMIT + 240)
+async def test_soak_loses_nothing_and_leaks_nothing(small_kv: Server) -> None:
+    rng = random.Random(SEED)
+    calls = [random_call(rng, HANG_UP_SHARE) for _ in range(REQUESTS)]
+    async with http_client(small_kv.url, 4) as probe:
+        before = await scrape(probe)
+        start = time.monotonic()
+        results = await perform_all(small_kv.url, calls, CONCURRENCY, READ_TIMEOUT, RUN_LIMIT)
+        wall = time.monotonic() - start
+        state = await wait_until_idle(probe)
+        after = await scrape(probe)
+        health = (await probe.get("/health")).status_code
+        again = await probe.post("/generate", json={"inputs": "def f():", "parameters": {"max_new_tokens": 4}})
+
+    losses = [(r.call, reason) for r in results if (reason := lost(r)) is not None]
+    hung_up = [r for r in results if r.hung_up]
+    completed = len(results) - len(hung_up) - len(losses)
+    # Non-streaming clients may hang up before the server has queued their request: it is then counted nowhere.
+    unseen_at_most = sum(1 for r in hung_up if r.call.hang_up is HangUp.WHILE_WAITING)
+    counts = {k: after_v - outcomes(before).get(k, 0.0) for k, after_v in outcomes(after).items()}
+    preemptions = sample(after, "conveyor_preemptions_total") - sample(before, "conveyor_preemptions_total")
+    print(
+        f"\nsoak: sent={len(results)} completed={completed} cancelled={len(hung_up)} lost={len(losses)} "
+        f"blocks_leaked={state.leaked} preemptions={preemptions:.0f} wall={wall:.1f}s "
+        f"server_outcomes={ {k: int(v) for k, v in counts.items() if v} } "
+        f"hang_ups={dict(Counter(r.call.hang_up.value for r in hung_up))} seed={SEED}"
+    )
+
+    assert not losses, f"{len(losses)} requests lost, the first: {losses[:3]}"
+    assert state.idle, f"not idle after the soak: {state}"
+    assert health == 200 and again.status_code == 200, again.text
+    # Every request the server queued ends once, as a success or a cancellation; nothing else happened.
+    assert {k: v for k, v in counts.items() if v and k not in ("success", "cancelled")} == {}
+    assert len(results) - unseen_at_most <= counts["success"] + counts["cancelled"] <= len(results), counts
+    # A client that hangs up after the last token went out is the server's success: the other way never.
+    assert counts["success"] >= completed and counts["cancelled"] <= len(hung_up), counts
+    assert preemptions > 0, "the KV pool was meant to be too small for the load"
