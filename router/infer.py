@@ -22,7 +22,11 @@ class OverloadedError(RuntimeError):
 
 
 class GenerationError(RuntimeError):
-    pass
+    """The request failed in the shards (more often than --max-request-retries)."""
+
+
+class UnavailableError(RuntimeError):
+    """The server stopped before the request could finish."""
 
 
 @dataclass
@@ -79,7 +83,8 @@ class Infer:
         async with self.stream(request) as events:
             async for event in events:
                 if isinstance(event, ErrorEvent):
-                    raise GenerationError(event.message)
+                    kind = UnavailableError if event.error_type == "unavailable" else GenerationError
+                    raise kind(event.message)
                 if event.prefill:
                     response.prefill = event.prefill
                 response.events.append(event)
@@ -93,7 +98,7 @@ async def _events(sequence: Sequence, metrics: Metrics) -> AsyncIterator[Event]:
         event = await sequence.events.get()
         now = time.monotonic()
         if isinstance(event, ErrorEvent):
-            metrics.requests.labels("generation").inc()
+            metrics.requests.labels(event.error_type).inc()
             yield event
             return
         metrics.generated_tokens.inc()

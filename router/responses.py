@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
-from conveyor.router.infer import GenerationError, OverloadedError
+from conveyor.router.infer import GenerationError, OverloadedError, UnavailableError
 from conveyor.router.validation import ValidationError, ValidRequest
 
 
@@ -33,11 +33,13 @@ VALIDATION = Failure(422, "validation", grpc.StatusCode.INVALID_ARGUMENT, "inval
 OVERLOADED = Failure(429, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded_error")
 GENERATION = Failure(424, "generation", grpc.StatusCode.UNAVAILABLE)
 UNAUTHORIZED = Failure(401, "unauthorized", grpc.StatusCode.UNAUTHENTICATED)
+UNAVAILABLE = Failure(503, "unavailable", grpc.StatusCode.UNAVAILABLE)
 
 _FAILURES: dict[type[Exception], Failure] = {
     ValidationError: VALIDATION,
     OverloadedError: OVERLOADED,
     GenerationError: GENERATION,
+    UnavailableError: UNAVAILABLE,
 }
 REQUEST_ERRORS = tuple(_FAILURES)  # what validating, queueing or generating a request can raise
 
