@@ -244,7 +244,7 @@ class HttpServer:
         return response
 
     async def get_openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi.document(__version__))
+        return web.json_response(openapi.document(__version__, self.info.limits))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.infer.metrics.exposition()

@@ -144,6 +144,9 @@ def sampling_parameters(body: dict, logprobs: int) -> dict[str, Any]:
         "ignore_eos": _get(body, "ignore_eos", bool),
     }
     if temperature == 0:
+        top_p = parameters["top_p"]
+        if top_p is not None and not 0 < top_p <= 1:  # checked although unused, as it would be when sampling
+            raise ValidationError("`top_p` must be > 0.0 and <= 1.0")
         parameters["top_p"] = None  # greedy: warpers would turn sampling back on
     else:
         parameters.update(temperature=temperature, do_sample=True)

@@ -25,8 +25,8 @@ from typing import Any
 from conveyor import tracing
 
 # Protobuf fields these values end up in (uint64 seed, uint32 top_k): larger values would fail at send time.
-_SEED_LIMIT = 2**64
-_UINT32_MAX = 2**32 - 1
+SEED_LIMIT = 2**64
+UINT32_MAX = 2**32 - 1
 # Sampling floats travel to the shards as float32, where a positive value below ~1e-45 is 0, which the shard reads
 # as "unset" (1.0): `temperature: 1e-50` sampled at temperature 1, `top_p: 1e-50` from the whole vocabulary. So
 # smaller values of temperature, top_p, typical_p and repetition_penalty are taken as this floor, where the
@@ -183,14 +183,14 @@ def _top_k(value: object, limits: Limits) -> int:
     top_k = _int("top_k", value)
     if top_k <= 0:
         raise ValidationError("`top_k` must be strictly positive")
-    if top_k > _UINT32_MAX:
-        raise ValidationError(f"`top_k` must be <= {_UINT32_MAX}")
+    if top_k > UINT32_MAX:
+        raise ValidationError(f"`top_k` must be <= {UINT32_MAX}")
     return top_k
 
 
 def _seed(value: object, limits: Limits) -> int:
     seed = _int("seed", value)
-    if not 0 <= seed < _SEED_LIMIT:
+    if not 0 <= seed < SEED_LIMIT:
         raise ValidationError("`seed` must be >= 0 and < 2^64")
     return seed
 
