@@ -1,0 +1,365 @@
+"""Property tests (hypothesis) for the router's validation and the sampling parameters it hands the shards.
+
+- Any bytes as a body, and any JSON value in any field of TGI's and OpenAI's requests, give a valid request or a
+  `ValidationError`, never another exception (which the HTTP layer would turn into a 500).
+- What validation accepts is within its limits: token budget, ranges, types.
+- Every sampling configuration validation accepts, sent the way the scheduler sends it (float32 protobuf) and
+  read the way the shard reads it, samples a real token with a finite log-probability; and a temperature or
+  top-p too small for float32 still means "the most likely token", not "unset".
+
+CI runs a fixed, derandomized set of examples; CONVEYOR_FUZZ_EXAMPLES=N runs N fresh random ones per property.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conveyor.router.openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIRoutes
+from conveyor.router.scheduler import sampling_pb
+from conveyor.router.validation import (
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_POSITIVE,
+    Limits,
+    Validation,
+    ValidationError,
+    ValidRequest,
+    parse_json,
+)
+from conveyor.shard.sampling import Sampler, SamplingParams
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+EXAMPLES = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "0"))
+LIMITS = Limits(max_input_tokens=32, max_total_tokens=64, max_stop_sequences=3, max_top_n_tokens=4)
+VOCAB = 64
+
+
+def examples(default: int) -> settings:
+    return settings(
+        max_examples=EXAMPLES or default,
+        deadline=None,
+        derandomize=not EXAMPLES,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
+# --- strategies -----------------------------------------------------------------------------------------------
+
+# Text with everything JSON can carry, lone surrogates included (json.loads accepts "\ud800").
+TEXT = st.text(st.characters(exclude_categories=()), max_size=24)
+NUMBERS = st.one_of(
+    st.integers(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=-3.0, max_value=3.0),
+    st.sampled_from([0, 1, 2**32, 2**64, 1e-50, 1e-320, 1e308, -0.0, 0.5, 101.0]),
+)
+SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, TEXT)
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(TEXT, inner, max_size=5)),
+    max_leaves=12,
+)
+
+
+EXTREMES = [1e-300, 1e-50, 1e-45, 1e-40, 1e-7, 1e-6]
+POSITIVE = st.one_of(st.floats(min_value=1e-300, max_value=100.0), st.sampled_from(EXTREMES))
+FRACTION = st.one_of(st.floats(min_value=1e-300, max_value=1.0), st.sampled_from(EXTREMES))
+PENALTY = st.floats(min_value=-2.0, max_value=2.0)
+STOP = st.text(min_size=1, max_size=4)
+
+# Values each field accepts (some at the edges of its range), so that a good share of the requests pass.
+TGI_VALID = {
+    "temperature": POSITIVE,
+    "top_k": st.integers(1, 2**32 - 1),
+    "top_p": FRACTION,
+    "typical_p": FRACTION,
+    "do_sample": st.booleans(),
+    "seed": st.integers(0, 2**64 - 1),
+    "repetition_penalty": POSITIVE,
+    "frequency_penalty": PENALTY,
+    "presence_penalty": PENALTY,
+    "max_new_tokens": st.integers(1, 40),
+    "stop": st.lists(STOP, max_size=3),
+    "ignore_eos": st.booleans(),
+    "details": st.booleans(),
+    "decoder_input_details": st.booleans(),
+    "return_full_text": st.booleans(),
+    "top_n_tokens": st.integers(0, 4),
+    "truncate": st.integers(1, 32),
+    "best_of": st.just(1),
+    "watermark": st.just(False),
+    "grammar": st.none(),
+    "adapter_id": st.none(),
+}
+OPENAI_VALID = {
+    "model": st.text(max_size=8),
+    "user": st.text(max_size=8),
+    "max_tokens": st.integers(1, 30),
+    "temperature": st.floats(min_value=0.0, max_value=2.0),
+    "top_p": FRACTION,
+    "n": st.integers(1, 3),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "stop": st.one_of(STOP, st.lists(STOP, max_size=3)),
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "seed": st.integers(0, 2**64 - 1),
+    "logit_bias": st.just({}),
+    "ignore_eos": st.booleans(),
+}
+COMPLETION_VALID = {
+    **OPENAI_VALID,
+    "logprobs": st.integers(0, 4),
+    "echo": st.just(False),
+    "suffix": st.none(),
+    "best_of": st.just(1),
+}
+CHAT_VALID = {
+    **OPENAI_VALID,
+    "max_completion_tokens": st.integers(1, 30),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 4),
+    "response_format": st.just({"type": "text"}),
+    "tools": st.just([]),
+    "functions": st.just([]),
+    "tool_choice": st.just("none"),
+    "function_call": st.just("none"),
+    "parallel_tool_calls": st.booleans(),
+}
+
+
+def often(likely: st.SearchStrategy, rarely: st.SearchStrategy, odds: int = 4) -> st.SearchStrategy:
+    """`likely`, and one time in `odds + 1` `rarely`."""
+    return st.integers(0, odds).flatmap(lambda n: rarely if n == 0 else likely)
+
+
+def _fields(valid: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict[str, Any]]:
+    """Some of the known fields, each mostly with a value it accepts, sometimes null or any JSON value; and
+    now and then a field nobody knows."""
+    known = st.fixed_dictionaries(
+        {}, optional={name: often(values, st.one_of(st.none(), JSON_VALUES), 15) for name, values in valid.items()}
+    )
+    unknown = st.dictionaries(TEXT, JSON_VALUES, max_size=2)
+    return often(known, st.builds(lambda a, b: {**b, **a}, known, unknown))
+
+
+VALID_PROMPTS = st.sampled_from(["hello world", "def f():", "x", "é ü 𝄞"])
+PROMPTS = often(VALID_PROMPTS, st.one_of(st.sampled_from(["", "\ud800", "x " * 100]), TEXT, JSON_VALUES), 8)
+TGI_BODIES = often(
+    st.fixed_dictionaries(
+        {"inputs": PROMPTS, "parameters": often(_fields(TGI_VALID), st.one_of(st.none(), JSON_VALUES))},
+        optional={"stream": often(st.booleans(), JSON_VALUES)},
+    ),
+    JSON_VALUES,
+)
+MESSAGES = st.lists(
+    often(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": PROMPTS}),
+        st.one_of(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "tool", "robot", ""]), "content": PROMPTS},
+                optional={"name": st.one_of(TEXT, JSON_VALUES), "tool_calls": JSON_VALUES, "x": JSON_VALUES},
+            ),
+            JSON_VALUES,
+        ),
+        8,
+    ),
+    min_size=1,
+    max_size=4,
+)
+COMPLETION_BODIES = st.builds(
+    lambda fields, prompt: {**fields, "prompt": prompt},
+    _fields(COMPLETION_VALID),
+    st.one_of(PROMPTS, st.lists(PROMPTS, max_size=3)),
+)
+CHAT_BODIES = st.builds(
+    lambda fields, messages: {**fields, "messages": messages},
+    _fields(CHAT_VALID),
+    often(MESSAGES, JSON_VALUES),
+)
+
+
+@pytest.fixture(scope="module")
+def validation(tiny_model: Path) -> Validation:
+    from transformers import AutoTokenizer
+
+    return Validation(AutoTokenizer.from_pretrained(tiny_model), LIMITS)
+
+
+# --- properties -------------------------------------------------------------------------------------------------
+
+
+def test_every_field_is_fuzzed() -> None:
+    from conveyor.router import validation
+
+    assert set(TGI_VALID) == set(validation._CHECKS) | set(validation._UNSUPPORTED)
+    assert set(COMPLETION_VALID) == COMPLETION_FIELDS - {"prompt"}
+    assert set(CHAT_VALID) == CHAT_FIELDS - {"messages"}
+
+
+def check_valid(valid: ValidRequest) -> None:
+    """What any request that passed validation satisfies."""
+    p = valid.parameters
+    assert valid.inputs and 1 <= len(valid.input_ids) <= LIMITS.max_input_tokens
+    assert p.max_new_tokens >= 1 and len(valid.input_ids) + p.max_new_tokens <= LIMITS.max_total_tokens
+    assert MIN_POSITIVE <= p.temperature <= MAX_TEMPERATURE
+    assert MIN_POSITIVE <= p.repetition_penalty <= MAX_REPETITION_PENALTY
+    assert MIN_POSITIVE <= p.top_p <= 1.0 and MIN_POSITIVE <= p.typical_p <= 1.0
+    assert -2.0 <= p.frequency_penalty <= 2.0 and -2.0 <= p.presence_penalty <= 2.0
+    assert 0 <= p.top_k < 2**32 and 0 <= p.top_n_tokens <= LIMITS.max_top_n_tokens
+    assert len(p.stop) <= LIMITS.max_stop_sequences and all(isinstance(s, str) and s for s in p.stop)
+    assert (p.seed is not None or not p.sampling) and (p.seed is None or 0 <= p.seed < 2**64)
+    assert all(isinstance(getattr(p, f), bool) for f in ("do_sample", "details", "ignore_eos", "return_full_text"))
+    for text in (valid.inputs, *p.stop):
+        text.encode("utf-8")  # no lone surrogate reaches the tokenizer or protobuf
+    sampling_pb(p)  # every value fits its protobuf field
+
+
+@examples(300)
+@given(body=TGI_BODIES, stream=st.booleans())
+def test_any_tgi_body_is_valid_or_a_validation_error(validation: Validation, body: Any, stream: bool) -> None:
+    try:
+        valid = validation.validate(body, stream=stream)
+    except ValidationError as exc:
+        assert str(exc)
+        event("refused")
+        return
+    event("accepted")
+    check_valid(valid)
+
+
+@examples(300)
+@given(
+    raw=st.one_of(
+        st.binary(max_size=200),
+        JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+        st.builds(
+            lambda depth, tail: b"[" * depth + tail + b"]" * depth,
+            st.integers(0, 5000),
+            st.sampled_from([b"", b"1", b"{"]),
+        ),
+        st.builds(lambda digits: b'{"a": ' + b"9" * digits + b"}", st.integers(1, 10_000)),
+    )
+)
+def test_any_bytes_are_json_or_a_validation_error(raw: bytes) -> None:
+    try:
+        parse_json(raw)
+    except ValidationError as exc:
+        assert str(exc)
+
+
+@examples(200)
+@given(body=COMPLETION_BODIES, stream=st.booleans())
+def test_any_completion_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
+    routes = OpenAIRoutes(None, validation, "m")  # parsing only: no queue, no shards
+    try:
+        choices = routes._completion_choices(body, stream)
+    except ValidationError as exc:
+        assert str(exc)
+        event("refused")
+        return
+    event("accepted")
+    assert 1 <= len(choices) <= 8
+    for choice in choices:
+        check_valid(choice.request)
+
+
+@examples(200)
+@given(body=CHAT_BODIES, stream=st.booleans())
+def test_any_chat_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
+    routes = OpenAIRoutes(None, validation, "m")
+    try:
+        choices = routes._chat_choices(body, stream)
+    except ValidationError as exc:
+        assert str(exc)
+        event("refused")
+        return
+    event("accepted")
+    assert 1 <= len(choices) <= 8
+    for choice in choices:
+        check_valid(choice.request)
+    for name in ("tools", "functions", "logit_bias", "response_format"):
+        assert body.get(name) in (None, [], {}, {"type": "text"})  # never accepted and ignored
+
+
+# --- sampling -------------------------------------------------------------------------------------------------
+
+SAMPLING = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": st.one_of(st.floats(min_value=0, max_value=200), st.sampled_from([*EXTREMES, 100.0, 1e308])),
+        "top_k": st.integers(0, 100),
+        "top_p": st.one_of(st.floats(min_value=0, max_value=1), st.sampled_from(EXTREMES)),
+        "typical_p": st.one_of(st.floats(min_value=0, max_value=1), st.sampled_from(EXTREMES)),
+        "repetition_penalty": st.one_of(st.floats(min_value=0, max_value=200), st.sampled_from(EXTREMES)),
+        "frequency_penalty": st.floats(min_value=-2, max_value=2),
+        "presence_penalty": st.floats(min_value=-2, max_value=2),
+        "do_sample": st.booleans(),
+        "seed": st.integers(0, 2**64 - 1),
+    },
+)
+
+
+def _shard_side(valid: ValidRequest) -> SamplingParams:
+    """The parameters as the shard reads them: through the scheduler's protobuf message, float32 and all."""
+    wire = type(sampling_pb(valid.parameters)).FromString(sampling_pb(valid.parameters).SerializeToString())
+    return SamplingParams.from_pb(wire)
+
+
+@examples(150)
+@given(parameters=SAMPLING, logits_seed=st.integers(0, 2**16), scale=st.sampled_from([0.1, 3.0, 30.0, 1e4]))
+def test_every_accepted_sampling_configuration_samples_a_real_token(
+    validation: Validation, parameters: dict, logits_seed: int, scale: float
+) -> None:
+    try:
+        valid = validation.validate({"inputs": "def f():", "parameters": parameters}, stream=False)
+    except ValidationError:
+        return
+    params = _shard_side(valid)
+    assert all(
+        math.isfinite(x) for x in (params.temperature, params.top_p, params.typical_p, params.repetition_penalty)
+    )
+    assert params.sampling == valid.parameters.sampling
+    generator = torch.Generator().manual_seed(logits_seed)
+    logits = torch.randn((1, VOCAB), generator=generator) * scale
+    sampler = Sampler.build([params], [[1, 2, 3, 2]], VOCAB, torch.device("cpu"), generated_ids=[[2]])
+    for _ in range(3):
+        sample = sampler(logits)
+        assert 0 <= int(sample.ids) < VOCAB
+        assert math.isfinite(float(sample.logprobs))
+        assert not sample.distribution.isnan().any()
+
+
+@examples(100)
+@given(
+    tiny=st.sampled_from([*EXTREMES, 1e-5]),
+    which=st.sampled_from(["temperature", "top_p", "both"]),
+    seed=st.integers(0, 2**63),
+    logits_seed=st.integers(0, 2**16),
+)
+def test_a_vanishing_temperature_or_top_p_picks_the_most_likely_token(
+    validation: Validation, tiny: float, which: str, seed: int, logits_seed: int
+) -> None:
+    """Below ~1e-45 a float32 is 0, and 0 in the protobuf means "unset": 1e-50 used to sample at temperature 1."""
+    chosen = {"temperature": tiny} if which == "temperature" else {"top_p": tiny}
+    if which == "both":
+        chosen = {"temperature": tiny, "top_p": tiny}
+    valid = validation.validate({"inputs": "x", "parameters": {**chosen, "seed": seed}}, stream=False)
+    params = _shard_side(valid)
+    generator = torch.Generator().manual_seed(logits_seed)
+    logits = torch.randn((1, VOCAB), generator=generator) * 3
+    top2 = logits.topk(2).values[0]
+    if float(top2[0] - top2[1]) < 1e-3:  # a near tie: either token is "the most likely"
+        return
+    sampler = Sampler.build([params], [[1]], VOCAB, torch.device("cpu"))
+    for _ in range(5):
+        assert int(sampler(logits).ids) == int(logits.argmax())
