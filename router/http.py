@@ -13,6 +13,7 @@ from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
 from conveyor.router.middleware import (
     api_key_middleware,
+    draining_middleware,
     json_body_middleware,
     json_errors_middleware,
     json_protocol_errors,
@@ -133,6 +134,7 @@ class HttpServer:
                 self._count_refusals,
                 json_errors_middleware,
                 api_key_middleware(self.api_key),
+                draining_middleware(lambda: self.draining),
                 json_body_middleware,
             ],
         )
@@ -152,8 +154,6 @@ class HttpServer:
         return await self.validation.off_loop(self.validation.validate_json, raw, stream=stream)
 
     async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
-        if self.draining:
-            return json_error(503, "server is shutting down", "unavailable")
         try:
             valid = await self._validated(request, stream=False)
             response = await self.infer.generate(valid)
@@ -182,8 +182,6 @@ class HttpServer:
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events, one per token; the last carries the text and details, or an error event."""
-        if self.draining:
-            return json_error(503, "server is shutting down", "unavailable")
         async with AsyncExitStack() as stack:
             try:
                 valid = await self._validated(request, stream=True)

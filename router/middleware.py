@@ -48,6 +48,19 @@ def api_key_middleware(api_key: str | None) -> Middleware:
     return middleware
 
 
+def draining_middleware(draining: Callable[[], bool]) -> Middleware:
+    """During a drain every POST route, TGI's and OpenAI's, refuses new work (503 `unavailable`), so that the
+    requests in flight are the last; GET routes still answer (`/health` with its own 503)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "POST" and draining():
+            return json_error(503, "server is shutting down", "unavailable", openai=_openai(request))
+        return await handler(request)
+
+    return middleware
+
+
 def _openai(request: web.Request) -> bool:
     """OpenAI's routes answer errors in OpenAI's shape (with `error_type` beside it)."""
     return request.path.startswith("/v1/")

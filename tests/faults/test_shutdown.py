@@ -1,6 +1,6 @@
 """Shutdown: SIGTERM to the launcher while requests stream, wait whole, or wait in the queue, on TGI's and
 OpenAI's routes. They all finish; meanwhile /health, the gRPC front door and every generating route answer
-503 `unavailable` (OpenAI's routes do not yet: see the skipped test); then the launcher exits 0 with no process
+503 `unavailable`; then the launcher exits 0 with no process
 and no socket left. Past `--graceful-termination-timeout`, the requests still running or queued end with an
 error event instead of being cut off.
 
@@ -46,9 +46,6 @@ def tgi(new_tokens: int) -> dict:
 
 def openai(new_tokens: int, stream: bool) -> dict:
     return {"model": "m", "prompt": "x = 1", "max_tokens": new_tokens, "ignore_eos": True, "stream": stream}
-
-
-OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 async def in_server(client: httpx.AsyncClient, batch: int, queue: int) -> bool:
@@ -103,10 +100,7 @@ async def test_sigterm_serves_running_waiting_and_queued_requests_and_refuses_ne
             socket_dir = _socket_dir(server)
             server.process.send_signal(signal.SIGTERM)
             await wait_until(lambda: refused(client, "/health"), 30, "/health to answer 503 during the drain")
-            # OPENAI_ROUTES are not refused yet: see the skipped test below.
-            refusals = {
-                route: await refused(client, route) for route in GENERATING_ROUTES if route not in OPENAI_ROUTES
-            }
+            refusals = {route: await refused(client, route) for route in GENERATING_ROUTES}
             with pytest.raises(ConveyorError) as grpc_refusal:
                 async with AsyncClient(server.grpc, timeout=10) as grpc_client:
                     await grpc_client.generate("x", max_new_tokens=2)
@@ -117,28 +111,6 @@ async def test_sigterm_serves_running_waiting_and_queued_requests_and_refuses_ne
         assert grpc_refusal.value.code == grpc.StatusCode.UNAVAILABLE, grpc_refusal.value
         assert [check(r) for r in results] == [None] * len(results)  # each whole, with its one final event
         await wait_until_gone(server, family, socket_dir)
-    finally:
-        server.stop()
-
-
-@pytest.mark.skip(reason="product bug: /v1/completions and /v1/chat/completions accept new requests during a drain")
-async def test_openai_routes_refuse_new_requests_during_the_drain(tiny_model: Path) -> None:
-    server = start_server(tiny_model, "--master-port", str(free_port()))
-    try:
-        async with http_client(server.url, 4) as client:
-            result, task = launch(client, Call(GENERATE_STREAM, True, tgi(LONG)))
-
-            async def streaming() -> bool:
-                return result.tokens >= 1
-
-            await wait_until(streaming, 60, "the stream to start")
-            server.process.send_signal(signal.SIGTERM)
-            await wait_until(lambda: refused(client, "/health"), 30, "/health to answer 503 during the drain")
-            for route in OPENAI_ROUTES:
-                response = await client.post(route, json=GENERATING_ROUTES[route])
-                assert (response.status_code, response.json().get("error_type")) == (503, "unavailable"), route
-            assert check(await asyncio.wait_for(task, 120)) is None
-        assert await asyncio.to_thread(server.process.wait, 120) == 0
     finally:
         server.stop()
 
