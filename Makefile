@@ -33,9 +33,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # The fault soak at full size: 1,000 requests of every generating route, ~10% of clients hanging up, on a small KV
-# pool (tests/faults/test_soak.py; CI runs fewer). Prints sent, completed, cancelled, lost, blocks leaked, preemptions.
+# pool, the shard SIGKILLed 3 times (tests/faults/test_soak.py; CI runs fewer). Prints sent, completed, cancelled,
+# lost, blocks leaked, preemptions, restarts survived.
 soak: $(STAMP)
-	CONVEYOR_SOAK_REQUESTS=1000 $(BIN)/python -m pytest -q -s tests/faults/test_soak.py $(ARGS)
+	CONVEYOR_SOAK_REQUESTS=1000 CONVEYOR_SOAK_KILLS=3 $(BIN)/python -m pytest -q -s tests/faults/test_soak.py $(ARGS)
 
 # Conveyor's scheduling modes vs vLLM's CPU build vs `transformers serve` vs the bare forward
 # (benchmarks/compare.py, ~30 min on a 2-core CPU).
