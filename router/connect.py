@@ -35,20 +35,24 @@ class Connection:
         return self.limits.max_batch_total_tokens // self.info.block_size
 
 
-async def connect(args: Config, tokenizer, limits: ResolvedLimits | None = None) -> Connection:
-    """A client to every rank, warmed up. On a reconnection `limits` are the ones requests were validated
-    against: they stay, and only the KV capacity is measured again (it must still hold the longest request)."""
+async def connect(args: Config, tokenizer, first: Connection | None = None) -> Connection:
+    """A client to every rank, warmed up. On a reconnection, `first` is the first connection: its limits (which
+    requests were validated against) and its step deadline stay, and the warmup is a short one that asks for
+    the pool the first one measured (the capacity must still hold the longest request)."""
     client = await ShardedClient.connect(f"{args.shard_uds_path}-0")
     try:
         await client.clear_cache()
         infos = await client.infos()
         client.pids = [info.pid for info in infos]
-        limits = limits or resolve_limits(args, infos[0], tokenizer)
+        limits = first.limits if first else resolve_limits(args, infos[0], tokenizer)
         log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})
         start = time.monotonic()
-        capacity = await client.warmup(warmup_request(limits, tokenizer), timeout=args.startup_timeout)
-        client.step_timeout = args.shard_step_timeout or max(
-            MIN_STEP_TIMEOUT, STEP_TIMEOUT_WARMUPS * (time.monotonic() - start)
+        request = warmup_request(limits, tokenizer, again=first is not None)
+        capacity = await client.warmup(request, timeout=args.startup_timeout)
+        client.step_timeout = (
+            first.client.step_timeout
+            if first
+            else args.shard_step_timeout or max(MIN_STEP_TIMEOUT, STEP_TIMEOUT_WARMUPS * (time.monotonic() - start))
         )
         return Connection(client, infos[0], limits.with_capacity(capacity))
     except BaseException:

@@ -71,10 +71,12 @@ def resolve_limits(args: Config, info: pb.InfoResponse, tokenizer) -> ResolvedLi
     )
 
 
-def warmup_request(limits: ResolvedLimits, tokenizer) -> pb.WarmupRequest:
-    """As many longest prompts as the prefill budget admits, each asking for two new tokens."""
-    max_input = limits.validation.max_input_tokens
-    count = max(1, limits.max_batch_prefill_tokens // max_input)
+def warmup_request(limits: ResolvedLimits, tokenizer, again: bool = False) -> pb.WarmupRequest:
+    """As many longest prompts as the prefill budget admits, each asking for two new tokens. `again`, after the
+    shards restarted: one short prompt, and the pool asked for at the size the first warmup measured (the
+    largest prefill takes many seconds on a CPU, and every stream waits for it)."""
+    max_input = min(16, limits.validation.max_input_tokens) if again else limits.validation.max_input_tokens
+    count = 1 if again else max(1, limits.max_batch_prefill_tokens // max_input)
     token = tokenizer.convert_tokens_to_ids(tokenizer.tokenize("a"))[0]
     requests = [
         pb.Request(
@@ -87,5 +89,5 @@ def warmup_request(limits: ResolvedLimits, tokenizer) -> pb.WarmupRequest:
     ]
     return pb.WarmupRequest(
         batch=pb.Batch(id=0, requests=requests, size=count),
-        max_batch_total_tokens=limits.user_batch_total_tokens or 0,
+        max_batch_total_tokens=limits.max_batch_total_tokens if again else limits.user_batch_total_tokens or 0,
     )

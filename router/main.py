@@ -43,7 +43,7 @@ async def run(args: Config) -> None:
     client, shard_info, limits = connection.client, connection.info, connection.limits
 
     metrics = Metrics()
-    scheduler = make_scheduler(args, connection, metrics, reconnect=lambda: connect(args, tokenizer, limits))
+    scheduler = make_scheduler(args, connection, metrics, reconnect=lambda: connect(args, tokenizer, connection))
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     server = HttpServer(
         infer,
