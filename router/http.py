@@ -229,8 +229,8 @@ class HttpServer:
             await self.infer.scheduler.client.health(timeout=2.0)
         except Exception as exc:  # noqa: BLE001 - any failure means not ready
             return json_error(503, f"unhealthy: {exc}", "healthcheck")
-        if not self.infer.scheduler.healthy:
-            return json_error(503, "unhealthy: a generation step failed", "healthcheck")
+        if self.infer.scheduler.recovering:
+            return json_error(503, "unhealthy: the shards are being restarted", "healthcheck")
         return web.json_response({"status": "ok"})
 
     @web.middleware

@@ -58,7 +58,6 @@ class Scheduler:
         self.max_request_retries = max_request_retries
         self.queue = Queue()
         self.planner = StepPlanner(config, allocator, self.queue)
-        self.healthy = True
         self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
         self._batch: pb.CachedBatch | None = None  # the running batch on the shards
         self._wakeup = asyncio.Event()
@@ -147,7 +146,6 @@ class Scheduler:
             except ShardError as exc:
                 await self._recover(exc)
                 return
-        self.healthy = True
         self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
         self.planner.advance(plan)
         self._send(result)
@@ -245,7 +243,7 @@ class Scheduler:
         answer again (the launcher restarts a group that lost a rank; a hung group is killed here first), warms
         them up, and resumes with an empty KV pool."""
         log.error("generation step failed; recovering", extra={"error": str(error)})
-        self.healthy, self.recovering, self._batch = False, True, None
+        self.recovering, self._batch = True, None
         if error.timed_out:
             self.client.kill()
         self._replay(str(error))
