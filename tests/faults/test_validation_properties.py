@@ -257,38 +257,35 @@ def test_any_bytes_are_json_or_a_validation_error(raw: bytes) -> None:
         assert str(exc)
 
 
-@examples(200)
-@given(body=COMPLETION_BODIES, stream=st.booleans())
-def test_any_completion_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
-    routes = OpenAIRoutes(None, validation, "m")  # parsing only: no queue, no shards
+def accepted(parse, body: dict, stream: bool) -> bool:
+    """An OpenAI body parses into 1 to 8 valid requests, or is refused with a ValidationError; True if accepted."""
     try:
-        choices = routes._completion_choices(body, stream)
+        choices = parse(body, stream)
     except ValidationError as exc:
         assert str(exc)
         event("refused")
-        return
+        return False
     event("accepted")
     assert 1 <= len(choices) <= 8
     for choice in choices:
         check_valid(choice.request)
+    return True
+
+
+@examples(200)
+@given(body=COMPLETION_BODIES, stream=st.booleans())
+def test_any_completion_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
+    routes = OpenAIRoutes(None, validation, "m")  # parsing only: no queue, no shards
+    accepted(routes._completion_choices, body, stream)
 
 
 @examples(200)
 @given(body=CHAT_BODIES, stream=st.booleans())
 def test_any_chat_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
     routes = OpenAIRoutes(None, validation, "m")
-    try:
-        choices = routes._chat_choices(body, stream)
-    except ValidationError as exc:
-        assert str(exc)
-        event("refused")
-        return
-    event("accepted")
-    assert 1 <= len(choices) <= 8
-    for choice in choices:
-        check_valid(choice.request)
-    for name in ("tools", "functions", "logit_bias", "response_format"):
-        assert body.get(name) in (None, [], {}, {"type": "text"})  # never accepted and ignored
+    if accepted(routes._chat_choices, body, stream):
+        for name in ("tools", "functions", "logit_bias", "response_format"):
+            assert body.get(name) in (None, [], {}, {"type": "text"})  # never accepted and ignored
 
 
 # --- sampling -------------------------------------------------------------------------------------------------
