@@ -65,6 +65,8 @@ class Infer:
             self.metrics.requests.labels("overloaded").inc()
             raise OverloadedError("Model is overloaded")
         self.in_flight += 1
+        if request.parameters.grammar is not None:
+            self.metrics.constrained_requests.labels(request.parameters.grammar.kind).inc()
         sequence = Sequence(id=self.scheduler.new_request_id(), request=request, span=trace.get_current_span())
         sequence.queue_span = tracing.tracer().start_span("queue", context=trace.set_span_in_context(sequence.span))
         try:

@@ -47,7 +47,7 @@ async def run(args: Config) -> None:
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     server = HttpServer(
         infer,
-        Validation(tokenizer, limits.validation),
+        Validation(tokenizer, limits.validation, on_compile=metrics.grammar_compile.observe),
         ServerInfo(
             model_id=args.model_id,
             model_dtype=shard_info.dtype,

@@ -45,6 +45,15 @@ class Metrics:
         self.prefill_chunks = Counter(
             "conveyor_prefill_chunks", "Prompt chunks that left their prompt unfinished", registry=r
         )
+        self.constrained_requests = Counter(
+            "conveyor_constrained_requests", "Requests with structured output, by constraint kind", ["kind"], registry=r
+        )
+        self.grammar_compile = self._histogram(
+            "conveyor_grammar_compile_duration_seconds", "Compiling a constraint not seen before (router validation)"
+        )
+        self.grammar_mask = self._histogram(
+            "conveyor_grammar_mask_duration_seconds", "Computing and applying token masks in a step with constraints"
+        )
         self.queue_time = self._histogram("conveyor_request_queue_duration_seconds", "Time from arrival to prefill")
         self.ttft = self._histogram("conveyor_time_to_first_token_seconds", "Time from arrival to the first token")
         self.itl = self._histogram("conveyor_inter_token_latency_seconds", "Time between two tokens of a stream")

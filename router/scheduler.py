@@ -147,6 +147,8 @@ class Scheduler:
                 await self._recover(exc)
                 return
         self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
+        if result.timings.mask_ns:
+            self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
         self.planner.advance(plan)
         self._send(result)
         if result.batch is None:  # every sequence of the batch finished
@@ -327,6 +329,7 @@ def request_pb(sequence: Sequence) -> pb.Request:
         blocks=sequence.block_table,
         cache_len=sequence.num_computed_tokens,
         chunk_len=sequence.step_tokens,
+        grammar=p.grammar.grammar if p.grammar is not None else "",
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conveyor import tracing
+from conveyor.grammar import Constraint, GrammarCache, GrammarError
 
 # Protobuf fields these values end up in (uint64 seed, uint32 top_k): larger values would fail at send time.
 SEED_LIMIT = 2**64
@@ -76,6 +77,7 @@ class Parameters:
     return_full_text: bool = False
     top_n_tokens: int = 0
     truncate: int | None = None
+    grammar: Constraint | None = None  # structured output: what the text must match
 
     @property
     def sampling(self) -> bool:
@@ -230,6 +232,12 @@ def _truncate(value: object, limits: Limits) -> int:
     return truncate
 
 
+def _grammar(value: object, limits: Limits) -> Constraint:
+    from conveyor.router.structured import tgi_grammar  # it builds on this module's errors
+
+    return tgi_grammar(value)
+
+
 _CHECKS: dict[str, Check] = {
     "temperature": _strictly_positive("temperature", MAX_TEMPERATURE),
     "top_k": _top_k,
@@ -248,6 +256,7 @@ _CHECKS: dict[str, Check] = {
     "return_full_text": _flag("return_full_text"),
     "top_n_tokens": _top_n_tokens,
     "truncate": _truncate,
+    "grammar": _grammar,
 }
 
 
@@ -279,7 +288,6 @@ def _must_be_null(name: str) -> Callable[[object], None]:
 _UNSUPPORTED: dict[str, Callable[[object], None]] = {
     "best_of": _best_of,
     "watermark": _watermark,
-    "grammar": _must_be_null("grammar"),
     "adapter_id": _must_be_null("adapter_id"),
 }
 
@@ -387,9 +395,11 @@ def _with_seed(parameters: Parameters) -> Parameters:
 
 
 class Validation:
-    def __init__(self, tokenizer: Any, limits: Limits) -> None:
+    def __init__(self, tokenizer: Any, limits: Limits, on_compile: Callable[[float], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammars = GrammarCache(tokenizer, None)
+        self.on_compile = on_compile  # told the seconds each new grammar took to compile (a metric)
         self._workers = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -423,9 +433,21 @@ class Validation:
         fields = parse_parameters(parameters, self.limits)
         if stream and fields.get("decoder_input_details"):
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+        if "grammar" in fields:
+            self.check_grammar(fields["grammar"])
         input_ids = self._input_ids(inputs, fields.get("truncate"), add_special_tokens)
         fields["max_new_tokens"] = _resolve_max_new_tokens(fields.get("max_new_tokens"), len(input_ids), self.limits)
         return ValidRequest(inputs=inputs, input_ids=input_ids, parameters=_with_seed(Parameters(**fields)))
+
+    def check_grammar(self, constraint: Constraint) -> None:
+        """Compiles the constraint (once per distinct one: the cache keeps it), so that a bad schema or regex is
+        this request's 422 and never a shard's error. Called on a validation worker, off the event loop."""
+        try:
+            seconds = self.grammars.compile(constraint.grammar)
+        except GrammarError as exc:
+            raise ValidationError(f"invalid {constraint.kind.replace('_', ' ')}: {exc}") from None
+        if seconds and self.on_compile is not None:
+            self.on_compile(seconds)
 
     def _input_ids(self, inputs: str, truncate: int | None, add_special_tokens: bool) -> tuple[int, ...]:
         """Truncation keeps the end of the prompt, as TGI does: the most recent text matters most."""

@@ -19,11 +19,14 @@ from conveyor.shard.device import to_device
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.generations import Generations
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache
+from conveyor.shard.masks import Masks
 from conveyor.shard.models.llama import LlamaForCausalLM
 from conveyor.shard.requests import BadRequest, RequestState
 from conveyor.shard.sampling import Sampler
 from conveyor.shard.weights import Weights
 from conveyor.v1 import shard_pb2 as pb
+
+from conveyor.grammar import GrammarCache
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,9 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.config, self.tokenizer, GenerationConfig)
         self.vocab_size = self.config.vocab_size
         self.generations = Generations(self.tokenizer)
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.masks = Masks()
+        self._mask_ns = 0  # this step's
         self.model = LlamaForCausalLM(self.config, Weights(model_dir, group, self.dtype, device)).eval()
         shape = self.model.shape
         self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
@@ -67,7 +73,10 @@ class Engine:
         )
 
     def states(self, batch: pb.Batch) -> list[RequestState]:
-        return [RequestState.from_pb(r, self.tokenizer, self.eos_token_ids, self.vocab_size) for r in batch.requests]
+        return [
+            RequestState.from_pb(r, self.tokenizer, self.eos_token_ids, self.vocab_size, self.grammars)
+            for r in batch.requests
+        ]
 
     # --- KV pool ------------------------------------------------------------------------------------------
 
@@ -112,6 +121,7 @@ class Engine:
         if self.cache is None:
             raise BadRequest("the KV pool is not allocated yet: call Warmup first")
         start = time.perf_counter_ns()
+        self._mask_ns = 0
         decoding = batch.decoding
         rows = decoding + [r for r in batch.prefilling if r.chunk_len]
         if not rows:
@@ -129,7 +139,7 @@ class Engine:
             state.num_computed_tokens += len(tokens)
         generations = self._sample(batch, decoding, ending, logits)
         finished = all(g.HasField("finished") for g in generations) and len(generations) == batch.size
-        timings = pb.Timings(total_ns=time.perf_counter_ns() - start)
+        timings = pb.Timings(total_ns=time.perf_counter_ns() - start, mask_ns=self._mask_ns)
         return generations, None if finished else batch, timings
 
     @staticmethod
@@ -174,7 +184,9 @@ class Engine:
         return generations + new
 
     def _record(self, states: list[RequestState], sampler: Sampler, logits: torch.Tensor) -> list[pb.Generation]:
-        """Samples one token per row of `logits` [B, V]; each request feeds it at its next step."""
+        """Samples one token per row of `logits` [B, V], within each constrained row's grammar; each request
+        feeds it at its next step."""
+        self._mask_ns += self.masks.apply(logits, [s.matcher for s in states])
         sample = sampler(logits)
         for state, token in zip(states, sample.ids.tolist()):
             state.next_token = token

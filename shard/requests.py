@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from conveyor.shard.detokenize import IncrementalDetokenizer
 from conveyor.shard.sampling import SamplingParams
 from conveyor.shard.stopping import FinishReason, StoppingCriteria
 from conveyor.v1 import shard_pb2 as pb
+
+from conveyor.grammar import GrammarCache, GrammarError
+
+log = logging.getLogger(__name__)
 
 
 class BadRequest(ValueError):
@@ -32,13 +38,16 @@ class RequestState:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     chunk_len: int = 0  # prefilling: prompt tokens to read at the next step (0: none)
     next_token: int | None = None  # decoding: the token fed at the next step
+    matcher: Any = None  # a constrained request's llguidance matcher, advanced by every token it generates
 
     @property
     def is_decoding(self) -> bool:
         return self.next_token is not None
 
     @classmethod
-    def from_pb(cls, request: pb.Request, tokenizer, eos_token_ids: frozenset[int], vocab_size: int) -> RequestState:
+    def from_pb(
+        cls, request: pb.Request, tokenizer, eos_token_ids: frozenset[int], vocab_size: int, grammars: GrammarCache
+    ) -> RequestState:
         stop = request.stopping_parameters
         input_ids = list(request.input_ids)
         if not input_ids:
@@ -64,6 +73,11 @@ class RequestState:
             top_n_tokens=request.top_n_tokens,
             block_table=list(request.blocks),
         )
+        if request.grammar:
+            try:
+                state.matcher = grammars.matcher(request.grammar)
+            except GrammarError as exc:
+                raise BadRequest(f"request {request.id}: {exc}") from None
         state._start_prefill(request.cache_len, request.chunk_len if request.HasField("chunk_len") else None)
         for token_id in input_ids[len(prompt_ids) :]:
             state.replay(token_id)
@@ -100,11 +114,20 @@ class RequestState:
         return self.input_ids[start : start + self.chunk_len]
 
     def replay(self, token_id: int) -> None:
-        """Re-records a token generated before a preemption: the text, the stop check and the count go on from
-        where they were, and nothing is sent again (the router already streamed it)."""
+        """Re-records a token generated before a preemption: the text, the stop check, the grammar and the count go
+        on from where they were, and nothing is sent again (the router already streamed it)."""
         self.generated_ids.append(token_id)
         self.detokenizer.step(token_id)
         self.stopping(token_id, self.detokenizer.text)
+        self._advance_grammar(token_id)
+
+    def _advance_grammar(self, token_id: int) -> bool:
+        """Feeds the token to the matcher; True when the grammar is complete (nothing may follow)."""
+        if self.matcher is None:
+            return False
+        if not self.matcher.consume_token(token_id):
+            log.warning("grammar refused a token", extra={"request": self.id, "error": self.matcher.get_error()})
+        return self.matcher.is_stopped()
 
     @property
     def remaining_tokens(self) -> int:
@@ -115,6 +138,8 @@ class RequestState:
         self.generated_ids.append(token_id)
         text = self.detokenizer.step(token_id)
         reason = self.stopping(token_id, self.detokenizer.text)
+        if self._advance_grammar(token_id) and reason in (None, FinishReason.LENGTH):
+            reason = FinishReason.EOS_TOKEN  # a complete grammar ends the text as EOS would
         generation = pb.Generation(
             request_id=self.id,
             tokens=pb.Tokens(ids=[token_id], logprobs=[logprob], texts=[text], is_special=[token_id in special_ids]),

@@ -1,0 +1,177 @@
+"""Constraints on what a request may generate (structured output), and the grammars that enforce them.
+
+The engine is llguidance: on this machine it compiled a nested JSON schema in 2 ms and a 60-property one in 13 ms
+(xgrammar 235 and 74 ms, outlines-core 164 ms and 2.8 s) and filled 32 rows' token masks in half xgrammar's time
+and a quarter of outlines-core's (`benchmarks/grammar.py`), and it needs no other package. The router and the
+shards share this module: the router compiles each distinct constraint once to refuse a bad one with a 422, the
+shards compile it again (once) to build the matchers that mask each step's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON as Python writes it (", " and ": " separators, no other whitespace): a model may not pad its output with
+# whitespace for ever, and the output is the same text whatever the model prefers.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CACHE_SIZE = 256  # distinct grammars kept compiled, least recently used dropped first
+MAX_CONSTRAINT_BYTES = 256 * 1024
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled: a bad schema, regex or grammar. The router answers 422."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's constraint. `value` is text for every kind, so that equal constraints compare equal and
+    share one compiled grammar: a schema as JSON, a regex or a Lark grammar as given, the choices as a JSON list."""
+
+    kind: str
+    value: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> Constraint:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("a JSON schema must be a JSON object")
+        return cls("json_schema", _sized(json.dumps(schema, ensure_ascii=False)))
+
+    @classmethod
+    def regex(cls, pattern: Any) -> Constraint:
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError("a regex must be a non-empty string")
+        return cls("regex", _sized(pattern))
+
+    @classmethod
+    def choice(cls, choices: Any) -> Constraint:
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise GrammarError("choices must be a non-empty list of non-empty strings")
+        return cls("choice", _sized(json.dumps(choices, ensure_ascii=False)))
+
+    @classmethod
+    def grammar_text(cls, lark: Any) -> Constraint:
+        if not isinstance(lark, str) or not lark.strip():
+            raise GrammarError("a grammar must be a non-empty string (Lark syntax)")
+        return cls("grammar", _sized(lark))
+
+    @cached_property
+    def grammar(self) -> str:
+        """The llguidance grammar that enforces it; what the router sends each shard."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(closed(json.loads(self.value)), overrides=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            # JSON string literals are Lark string literals, escapes included.
+            literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(self.value))
+            return LLMatcher.grammar_from_lark(f"start: {literals}")
+        if self.kind == "grammar":
+            return LLMatcher.grammar_from_lark(self.value)
+        raise GrammarError(f"unknown constraint kind `{self.kind}`")
+
+
+# Keywords whose value is a schema, a list of schemas, or a map from names to schemas.
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that lists its `properties` and says nothing
+    about others. JSON Schema allows extra properties by default, so a model could add keys for ever; TGI
+    (outlines) and vLLM (xgrammar) generate only the listed ones unless the schema asks for more, and so does
+    Conveyor. Walks the schema's structure, so a property that happens to be named "properties" is left alone."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    return out
+
+
+def _sized(text: str) -> str:
+    if len(text.encode()) > MAX_CONSTRAINT_BYTES:
+        raise GrammarError(f"a constraint may not be longer than {MAX_CONSTRAINT_BYTES} bytes")
+    return text
+
+
+class GrammarCache:
+    """Compiled grammars for one tokenizer, one per distinct grammar text. A request gets a copy of the compiled
+    matcher, which is much cheaper than compiling again. Safe to share between threads (the router's validation
+    workers); the tokenizer's llguidance view (~0.3 s for 32k tokens) is built at first use, not at startup."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None, eos_token_ids: frozenset[int] | None = None) -> None:
+        """`vocab_size`: the width of the logits, if it differs from the tokenizer's (None: the tokenizer's)."""
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids) if eos_token_ids else None
+        self._tokenizer = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
+            )
+        return self._tokenizer
+
+    def compile(self, grammar: str) -> float:
+        """Compiles `grammar` unless it is cached; returns the seconds spent (0 for a cache hit)."""
+        return self._template(grammar)[1]
+
+    def matcher(self, grammar: str) -> Any:
+        """A fresh matcher (llguidance `LLMatcher`) at the start of `grammar`."""
+        return self._template(grammar)[0].deep_copy()
+
+    def _template(self, grammar: str) -> tuple[Any, float]:
+        with self._lock:
+            if grammar in self._compiled:
+                self._compiled.move_to_end(grammar)
+                return self._compiled[grammar], 0.0
+            tokenizer = self._llg_tokenizer()
+        from llguidance import LLMatcher
+
+        start = time.perf_counter()
+        template = LLMatcher(tokenizer, grammar, log_level=0)
+        seconds = time.perf_counter() - start
+        if template.is_error():
+            raise GrammarError(_first_line(template.get_error()))
+        with self._lock:
+            self._compiled[grammar] = template
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return template, seconds
+
+
+def _first_line(error: str) -> str:
+    """llguidance's errors may carry a dump of its state after the first line; the first says what is wrong."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    return " ".join(lines[:4]) if lines and "regex parse error" in lines[0] else (lines[0] if lines else error)
