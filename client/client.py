@@ -7,6 +7,7 @@ has `id`, `text`, `logprob` and `special`. Errors arrive as exceptions named for
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -148,8 +149,14 @@ def _request(
     decoder_input_details: bool = False,
     top_n_tokens: int | None = None,
     details: bool = True,
+    json_schema: dict | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: list[str] | None = None,
+    grammar: str | None = None,
 ) -> pb.GenerateRequest:
-    """`text-generation`'s parameters (and defaults: 20 new tokens, greedy, details on)."""
+    """`text-generation`'s parameters (and defaults: 20 new tokens, greedy, details on), plus at most one
+    structured-output constraint: a JSON schema, any JSON object, a regex, a choice, or a Lark grammar."""
     optional = dict(
         repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty,
@@ -170,9 +177,26 @@ def _request(
         decoder_input_details=decoder_input_details,
         return_full_text=return_full_text,
         top_n_tokens=top_n_tokens or 0,
+        constraint=_constraint(json_schema, json_object, regex, choice, grammar),
         **{k: v for k, v in optional.items() if v is not None},
     )
     return pb.GenerateRequest(inputs=prompt, parameters=parameters)
+
+
+def _constraint(
+    json_schema: dict | str | None, json_object: bool, regex: str | None, choice: list[str] | None, grammar: str | None
+) -> pb.Constraint | None:
+    given = {
+        "json_schema": json_schema if not isinstance(json_schema, dict) else json.dumps(json_schema),
+        "json_object": json_object or None,
+        "regex": regex,
+        "choice": pb.Choices(choices=choice) if choice is not None else None,
+        "grammar": grammar,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"at most one constraint per request; given {', '.join(given)}")
+    return pb.Constraint(**given) if given else None
 
 
 @dataclass

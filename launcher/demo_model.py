@@ -19,11 +19,20 @@ BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
 SPECIAL_TOKENS = [BOS, EOS, UNK, PAD]  # ids 0..3, in this order
 
 # A plain role-tagged template. It writes its own BOS, as real chat templates do, so a rendered prompt is
-# tokenized without adding special tokens.
+# tokenized without adding special tokens. Tools, tool calls and tool results are written the way Hermes-style
+# models (Qwen 2.5, Hermes, many others) write them: the tools' JSON in a system turn, each call as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>; that is the format the router parses calls from.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\nYou may call these tools. To call one, write "
+    '<tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>.\n<tools>\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>" + EOS + "\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}" + EOS + "\n"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    '<tool_call>{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}" + EOS + "\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -170,6 +179,8 @@ def ensure(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama"
     """Builds the model unless `out_dir` already holds a finished build (the marker file is written last)."""
     if not (out_dir / "conveyor_demo.json").exists():
         build(out_dir, size, seed, arch)
+    else:
+        _template_into_tokenizer_config(out_dir)  # a build from before the template last changed gets the new one
     return out_dir
 
 

@@ -28,6 +28,7 @@ from conveyor.router.responses import (
     full_text,
     logprob,
 )
+from conveyor.router.structured import from_pb as constraint_from_pb
 from conveyor.router.validation import Validation, ValidRequest
 from conveyor.v1 import generate_pb2 as pb
 from conveyor.v1 import generate_pb2_grpc as pb_grpc
@@ -67,6 +68,8 @@ def parameters_from_pb(p: pb.Parameters) -> dict[str, Any]:
     if p.top_n_tokens:
         fields["top_n_tokens"] = p.top_n_tokens
     fields.update(details=p.details, decoder_input_details=p.decoder_input_details, return_full_text=p.return_full_text)
+    if p.HasField("constraint") and (constraint := constraint_from_pb(p.constraint)) is not None:
+        fields["grammar"] = constraint
     return fields
 
 

@@ -8,6 +8,7 @@ scheduler as `/generate`. `n` choices are `n` requests run side by side. Errors 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,49 +27,54 @@ from conveyor.router.responses import (
     openai_logprob,
     send_sse,
 )
+from conveyor.router.structured import VLLM_FIELDS, openai_constraint
+from conveyor.router.tools import ToolStream, ToolUse, parse_tool_use
 from conveyor.router.validation import Validation, ValidationError, ValidRequest, parse_json
 
 MAX_CHOICES = 8  # n, and prompts per completion request, at most
 MAX_MESSAGES = 1024  # messages per chat request: far beyond any conversation that fits a context window
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+_STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *VLLM_FIELDS})
 
 # Every field each route knows. Anything else is refused rather than ignored: an ignored field the client meant
-# (`top_k`, `min_p`, `response_format`...) would silently change what it gets. Fields Conveyor knows but does not
+# (`top_k`, `min_p`...) would silently change what it gets. Fields Conveyor knows but does not
 # implement pass only with their neutral value (see `_unsupported`); `model` and `user` are accepted and ignored.
-_COMMON_FIELDS = frozenset(
-    {
-        "model",
-        "user",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stream",
-        "stream_options",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-        "logprobs",
-        "logit_bias",
-        "ignore_eos",
-    }
+_COMMON_FIELDS = (
+    frozenset(
+        {
+            "model",
+            "user",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "stream",
+            "stream_options",
+            "stop",
+            "presence_penalty",
+            "frequency_penalty",
+            "seed",
+            "logprobs",
+            "logit_bias",
+            "ignore_eos",
+        }
+    )
+    | _STRUCTURED_FIELDS
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages",
     "max_completion_tokens",
     "top_logprobs",
-    "response_format",
     "tools",
     "tool_choice",
     "functions",
     "function_call",
     "parallel_tool_calls",
 }
-_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
-_TOOL_CALLS = "Conveyor does not support tool calls yet"
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def _get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -91,17 +97,12 @@ def _check_fields(body: dict, known: frozenset[str]) -> None:
 def _unsupported(body: dict) -> None:
     """OpenAI fields Conveyor does not implement: their neutral values pass (clients send some of them by
     default), any other value is refused, since ignoring it would answer a different request."""
-    for name in ("tools", "functions"):
-        if body.get(name) not in (None, []):
-            raise ValidationError(f"{_TOOL_CALLS}: `{name}` must be left out")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise ValidationError(f'{_TOOL_CALLS}: `{name}` must be left out or "none"')
-    _get(body, "parallel_tool_calls", bool)
+    if body.get("functions") not in (None, []):
+        raise ValidationError("`functions` is not supported: use `tools`")
+    if body.get("function_call") not in (None, "none"):
+        raise ValidationError("`function_call` is not supported: use `tool_choice`")
     if body.get("logit_bias") not in (None, {}):
         raise ValidationError("`logit_bias` is not supported")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise ValidationError('`response_format` is not supported (only {"type": "text"})')
     if _get(body, "best_of", int, 1) != 1:
         raise ValidationError("`best_of` other than 1 is not supported")
     if _get(body, "echo", bool, False):
@@ -134,6 +135,7 @@ def sampling_parameters(body: dict, logprobs: int) -> dict[str, Any]:
         raise ValidationError(f"`temperature` must be >= 0 and <= {MAX_TEMPERATURE:g}. Given: {temperature:g}")
     stop = _get(body, "stop", (str, list), [])
     parameters: dict[str, Any] = {
+        "grammar": openai_constraint(body),
         "max_new_tokens": _max_tokens(body),
         "top_p": _get(body, "top_p", (int, float)),
         "seed": _get(body, "seed", int),
@@ -172,6 +174,8 @@ def _with_seed(valid: ValidRequest, index: int) -> ValidRequest:
 class Choice:
     index: int
     request: ValidRequest
+    tools: ToolUse | None = None
+    tool_stream: ToolStream | None = None  # a streamed choice's tool-call state
 
 
 class OpenAIRoutes:
@@ -233,16 +237,8 @@ class OpenAIRoutes:
             raise ValidationError("`messages` must be a non-empty list")
         if len(messages) > MAX_MESSAGES:
             raise ValidationError(f"at most {MAX_MESSAGES} `messages` per request. Given: {len(messages)}")
-        for m in messages:
-            _check_message(m)
-        try:
-            prompt = self.validation.tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
-            raise ValidationError(f"the chat template could not render the messages: {exc}") from None
+        tools = parse_tool_use(body)
+        prompt = self._render_chat([_message(m) for m in messages], tools)
         wants_logprobs = _get(body, "logprobs", bool, False)
         top = self._top_logprobs(body, "top_logprobs")
         if top and not wants_logprobs:
@@ -250,8 +246,24 @@ class OpenAIRoutes:
         if wants_logprobs and not top:
             top = 1  # the chosen token's logprob comes with it; report at least one alternative
         parameters = sampling_parameters(body, top)
+        forced = tools.constraint() if tools is not None else None
+        if forced is not None:
+            if parameters.get("grammar") is not None:
+                raise ValidationError(
+                    "a `response_format` or other constraint cannot be combined with this `tool_choice`"
+                )
+            parameters["grammar"] = forced
         valid = self.validation.validate_prompt(prompt, parameters, stream=stream, add_special_tokens=False)
-        return [Choice(i, _with_seed(valid, i)) for i in range(_choices(body))]
+        return [Choice(i, _with_seed(valid, i), tools) for i in range(_choices(body))]
+
+    def _render_chat(self, messages: list[dict], tools: ToolUse | None) -> str:
+        extra = {"tools": tools.template_tools()} if tools is not None else {}
+        try:
+            return self.validation.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **extra
+            )
+        except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
+            raise ValidationError(f"the chat template could not render the messages: {exc}") from None
 
     # --- handlers -----------------------------------------------------------------------------------------
 
@@ -304,19 +316,44 @@ class OpenAIRoutes:
             return response
 
 
-def _check_message(message: object) -> None:
+def _message(message: object) -> dict[str, Any]:
+    """A checked message as the chat template gets it. An assistant's tool calls carry their arguments as JSON
+    text in OpenAI's API; chat templates expect them parsed."""
     if not isinstance(message, dict):
         raise ValidationError("each message must be a JSON object with a `role` and a string `content`")
-    if message.get("role") in ("tool", "function") or message.get("tool_calls") or "tool_call_id" in message:
-        raise ValidationError(f"{_TOOL_CALLS}: messages of role system, user or assistant only")
-    if message.get("role") not in ("system", "user", "assistant"):
-        raise ValidationError("each message needs a `role` of system, user or assistant")
-    if not isinstance(message.get("content"), str):
-        raise ValidationError("each message needs a string `content`")
     unknown = sorted(name for name in message if name not in _MESSAGE_FIELDS)
     if unknown:
         raise ValidationError(f"unknown field `{unknown[0]}` in a message")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise ValidationError("each message needs a `role` of system, user, assistant or tool")
     _get(message, "name", str)
+    calls = message.get("tool_calls")
+    if calls not in (None, []) and role != "assistant":
+        raise ValidationError("only assistant messages carry `tool_calls`")
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise ValidationError("a message of role tool needs the string `tool_call_id` it answers")
+    if not calls and not isinstance(message.get("content"), str):
+        raise ValidationError("each message needs a string `content`")
+    if calls and message.get("content") is not None and not isinstance(message["content"], str):
+        raise ValidationError("`content` must be a string or null")
+    out = {k: v for k, v in message.items() if k != "tool_calls"}
+    if calls:
+        out["tool_calls"] = [_template_call(c) for c in calls]
+    return out
+
+
+def _template_call(call: object) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValidationError('each of `tool_calls` must be {"id": ..., "type": "function", "function": {...}}')
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ValidationError("a tool call's `arguments` must be JSON text") from None
+    return {**call, "function": {"name": function["name"], "arguments": arguments}}
 
 
 async def _merge(choices: list[Choice], streams: list[AsyncIterator]) -> AsyncIterator[tuple[Choice, Any]]:
@@ -391,6 +428,11 @@ def _finish_reason(finished: Finished | None) -> str | None:
     return None if finished is None else FINISH[finished.finish_reason]
 
 
+def _tool_finish(finish_reason: str | None) -> str | None:
+    """A choice that ended with calls ends for them; one cut off by the token limit says so."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 class CompletionFormat(Format):
     object_name = chunk_name = "text_completion"
     prefix = "cmpl"
@@ -447,11 +489,18 @@ class ChatFormat(Format):
         }
 
     def choice(self, choice: Choice, response: Response, logprobs: bool) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": response.finished.generated_text}
+        finish_reason = _finish_reason(response.finished)
+        if choice.tools is not None:
+            message["content"], calls = choice.tools.parse(response.finished.generated_text)
+            if calls:
+                message["tool_calls"] = [call.message() for call in calls]
+                finish_reason = _tool_finish(finish_reason)
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": response.finished.generated_text},
+            "message": message,
             "logprobs": self._logprobs(response.events) if logprobs else None,
-            "finish_reason": _finish_reason(response.finished),
+            "finish_reason": finish_reason,
         }
 
     def opening(self, choices: list[Choice]) -> list[dict]:
@@ -472,14 +521,35 @@ class ChatFormat(Format):
         ]
 
     def chunk(self, choice: Choice, event: TokenEvent, logprobs: bool) -> dict:
+        delta: dict[str, Any] = {"content": event.token.text}
+        finish_reason = _finish_reason(event.finished)
+        if choice.tools is not None:
+            delta, finish_reason = self._tool_delta(choice, event, finish_reason)
         return self._envelope(
             self.chunk_name,
             [
                 {
                     "index": choice.index,
-                    "delta": {"content": event.token.text},
+                    "delta": delta,
                     "logprobs": self._logprobs([event]) if logprobs else None,
-                    "finish_reason": _finish_reason(event.finished),
+                    "finish_reason": finish_reason,
                 }
             ],
         )
+
+    @staticmethod
+    def _tool_delta(choice: Choice, event: TokenEvent, finish_reason: str | None) -> tuple[dict, str | None]:
+        """What a choice with tools sends for this token: content, call deltas, or nothing yet (held back)."""
+        if choice.tool_stream is None:
+            choice.tool_stream = ToolStream(choice.tools)
+        delta = choice.tool_stream.feed(event.token.text)
+        if event.finished is None:
+            return delta, finish_reason
+        last = choice.tool_stream.finish()
+        if "content" in last:
+            delta["content"] = delta.get("content", "") + last["content"]
+        if last.get("tool_calls"):
+            delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
+        if choice.tool_stream.calls:
+            finish_reason = _tool_finish(finish_reason)
+        return delta, finish_reason

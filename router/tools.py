@@ -1,0 +1,230 @@
+"""Tool calls on `/v1/chat/completions`: reading `tools` and `tool_choice`, and reading calls out of the output.
+
+- `tool_choice: "none"` (or no tools): a plain chat; the tools are not shown to the model.
+- `"auto"` (the default with tools): the tools go through the chat template and the model writes what it likes;
+  calls are read from its output in the Hermes format that most open chat templates teach (and the demo model's
+  does): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- `"required"`: a grammar forces a JSON list of calls `[{"name": ..., "arguments": {...}}]` (one call unless
+  `parallel_tool_calls`), each call's arguments fitting its function's parameter schema.
+- a named function: a grammar forces that function's arguments, as one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.router.validation import ValidationError
+
+from conveyor.grammar import Constraint
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict[str, Any]  # the JSON schema of its arguments
+    spec: dict[str, Any]  # the tool as the client sent it, for the chat template
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def message(self, index: int | None = None) -> dict[str, Any]:
+        """OpenAI's `tool_calls` entry; streaming deltas carry an `index` as well."""
+        entry: dict[str, Any] = {"id": self.id, "type": "function"}
+        entry["function"] = {"name": self.name, "arguments": self.arguments}
+        return entry if index is None else {"index": index, **entry}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools and what the model may do with them."""
+
+    tools: tuple[Tool, ...]
+    choice: str  # auto | required | named
+    name: str | None = None  # the named function
+    parallel: bool = True
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [t.spec for t in self.tools]
+
+    def constraint(self) -> Constraint | None:
+        if self.choice == "named":
+            return Constraint.json_schema(self._tool(self.name).parameters)
+        if self.choice == "required":
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                    "required": ["name", "arguments"],
+                }
+                for t in self.tools
+            ]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return Constraint.json_schema(schema)
+        return None
+
+    def _tool(self, name: str | None) -> Tool:
+        return next(t for t in self.tools if t.name == name)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The message content and the calls in a finished output. Output that is not a call stays content."""
+        if self.choice == "named":
+            return None, [ToolCall(self.name or "", text)]
+        if self.choice == "required":
+            try:
+                calls = json.loads(text)
+                return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+            except (ValueError, TypeError, KeyError):  # cut short by the token limit
+                return text, []
+        return self._parse_auto(text)
+
+    def _parse_auto(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls: list[ToolCall] = []
+        kept: list[str] = []
+        position = 0
+        for match in _CALL.finditer(text):
+            call = self._hermes_call(match.group(1))
+            if call is None:
+                continue  # not a call to one of these tools: it stays in the content
+            kept.append(text[position : match.start()])
+            position = match.end()
+            calls.append(call)
+        kept.append(text[position:])
+        content = "".join(kept).strip() if calls else text
+        return (content or None), calls
+
+    def _hermes_call(self, payload: str) -> ToolCall | None:
+        try:
+            call = json.loads(payload)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or call.get("name") not in {t.name for t in self.tools}:
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat body; None when the model gets no tools."""
+    raw_tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ValidationError("`parallel_tool_calls` must be a boolean")
+    if raw_tools is None or raw_tools == []:
+        if choice not in (None, "none"):
+            raise ValidationError("`tool_choice` needs `tools`")
+        return None
+    if not isinstance(raw_tools, list):
+        raise ValidationError("`tools` must be a list")
+    tools = tuple(_tool(t) for t in raw_tools)
+    if len({t.name for t in tools}) < len(tools):
+        raise ValidationError("`tools` has two functions of the same name")
+    if choice is None or choice == "auto":
+        return ToolUse(tools, "auto", parallel=parallel)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolUse(tools, "required", parallel=parallel)
+    name = _named_choice(choice)
+    if name not in {t.name for t in tools}:
+        raise ValidationError(f"`tool_choice` names the function `{name}`, which is not in `tools`")
+    return ToolUse(tools, "named", name=name, parallel=parallel)
+
+
+def _tool(raw: object) -> Tool:
+    if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(raw.get("function"), dict):
+        raise ValidationError('each tool must be {"type": "function", "function": {"name": ..., ...}}')
+    function = raw["function"]
+    unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
+    if unknown:
+        raise ValidationError(f"unknown field `function.{unknown[0]}` in a tool")
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValidationError("a tool's `function.name` must be 1-64 letters, digits, '_', '.' or '-'")
+    if not isinstance(function.get("description", ""), str):
+        raise ValidationError(f"tool `{name}`: `description` must be a string")
+    parameters = function.get("parameters") or ANY_OBJECT
+    if not isinstance(parameters, dict):
+        raise ValidationError(f"tool `{name}`: `parameters` must be a JSON schema object")
+    return Tool(name, parameters, raw)
+
+
+def _named_choice(choice: object) -> str | None:
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    ):
+        return choice["function"]["name"]
+    raise ValidationError(
+        '`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    )
+
+
+class ToolStream:
+    """Turns one streamed choice's text into OpenAI deltas. A named call streams its arguments as they come; a
+    required list is sent whole at the end (its items are only known once parsed); auto streams content until a
+    call may be starting, and sends the calls at the end."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self.use = use
+        self.text = ""
+        self.sent_content = ""
+        self.named_call: ToolCall | None = None
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> dict[str, Any]:
+        self.text += text
+        if self.use.choice == "named":
+            if self.named_call is None:
+                self.named_call = ToolCall(self.use.name or "", text)
+                return {"tool_calls": [self.named_call.message(0)]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        if self.use.choice == "auto":
+            return self._content(self._safe_content())
+        return {}
+
+    def finish(self) -> dict[str, Any]:
+        """The deltas still owed once the output is complete; `calls` then says whether any call was made."""
+        if self.use.choice == "named":
+            self.calls = [self.named_call] if self.named_call else []
+            return {}
+        content, self.calls = self.use.parse(self.text)
+        delta = self._content(content or "")
+        if self.calls:
+            delta["tool_calls"] = [call.message(i) for i, call in enumerate(self.calls)]
+        return delta
+
+    def _safe_content(self) -> str:
+        """The text before any call, less a tail that may be the start of `<tool_call>`."""
+        start = self.text.find(CALL_OPEN)
+        if start >= 0:
+            return self.text[:start]
+        for keep in range(min(len(CALL_OPEN) - 1, len(self.text)), 0, -1):
+            if CALL_OPEN.startswith(self.text[-keep:]):
+                return self.text[:-keep]
+        return self.text
+
+    def _content(self, content: str) -> dict[str, Any]:
+        """A content delta with what `content` adds to what was sent (nothing if it does not extend it)."""
+        if not content.startswith(self.sent_content) or len(content) == len(self.sent_content):
+            return {}
+        new = content[len(self.sent_content) :]
+        self.sent_content = content
+        return {"content": new}
