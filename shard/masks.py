@@ -26,15 +26,16 @@ class Masks:
         if not rows:
             return 0
         start = time.perf_counter_ns()
-        import llguidance
-        import llguidance.torch
-
         if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+            # Not llguidance.torch: importing it compiles a kernel with torch.compile, 4 s at the first request.
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
         vocab = logits.shape[-1]
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(matchers[row], n) for n, row in enumerate(rows)], bitmask
+        words = (vocab + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(matchers[row], n) for n, row in enumerate(rows)], bitmask.data_ptr(), words * 4, len(rows)
         )
         allowed = unpack(bitmask.to(logits.device), vocab)
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
