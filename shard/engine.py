@@ -54,7 +54,7 @@ class Engine:
         self.vocab_size = self.config.vocab_size
         self.generations = Generations(self.tokenizer)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.masks = Masks()
+        self.masks = Masks(self.eos_token_ids)
         self._mask_ns = 0  # this step's
         self.model = LlamaForCausalLM(self.config, Weights(model_dir, group, self.dtype, device)).eval()
         shape = self.model.shape

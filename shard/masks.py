@@ -17,8 +17,9 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 class Masks:
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: frozenset[int]) -> None:
         self._executor = None  # llguidance's thread pool, started at the first constrained step
+        self._eos = sorted(eos_token_ids)
 
     def apply(self, logits: torch.Tensor, matchers: list[Any | None]) -> int:
         """Masks, in place, every row of `logits` [B, V] whose matcher is set; returns the nanoseconds spent."""
@@ -38,6 +39,11 @@ class Masks:
             [(matchers[row], n) for n, row in enumerate(rows)], bitmask.data_ptr(), words * 4, len(rows)
         )
         allowed = unpack(bitmask.to(logits.device), vocab)
+        stuck = ~allowed.any(dim=-1)
+        if stuck.any() and self._eos:
+            # A matcher in an error state (a grammar past llguidance's limits) allows nothing; all -inf logits
+            # would be NaN probabilities. EOS ends the request instead, and nobody else notices.
+            allowed[stuck.nonzero().view(-1, 1), torch.tensor(self._eos, device=logits.device)] = True
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
         return time.perf_counter_ns() - start
