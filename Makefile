@@ -44,6 +44,10 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
 
+# Structured output: the token mask's share of the decode step, and llguidance vs xgrammar vs outlines-core.
+bench-grammar: $(STAMP)
+	$(BIN)/python -m conveyor.benchmarks.grammar $(ARGS)
+
 # vLLM's CPU build, a peer in the benchmark, in a venv of its own (its pins differ from ours). Its pin
 # torch==2.13.0+cpu is the local CPU wheel, installed first; the torchvision/torchaudio/torchcodec it pulls are
 # CUDA builds that fail to load against the CPU torch, and it needs none of them to serve text.

@@ -273,3 +273,49 @@ def test_compare_quick_runs_every_conveyor_mode(tiny_model: Path, tmp_path: Path
     assert summary["long_prompts_short_streams"]["gaps"] > 0
     assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
     assert (tmp_path / "conveyor-continuous-long.json").exists()
+
+
+# --- structured output (benchmarks/grammar.py) -------------------------------------------------------------------
+
+
+def test_grammar_benchmark_prints_both_tables(tiny_model: Path) -> None:
+    """Tiny sizes: both tables come out, one row per batch size and one per engine, and an engine that is not
+    installed is listed as skipped (CI has only llguidance). Constrained rows are cut after 6 tokens, so that
+    running them to their end costs nothing; whether they end in valid JSON is tests/test_structured_output.py's."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conveyor.benchmarks.grammar",
+            "--model-id",
+            str(tiny_model),
+            "--batch-sizes",
+            "1,2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--walk-steps",
+            "2",
+            "--large-properties",
+            "2",
+            "--max-new-tokens",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    decode, engines = out.split("\n\n")[:2]
+    rows = {cells[0]: cells[1:] for cells in map(str.split, decode.splitlines()[2:-1])}
+    assert set(rows) == {"1", "2"}
+    for batch, cells in rows.items():
+        admitted = int(batch) + int(cells[5])  # the first batch plus the rows readmitted into it
+        assert cells[6].endswith(f"/{admitted}"), decode
+    assert decode.splitlines()[-1].startswith("target: mask <= 10% of the step at batch 2:")
+    lines = {line.split()[0]: line.split()[1:] for line in engines.splitlines()[2:]}
+    assert set(lines) == {"llguidance", "xgrammar", "outlines-core"}
+    assert len(lines["llguidance"]) == 5 and all(float(c) >= 0 for c in lines["llguidance"])
+    for name in ("xgrammar", "outlines-core"):
+        assert len(lines[name]) == 5 or lines[name][0] == "skipped:", engines
