@@ -328,8 +328,9 @@ def _message(message: object) -> dict[str, Any]:
     if role not in _ROLES:
         raise ValidationError("each message needs a `role` of system, user, assistant or tool")
     _get(message, "name", str)
-    calls = message.get("tool_calls")
-    if calls not in (None, []) and role != "assistant":
+    _get(message, "tool_call_id", str)
+    calls = _get(message, "tool_calls", list)
+    if calls and role != "assistant":
         raise ValidationError("only assistant messages carry `tool_calls`")
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):
         raise ValidationError("a message of role tool needs the string `tool_call_id` it answers")
@@ -351,7 +352,7 @@ def _template_call(call: object) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON text nested thousands deep
             raise ValidationError("a tool call's `arguments` must be JSON text") from None
     return {**call, "function": {"name": function["name"], "arguments": arguments}}
 
@@ -428,6 +429,13 @@ def _finish_reason(finished: Finished | None) -> str | None:
     return None if finished is None else FINISH[finished.finish_reason]
 
 
+def _text(event: TokenEvent) -> str:
+    """A streamed token's text; the special token that ended the output is not part of it (as in the answer's
+    whole text), though its logprob entry still names it."""
+    ended = event.finished is not None and event.finished.finish_reason == "eos_token"
+    return "" if ended and event.token.special else event.token.text
+
+
 def _tool_finish(finish_reason: str | None) -> str | None:
     """A choice that ended with calls ends for them; one cut off by the token limit says so."""
     return "tool_calls" if finish_reason == "stop" else finish_reason
@@ -464,7 +472,7 @@ class CompletionFormat(Format):
             [
                 {
                     "index": choice.index,
-                    "text": event.token.text,
+                    "text": _text(event),
                     "logprobs": self._logprobs([event]) if logprobs else None,
                     "finish_reason": _finish_reason(event.finished),
                 }
@@ -521,7 +529,7 @@ class ChatFormat(Format):
         ]
 
     def chunk(self, choice: Choice, event: TokenEvent, logprobs: bool) -> dict:
-        delta: dict[str, Any] = {"content": event.token.text}
+        delta: dict[str, Any] = {"content": _text(event)}
         finish_reason = _finish_reason(event.finished)
         if choice.tools is not None:
             delta, finish_reason = self._tool_delta(choice, event, finish_reason)
@@ -542,7 +550,7 @@ class ChatFormat(Format):
         """What a choice with tools sends for this token: content, call deltas, or nothing yet (held back)."""
         if choice.tool_stream is None:
             choice.tool_stream = ToolStream(choice.tools)
-        delta = choice.tool_stream.feed(event.token.text)
+        delta = choice.tool_stream.feed(_text(event))
         if event.finished is None:
             return delta, finish_reason
         last = choice.tool_stream.finish()

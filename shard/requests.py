@@ -145,12 +145,17 @@ class RequestState:
             tokens=pb.Tokens(ids=[token_id], logprobs=[logprob], texts=[text], is_special=[token_id in special_ids]),
         )
         if reason is not None:
-            generation.finished.CopyFrom(self._finished(reason))
+            # The special token that ended the text is not part of it (TGI's generated_text skips it too); its own
+            # text still goes with the token, marked special.
+            ended_by_special = reason == FinishReason.EOS_TOKEN and token_id in special_ids and text
+            ended_by_special = ended_by_special and self.detokenizer.text.endswith(text)
+            final = self.detokenizer.text[: -len(text)] if ended_by_special else self.detokenizer.text
+            generation.finished.CopyFrom(self._finished(reason, final))
         return generation
 
-    def _finished(self, reason: FinishReason) -> pb.GeneratedText:
+    def _finished(self, reason: FinishReason, text: str) -> pb.GeneratedText:
         finished = pb.GeneratedText(
-            text=self.detokenizer.text,
+            text=text,
             generated_tokens=len(self.generated_ids),
             finish_reason=int(reason),
         )
