@@ -17,13 +17,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.router.structured import build
 from conveyor.router.validation import ValidationError
 
 from conveyor.grammar import Constraint
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for function names, matched whole ("$" admits "f\n")
 ANY_OBJECT = {"type": "object"}
 
 
@@ -60,8 +61,9 @@ class ToolUse:
         return [t.spec for t in self.tools]
 
     def constraint(self) -> Constraint | None:
+        """The grammar that forces `required` or a named function, checked as any request's constraint is."""
         if self.choice == "named":
-            return Constraint.json_schema(self._tool(self.name).parameters)
+            return build("json_schema", self._tool(self.name).parameters, f"tools.{self.name}.parameters")
         if self.choice == "required":
             calls = [
                 {
@@ -74,7 +76,7 @@ class ToolUse:
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return Constraint.json_schema(schema)
+            return build("json_schema", schema, "tools")
         return None
 
     def _tool(self, name: str | None) -> Tool:
@@ -88,29 +90,32 @@ class ToolUse:
             try:
                 calls = json.loads(text)
                 return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
-            except (ValueError, TypeError, KeyError):  # cut short by the token limit
+            except (ValueError, TypeError, KeyError, RecursionError):  # cut short by the token limit, or too deep
                 return text, []
-        return self._parse_auto(text)
+        rest, calls = self.split(text)
+        content = rest.strip() if calls else text
+        return (content or None), calls
 
-    def _parse_auto(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Auto mode: the text less its Hermes call blocks (whitespace kept), and the calls. A block that is not a
+        call to one of these tools stays in the text."""
         calls: list[ToolCall] = []
         kept: list[str] = []
         position = 0
         for match in _CALL.finditer(text):
             call = self._hermes_call(match.group(1))
             if call is None:
-                continue  # not a call to one of these tools: it stays in the content
+                continue
             kept.append(text[position : match.start()])
             position = match.end()
             calls.append(call)
         kept.append(text[position:])
-        content = "".join(kept).strip() if calls else text
-        return (content or None), calls
+        return "".join(kept), calls
 
     def _hermes_call(self, payload: str) -> ToolCall | None:
         try:
             call = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: a payload nested thousands deep
             return None
         if not isinstance(call, dict) or call.get("name") not in {t.name for t in self.tools}:
             return None
@@ -122,7 +127,8 @@ def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
     """`tools`, `tool_choice` and `parallel_tool_calls` of a chat body; None when the model gets no tools."""
     raw_tools = body.get("tools")
     choice = body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel  # null is unset, as for every other field
     if not isinstance(parallel, bool):
         raise ValidationError("`parallel_tool_calls` must be a boolean")
     if raw_tools is None or raw_tools == []:
@@ -149,19 +155,27 @@ def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
 def _tool(raw: object) -> Tool:
     if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(raw.get("function"), dict):
         raise ValidationError('each tool must be {"type": "function", "function": {"name": ..., ...}}')
+    _known(raw, {"type", "function"}, "a tool")
     function = raw["function"]
-    unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
-    if unknown:
-        raise ValidationError(f"unknown field `function.{unknown[0]}` in a tool")
+    _known(function, {"name", "description", "parameters", "strict"}, "a tool's `function`")
     name = function.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValidationError("a tool's `function.name` must be 1-64 letters, digits, '_', '.' or '-'")
     if not isinstance(function.get("description", ""), str):
         raise ValidationError(f"tool `{name}`: `description` must be a string")
-    parameters = function.get("parameters") or ANY_OBJECT
-    if not isinstance(parameters, dict):
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise ValidationError(f"tool `{name}`: `strict` must be a boolean")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):  # `0` or `[]` is not "no parameters"
         raise ValidationError(f"tool `{name}`: `parameters` must be a JSON schema object")
-    return Tool(name, parameters, raw)
+    return Tool(name, parameters or ANY_OBJECT, raw)
+
+
+def _known(value: dict, fields: set[str], where: str) -> None:
+    """Unknown fields are refused, not ignored, as everywhere in the API."""
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise ValidationError(f"unknown field `{unknown[0]}` in {where}")
 
 
 def _named_choice(choice: object) -> str | None:
@@ -171,6 +185,8 @@ def _named_choice(choice: object) -> str | None:
         and isinstance(choice.get("function"), dict)
         and isinstance(choice["function"].get("name"), str)
     ):
+        _known(choice, {"type", "function"}, "`tool_choice`")
+        _known(choice["function"], {"name"}, "`tool_choice.function`")
         return choice["function"]["name"]
     raise ValidationError(
         '`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
@@ -205,8 +221,15 @@ class ToolStream:
         if self.use.choice == "named":
             self.calls = [self.named_call] if self.named_call else []
             return {}
-        content, self.calls = self.use.parse(self.text)
-        delta = self._content(content or "")
+        if self.use.choice == "auto":
+            # What follows the content already sent, less trailing whitespace: the message `parse` gives, but for
+            # leading whitespace, which was sent before any call could be seen (stripping the whole text there
+            # once kept anything after a call from being sent at all).
+            rest, self.calls = self.use.split(self.text)
+            delta = self._content(rest.rstrip() if self.calls else self.text)
+        else:
+            content, self.calls = self.use.parse(self.text)
+            delta = self._content(content or "")
         if self.calls:
             delta["tool_calls"] = [call.message(i) for i, call in enumerate(self.calls)]
         return delta
