@@ -1,9 +1,13 @@
 """The OpenAPI 3.1 document of the HTTP API, served at `GET /openapi.json`.
 
 Written by hand next to the routes it describes, and as strict as the server: a request the document allows is
-served, except where a rule cannot be written in JSON Schema (the prompt's length in tokens, `inputs` tokens +
-`max_new_tokens` within `max_total_tokens`, prompts times `n` within 8, a chat template that cannot render the
-messages), and one it forbids is refused with a 4xx. The limits that depend on the deployment (stop sequences,
+served, except where a rule cannot be written in JSON Schema, and one it forbids is refused with a 4xx. The rules
+JSON Schema cannot state: the prompt's length in tokens, `inputs` tokens + `max_new_tokens` within
+`max_total_tokens`, prompts times `n` within 8, a chat template that cannot render the messages; a structured-output
+constraint that does not compile (a JSON schema llguidance cannot take, a regex or Lark grammar with an error, a
+schema given as JSON text that is not a JSON object); a tool call's `arguments` that are not JSON text; two tools of
+one name, or a `tool_choice` that names none of them; and, on the chat route only, at most one constraint per
+request (stated in words: see `ChatRequest`). The limits that depend on the deployment (stop sequences,
 alternatives per token, `truncate`) are the server's own. `tests/test_openapi.py` checks that it validates, that
 it lists exactly the routes the app serves, and that real responses match its schemas;
 `tests/faults/test_fuzz_api.py` runs schemathesis against it.
@@ -18,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.router.openai import MAX_CHOICES, MAX_MESSAGES, MAX_TEMPERATURE
+from conveyor.router.structured import STRUCTURED_OUTPUTS_KEYS, VLLM_FIELDS
 from conveyor.router.validation import (
     MAX_REPETITION_PENALTY,
     SEED_LIMIT,
@@ -27,6 +32,8 @@ from conveyor.router.validation import (
 from conveyor.router.validation import (
     MAX_TEMPERATURE as MAX_TGI_TEMPERATURE,
 )
+
+from conveyor.grammar import MAX_CONSTRAINT_BYTES
 
 # What the document says when it is built without a deployment's limits (the Config defaults).
 DEFAULT_LIMITS = Limits(max_input_tokens=4095, max_total_tokens=4096)
@@ -89,6 +96,25 @@ TEXT = {"type": "string", "minLength": 1}
 PENALTY = _number(-2.0, 2.0)
 PROBABILITY = _number(maximum=1.0, exclusive_minimum=0.0)
 SEED = _integer(0, SEED_LIMIT - 1)
+NULL = {"type": "null"}
+
+# The values of the structured-output constraints, whichever field carries them. Whether one compiles (a schema
+# llguidance takes, a regex or a Lark grammar without errors) is the server's check: a 422 when it does not.
+SIZE = f"At most {MAX_CONSTRAINT_BYTES // 1024} KiB."
+SCHEMA_OR_TEXT = {
+    "type": ["object", "string"],
+    "description": "A JSON Schema, or its JSON text (which must be a JSON object). Objects get only the properties "
+    "they list unless `additionalProperties` says otherwise; the output is JSON with Python's separators "
+    "(`, ` and `: `). " + SIZE,
+}
+REGEX = {"type": "string", "minLength": 1, "description": "A regex (Rust `regex` syntax) the whole output matches"}
+CHOICES = {
+    "type": "array",
+    "minItems": 1,
+    "items": TEXT,
+    "description": "The output is exactly one of these strings",
+}
+LARK = {"type": "string", "pattern": "\\S", "description": "A Lark grammar (llguidance's dialect), rule `start`"}
 
 
 def _error(description: str, openai: bool) -> dict:
@@ -105,6 +131,164 @@ def _errors(openai: bool) -> dict:
         "424": _error("The generation failed", openai),
         "429": _error("Too many requests in flight (--max-concurrent-requests)", openai),
         "503": _error("The server is shutting down, or its shards are restarting", openai),
+    }
+
+
+def _tgi_grammar() -> dict:
+    """TGI's `parameters.grammar`, with the kinds Conveyor adds (json_object, choice, grammar)."""
+
+    def kind(name: str, value: dict, required: bool = True) -> dict:
+        return {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["type", "value"] if required else ["type"],
+            "properties": {"type": {"const": name}, "value": value},
+        }
+
+    return {
+        "oneOf": [
+            {"type": "null"},
+            kind("json", SCHEMA_OR_TEXT),
+            kind("regex", REGEX),
+            kind("json_object", {"enum": [True, None]}, required=False),
+            kind("choice", CHOICES),
+            kind("grammar", LARK),
+        ],
+        "description": "Structured output: the text matches a JSON schema, any JSON object, a regex, one of a few "
+        "strings, or a Lark grammar",
+    }
+
+
+def _at_most_one(unset: dict[str, dict], what: str) -> dict:
+    """A schema that holds when all but at most one of the properties in `unset` are absent or match their
+    schema there (what makes a property count as not given). Spelled as one branch per property that may be
+    given, not as `not` over pairs, which generators cannot draw from."""
+    branches = [{"properties": dict(unset)}]
+    branches += [{"properties": {other: u for other, u in unset.items() if other != name}} for name in unset]
+    return {"anyOf": branches, "description": what}
+
+
+# What each key of vLLM's `structured_outputs` is when it asks for nothing.
+STRUCTURED_UNSET = {name: NULL for name in STRUCTURED_OUTPUTS_KEYS} | {"json_object": {"enum": [False, None]}}
+
+
+def _structured_outputs() -> dict:
+    values = {"json": SCHEMA_OR_TEXT, "regex": REGEX, "choice": CHOICES, "grammar": LARK, "json_object": BOOLEAN}
+    assert tuple(values) == STRUCTURED_OUTPUTS_KEYS
+    return {
+        "type": ["object", "null"],
+        "additionalProperties": False,
+        "properties": {name: _nullable(schema) if "type" in schema else schema for name, schema in values.items()},
+        "allOf": [_at_most_one(STRUCTURED_UNSET, "One constraint at most (json_object: false is none)")],
+        "description": "vLLM's structured output: one of json (a schema), regex, choice, grammar (Lark) or "
+        "json_object (true)",
+    }
+
+
+def _response_format() -> dict:
+    def kind(name: str, **fields: dict) -> dict:
+        return {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["type", *fields],
+            "properties": {"type": {"const": name}, **fields},
+        }
+
+    json_schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string"},
+            "description": {"type": "string"},
+            "schema": {**SCHEMA_OR_TEXT, "description": "The schema (default: any JSON object). " + SIZE},
+            "strict": BOOLEAN,
+        },
+    }
+    return {
+        "oneOf": [{"type": "null"}, kind("text"), kind("json_object"), kind("json_schema", json_schema=json_schema)],
+        "description": "OpenAI's structured output: text (none), any JSON object, or JSON matching a schema "
+        "(always enforced, `strict` or not)",
+    }
+
+
+# The fields of an OpenAI request that may carry a constraint, each with what its value is when it carries none
+# (within what the field accepts; an absent field carries none either).
+CONSTRAINT_UNSET = {
+    "response_format": {"anyOf": [NULL, {"properties": {"type": {"const": "text"}}}]},
+    "structured_outputs": {"anyOf": [NULL, {"properties": STRUCTURED_UNSET}]},
+    **{name: NULL for name in VLLM_FIELDS},
+}
+
+
+TOOLS_GIVEN = {"type": "array", "minItems": 1}
+
+
+def _constraint_fields() -> dict[str, dict]:
+    """The structured-output fields both OpenAI routes take; at most one may carry a constraint."""
+    return {
+        "response_format": _response_format(),
+        "structured_outputs": _structured_outputs(),
+        "guided_json": {
+            **_nullable(SCHEMA_OR_TEXT),
+            "description": "vLLM's older name: " + SCHEMA_OR_TEXT["description"],
+        },
+        "guided_regex": {**_nullable(REGEX), "description": "vLLM's older name: " + REGEX["description"]},
+        "guided_choice": {**_nullable(CHOICES), "description": "vLLM's older name: " + CHOICES["description"]},
+        "guided_grammar": {**_nullable(LARK), "description": "vLLM's older name: " + LARK["description"]},
+    }
+
+
+def _tools() -> dict[str, dict]:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request."""
+    function = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+            "description": {"type": "string"},
+            "parameters": {
+                "type": ["object", "null"],
+                "description": "The JSON Schema of the arguments (default: any JSON object)",
+            },
+            "strict": BOOLEAN,
+        },
+    }
+    tool = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": function},
+    }
+    named = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name"],
+                "properties": {"name": {"type": "string", "description": "One of `tools`"}},
+            },
+        },
+    }
+    return {
+        "tools": {
+            "type": ["array", "null"],
+            "items": tool,
+            "description": "Functions the model may call, shown to it by the chat template; names are unique",
+        },
+        "tool_choice": {
+            "oneOf": [{"enum": ["none", "auto", "required", None]}, named],
+            "description": "none: no tools; auto (the default with tools): calls written as "
+            '`<tool_call>{"name": ..., "arguments": ...}</tool_call>` are read from the output; required: at '
+            "least one call, forced by a grammar; a named function: a call to it, its arguments forced",
+        },
+        "parallel_tool_calls": {**BOOLEAN, "description": "With `required`: false allows one call only"},
+        "functions": {"type": ["array", "null"], "maxItems": 0, "description": "Not supported: use `tools`"},
+        "function_call": {"enum": ["none", None], "description": "Not supported: use `tool_choice`"},
     }
 
 
@@ -141,7 +325,7 @@ def _tgi_schemas(limits: Limits) -> dict[str, Any]:
                 "ignore_eos": BOOLEAN,
                 "best_of": {"enum": [1, None], "description": "Only 1: Conveyor has no best-of sampling"},
                 "watermark": {"enum": [False, None], "description": "Conveyor does not watermark"},
-                "grammar": {"type": "null", "description": "Conveyor has no guided decoding"},
+                "grammar": _tgi_grammar(),
                 "adapter_id": {"type": "null", "description": "Conveyor serves no adapters"},
             },
         },
@@ -271,14 +455,62 @@ def _openai_request(limits: Limits, **fields: dict) -> dict:
                 "properties": {"include_usage": BOOLEAN},
                 "description": "Only with `stream: true`",
             },
+            **_constraint_fields(),
             **fields,
         },
-        # `stream_options` (non-empty) only when streaming
-        "if": {
-            "required": ["stream_options"],
-            "properties": {"stream_options": {"type": "object", "minProperties": 1}},
+        "allOf": [
+            {  # `stream_options` (non-empty) only when streaming
+                "anyOf": [
+                    {"properties": {"stream_options": {"anyOf": [NULL, {"maxProperties": 0}]}}},
+                    {"required": ["stream"], "properties": {"stream": {"const": True}}},
+                ]
+            },
+        ],
+    }
+
+
+def _chat_message() -> dict:
+    """A message: system, user, assistant or tool. An assistant's may carry `tool_calls` instead of content (as
+    OpenAI returns them: arguments as JSON text); a tool's answers one of those calls by its id."""
+    call = {
+        "type": "object",
+        "required": ["function"],
+        "properties": {
+            "id": {"description": "The call's id, as the response gave it"},
+            "type": {"description": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "arguments": {"description": "JSON text, as OpenAI sends it (or the arguments themselves)"},
+                },
+            },
         },
-        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+    }
+    calls = {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["role"],
+        "properties": {
+            "role": {"enum": ["system", "user", "assistant", "tool"]},
+            "content": {"type": ["string", "null"], "description": "Required (a string) unless tool calls"},
+            "name": {"type": ["string", "null"]},
+            "tool_calls": {"type": ["array", "null"], "items": call, "description": "Only on assistant messages"},
+            "tool_call_id": {"type": ["string", "null"], "description": "Required on tool messages"},
+        },
+        "allOf": [
+            {  # an assistant's calls stand instead of content; any other message has string content
+                "if": calls,
+                "then": {"properties": {"role": {"const": "assistant"}}},
+                "else": {"required": ["content"], "properties": {"content": {"type": "string"}}},
+            },
+            {
+                "if": {"properties": {"role": {"const": "tool"}}},
+                "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+            },
+        ],
     }
 
 
@@ -290,31 +522,28 @@ def _openai_schemas(limits: Limits) -> dict[str, Any]:
         max_completion_tokens=_integer(1, limits.max_total_tokens - 1),
         logprobs=BOOLEAN,
         top_logprobs=_integer(0, limits.max_top_n_tokens),
-        response_format={
-            "oneOf": [
-                {"type": "null"},
-                {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["type"],
-                    "properties": {"type": {"const": "text"}},
-                },
-            ],
-            "description": "Only text: Conveyor has no structured output",
-        },
-        tools={"type": ["array", "null"], "maxItems": 0, "description": "Conveyor does not support tool calls yet"},
-        functions={"type": ["array", "null"], "maxItems": 0, "description": "Not supported"},
-        tool_choice={"enum": ["none", None]},
-        function_call={"enum": ["none", None]},
-        parallel_tool_calls=BOOLEAN,
+        **_tools(),
     )
     chat["required"] = ["messages"]
-    # `top_logprobs` (non-zero) needs `logprobs: true`
-    chat["allOf"] = [
-        {"if": chat.pop("if"), "then": chat.pop("then")},
-        {
-            "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
-            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    chat["description"] = (
+        "At most one structured-output constraint (a `response_format` other than text, `structured_outputs`, a "
+        "`guided_*` field) per request, else 422. The completions route states that rule in JSON Schema; here it "
+        "is stated in words only, as together with the tool rules it makes a schema that schema-based request "
+        "generators (schemathesis) cannot draw from"
+    )
+    chat["allOf"] += [
+        {  # `top_logprobs` (non-zero) needs `logprobs: true`
+            "anyOf": [
+                {"properties": {"top_logprobs": {"anyOf": [NULL, {"maximum": 0}]}}},
+                {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            ]
+        },
+        {  # a `tool_choice` other than none needs tools; a forced call (required or named) is itself a constraint
+            "anyOf": [
+                {"properties": {"tool_choice": {"enum": ["none", None]}}},
+                {"required": ["tools"], "properties": {"tools": TOOLS_GIVEN, "tool_choice": {"const": "auto"}}},
+                {"required": ["tools"], "properties": {"tools": TOOLS_GIVEN, **CONSTRAINT_UNSET}},
+            ]
         },
     ]
     completion = _openai_request(
@@ -326,6 +555,7 @@ def _openai_schemas(limits: Limits) -> dict[str, Any]:
         best_of={"enum": [1, None], "description": "Only 1"},
     )
     completion["required"] = ["prompt"]
+    completion["allOf"].append(_at_most_one(CONSTRAINT_UNSET, "One structured-output constraint per request at most"))
     logprob = {"type": "number"}
     finish = {"enum": ["stop", "length", None]}
     entry = {
@@ -372,19 +602,48 @@ def _openai_schemas(limits: Limits) -> dict[str, Any]:
         }
         return schema
 
-    def choice(**fields: dict) -> dict:
+    def choice(finish: dict = finish, **fields: dict) -> dict:
         return {
             "type": "object",
             "required": ["index", *fields, "finish_reason"],
             "properties": {"index": {"type": "integer", "minimum": 0}, **fields, "finish_reason": finish},
         }
 
+    chat_finish = {
+        "enum": ["stop", "length", "tool_calls", None],
+        "description": "tool_calls: the choice ended with tool calls",
+    }
     message = {
         "type": "object",
         "required": ["role", "content"],
-        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": ["string", "null"], "description": "null when the answer is tool calls only"},
+            "tool_calls": {"type": "array", "minItems": 1, "items": _ref("ToolCall")},
+        },
     }
-    delta = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}
+    call_delta = {
+        "type": "object",
+        "required": ["index"],
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            "id": {"type": "string", "pattern": "^call_"},
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            },
+        },
+        "description": "A call's first delta has its id, type and name; later ones add to its arguments",
+    }
+    delta = {
+        "type": "object",
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": "string"},
+            "tool_calls": {"type": "array", "minItems": 1, "items": call_delta},
+        },
+    }
     return {
         "OpenAIError": {
             "type": "object",
@@ -399,14 +658,21 @@ def _openai_schemas(limits: Limits) -> dict[str, Any]:
             },
         },
         "CompletionRequest": completion,
-        "ChatMessage": {
+        "ChatMessage": _chat_message(),
+        "ToolCall": {
             "type": "object",
-            "additionalProperties": False,
-            "required": ["role", "content"],
+            "required": ["id", "type", "function"],
             "properties": {
-                "role": {"enum": ["system", "user", "assistant"]},
-                "content": {"type": "string"},
-                "name": {"type": ["string", "null"]},
+                "id": {"type": "string", "pattern": "^call_"},
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "required": ["name", "arguments"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "arguments": {"type": "string", "description": "JSON text"},
+                    },
+                },
             },
         },
         "ChatRequest": chat,
@@ -421,9 +687,11 @@ def _openai_schemas(limits: Limits) -> dict[str, Any]:
         "CompletionChunk": envelope(
             "text_completion", choice(text={"type": "string"}, logprobs=completion_logprobs), usage=False
         ),
-        "ChatCompletion": envelope("chat.completion", choice(message=message, logprobs=chat_logprobs), usage=True),
+        "ChatCompletion": envelope(
+            "chat.completion", choice(chat_finish, message=message, logprobs=chat_logprobs), usage=True
+        ),
         "ChatCompletionChunk": envelope(
-            "chat.completion.chunk", choice(delta=delta, logprobs=chat_logprobs), usage=False
+            "chat.completion.chunk", choice(chat_finish, delta=delta, logprobs=chat_logprobs), usage=False
         ),
         "Models": {
             "type": "object",

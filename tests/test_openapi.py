@@ -63,3 +63,84 @@ def test_real_responses_match_the_schemas(server: Server) -> None:
         events = [line[5:] for line in response.iter_lines() if line.startswith("data:")]
     for event in events:
         check(document, "StreamEvent", httpx.Response(200, content=event).json())
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "pick",
+            "description": "Picks a digit",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+            "strict": True,
+        },
+    }
+]
+HI = [{"role": "user", "content": "x"}]
+
+
+def _events(server: Server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as response:
+        lines = [line[5:].strip() for line in response.iter_lines() if line.startswith("data:")]
+    return [httpx.Response(200, content=line).json() for line in lines if line != "[DONE]"]
+
+
+def test_tool_calls_and_structured_output_match_the_schemas(server: Server) -> None:
+    """Responses with tool calls (null content, `tool_calls`, finish_reason tool_calls), streamed and not, and
+    constrained ones on every route; and the requests that produce them are ones the document allows."""
+    document = fetch(server)
+    for tool_choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        body = {"messages": HI, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 40, "temperature": 0}
+        check(document, "ChatRequest", body)
+        chat = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+        check(document, "ChatCompletion", chat)
+        assert chat["choices"][0]["finish_reason"] == "tool_calls" and chat["choices"][0]["message"]["content"] is None
+        chunks = _events(server, "/v1/chat/completions", {**body, "stream": True})
+        for chunk in chunks:
+            check(document, "ChatCompletionChunk", chunk)
+        assert any(c["choices"] and "tool_calls" in c["choices"][0]["delta"] for c in chunks)
+    call = chat["choices"][0]["message"]["tool_calls"][0]
+    answer = {"role": "tool", "tool_call_id": call["id"], "content": "7"}
+    follow_up = {"messages": [*HI, chat["choices"][0]["message"], answer], "tools": TOOLS, "max_tokens": 2}
+    check(document, "ChatRequest", follow_up)
+    check(
+        document, "ChatCompletion", httpx.post(f"{server.url}/v1/chat/completions", json=follow_up, timeout=60).json()
+    )
+    constrained = {"prompt": "x", "max_tokens": 8, "guided_regex": "[0-9]{1,3}"}
+    check(document, "CompletionRequest", constrained)
+    check(document, "Completion", httpx.post(f"{server.url}/v1/completions", json=constrained, timeout=60).json())
+    tgi = {"inputs": "x", "parameters": {"max_new_tokens": 8, "grammar": {"type": "choice", "value": ["a", "b"]}}}
+    check(document, "GenerateRequest", tgi)
+    check(document, "GenerateResponse", httpx.post(f"{server.url}/generate", json=tgi, timeout=60).json())
+
+
+def test_the_document_refuses_what_the_server_refuses() -> None:
+    """A few bodies the server answers with a 422, which the schemas (built without a server) refuse as well."""
+    from conveyor.router.openapi import document
+
+    components = document("test")["components"]
+    refused = {
+        "ChatRequest": [
+            {"messages": HI, "tool_choice": "required"},  # no tools
+            {"messages": HI, "tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},  # forced and a regex
+            {"messages": [{"role": "tool", "content": "1"}]},  # no tool_call_id
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+            {"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "x": 1}}]},
+            {"messages": HI, "response_format": {"type": "json_object", "schema": {}}},
+        ],
+        "CompletionRequest": [
+            {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+            {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+            {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+        ],
+        "GenerateRequest": [{"inputs": "x", "parameters": {"grammar": {"type": "regex"}}}],
+    }
+    for name, bodies in refused.items():
+        validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": components})
+        for body in bodies:
+            assert not validator.is_valid(body), body

@@ -45,7 +45,7 @@ NEW_TOKENS = 8  # valid requests generate at most this many tokens, so that a fe
 
 POST_ROUTES = ["/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions"]
 GET_ROUTES = ["/v1/models", "/health", "/info", "/metrics"]
-# 422s that schema-valid requests may get, for the rules JSON Schema cannot state.
+# 422s that schema-valid requests may get, for the rules JSON Schema cannot state (router/openapi.py lists them).
 TOKEN_RULES = (
     "`inputs` must have less than",
     "tokens + `max_new_tokens` must be <=",
@@ -53,6 +53,18 @@ TOKEN_RULES = (
     "choices (prompts times `n`) per request",
     "`decoder_input_details` == true is not supported when streaming",
     "the chat template could not render the messages",
+    # a constraint that does not compile, or JSON text that is not a schema
+    "invalid json schema: ",
+    "invalid regex: ",
+    "invalid grammar: ",
+    "the JSON schema is not valid JSON",
+    "a JSON schema must be a JSON object",
+    # stated in words only on the chat route (see router/openapi.py)
+    "at most one constraint per request",
+    # tools: what a schema cannot say of a list (unique names) or of one field given another
+    "a tool call's `arguments` must be JSON text",
+    "`tools` has two functions of the same name",
+    "which is not in `tools`",
 )
 
 
