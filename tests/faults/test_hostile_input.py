@@ -78,6 +78,30 @@ def _body(value: object) -> bytes:
     return json.dumps(value).encode()
 
 
+def _tool(name: str, parameters: object = None) -> dict:
+    function = {"name": name} if parameters is None else {"name": name, "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def _call(arguments: str) -> dict:
+    return {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+
+def _assistant(calls: object) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def _schema(schema: object) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+FORCED = {"messages": HI, "tools": [_tool("f")], "tool_choice": "required"}
+
+
 CORPUS: list[tuple[str, str, bytes, dict[str, str], int]] = [
     # (id, route, body, headers, status)
     # malformed and oversized JSON
@@ -143,17 +167,138 @@ CORPUS: list[tuple[str, str, bytes, dict[str, str], int]] = [
         422,
     ),
     # accepted and ignored before: what Conveyor does not do is refused, saying so
-    ("tools", CHAT, _body({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}), JSON, 422),
-    ("tool-choice", CHAT, _body({"messages": HI, "tool_choice": "required"}), JSON, 422),
     ("functions", CHAT, _body({"messages": HI, "functions": [{"name": "f"}]}), JSON, 422),
+    # tools that are not tools, and tool choices that cannot be honoured
+    ("tools-not-a-list", CHAT, _body({"messages": HI, "tools": {"type": "function"}}), JSON, 422),
+    ("tool-without-function", CHAT, _body({"messages": HI, "tools": [{"type": "function"}]}), JSON, 422),
+    ("tool-name-with-a-space", CHAT, _body({"messages": HI, "tools": [_tool("get weather")]}), JSON, 422),
+    ("tool-name-with-a-newline", CHAT, _body({"messages": HI, "tools": [_tool("f\n")]}), JSON, 422),
+    ("tool-parameters-a-list", CHAT, _body({"messages": HI, "tools": [_tool("f", [])]}), JSON, 422),
+    ("tool-unknown-field", CHAT, _body({"messages": HI, "tools": [{**_tool("f"), "x": 1}]}), JSON, 422),
+    ("tools-of-one-name", CHAT, _body({"messages": HI, "tools": [_tool("f"), _tool("f")]}), JSON, 422),
+    ("tool-choice-without-tools", CHAT, _body({"messages": HI, "tool_choice": "required"}), JSON, 422),
+    ("tool-choice-bogus", CHAT, _body({"messages": HI, "tools": [_tool("f")], "tool_choice": "always"}), JSON, 422),
     (
-        "tool-message",
+        "tool-choice-unknown-name",
         CHAT,
-        _body({"messages": [*HI, {"role": "tool", "content": "1", "tool_call_id": "a"}]}),
+        _body({"messages": HI, "tools": [_tool("f")], "tool_choice": _named("g")}),
         JSON,
         422,
     ),
-    ("response-format", CHAT, _body({"messages": HI, "response_format": {"type": "json_object"}}), JSON, 422),
+    (
+        "forced-tool-with-bad-schema",
+        CHAT,
+        _body({"messages": HI, "tools": [_tool("f", {"type": "nope"})], "tool_choice": "required"}),
+        JSON,
+        422,
+    ),
+    (
+        "forced-tool-schema-lone-surrogate",
+        CHAT,
+        _body({"messages": HI, "tools": [_tool("f", {"enum": ["\ud800"]})], "tool_choice": _named("f")}),
+        JSON,
+        422,
+    ),
+    (
+        "forced-tool-and-response-format",
+        CHAT,
+        _body({**FORCED, "response_format": {"type": "json_object"}}),
+        JSON,
+        422,
+    ),
+    (
+        "parallel-tool-calls-string",
+        CHAT,
+        _body({"messages": HI, "tools": [_tool("f")], "parallel_tool_calls": "yes"}),
+        JSON,
+        422,
+    ),
+    # tool messages and assistant tool calls
+    ("tool-message-without-id", CHAT, _body({"messages": [*HI, {"role": "tool", "content": "1"}]}), JSON, 422),
+    ("tool-call-id-not-a-string", CHAT, _body({"messages": [{**HI[0], "tool_call_id": 5}]}), JSON, 422),
+    ("tool-calls-on-a-user-message", CHAT, _body({"messages": [{**HI[0], "tool_calls": [_call("{}")]}]}), JSON, 422),
+    ("tool-calls-not-a-list", CHAT, _body({"messages": [*HI, _assistant(5)]}), JSON, 422),
+    ("tool-call-without-function", CHAT, _body({"messages": [*HI, _assistant([{"id": "call_1"}])]}), JSON, 422),
+    ("tool-call-arguments-not-json", CHAT, _body({"messages": [*HI, _assistant([_call("{city: Paris")])]}), JSON, 422),
+    (
+        "tool-call-arguments-100k-deep",
+        CHAT,
+        _body({"messages": [*HI, _assistant([_call("[" * 100_000 + "]" * 100_000)])]}),
+        JSON,
+        422,
+    ),
+    ("assistant-without-content-or-calls", CHAT, _body({"messages": [*HI, {"role": "assistant"}]}), JSON, 422),
+    # constraints that are malformed, do not compile, or come two at a time
+    ("response-format-xml", CHAT, _body({"messages": HI, "response_format": {"type": "xml"}}), JSON, 422),
+    (
+        "response-format-unknown-field",
+        CHAT,
+        _body({"messages": HI, "response_format": {"type": "json_object", "value": {"type": "string"}}}),
+        JSON,
+        422,
+    ),
+    ("json-schema-invalid", CHAT, _body({"messages": HI, "response_format": _schema({"type": "nope"})}), JSON, 422),
+    ("json-schema-true", COMPLETIONS, _body({"prompt": "x", "guided_json": True}), JSON, 422),
+    ("json-schema-text-true", COMPLETIONS, _body({"prompt": "x", "guided_json": "true"}), JSON, 422),
+    (
+        "json-schema-lone-surrogate",
+        CHAT,
+        _body({"messages": HI, "response_format": _schema({"enum": ["\ud800"]})}),
+        JSON,
+        422,
+    ),
+    ("json-schema-2^80", COMPLETIONS, _body({"prompt": "x", "guided_json": {"enum": [2**80]}}), JSON, 422),
+    ("json-schema-text-100k-deep", COMPLETIONS, _body({"prompt": "x", "guided_json": "[" * 100_000}), JSON, 422),
+    (
+        "json-schema-unsatisfiable",
+        COMPLETIONS,
+        _body({"prompt": "x", "guided_json": {"minLength": 5, "maxLength": 2, "type": "string"}}),
+        JSON,
+        422,
+    ),
+    ("regex-invalid", COMPLETIONS, _body({"prompt": "x", "guided_regex": "(unclosed"}), JSON, 422),
+    ("regex-lone-surrogate", COMPLETIONS, _body({"prompt": "x", "guided_regex": "\udfff"}), JSON, 422),
+    ("regex-300kB", COMPLETIONS, _body({"prompt": "x", "guided_regex": "a" * 300_000}), JSON, 422),
+    ("choice-empty", COMPLETIONS, _body({"prompt": "x", "guided_choice": []}), JSON, 422),
+    ("choice-lone-surrogate", COMPLETIONS, _body({"prompt": "x", "guided_choice": ["\ud800"]}), JSON, 422),
+    ("grammar-invalid", COMPLETIONS, _body({"prompt": "x", "guided_grammar": "start: nowhere"}), JSON, 422),
+    ("two-constraints", COMPLETIONS, _body({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}), JSON, 422),
+    (
+        "response-format-and-structured-outputs",
+        CHAT,
+        _body({"messages": HI, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}),
+        JSON,
+        422,
+    ),
+    (
+        "structured-outputs-two",
+        COMPLETIONS,
+        _body({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}),
+        JSON,
+        422,
+    ),
+    ("structured-outputs-regex-0", COMPLETIONS, _body({"prompt": "x", "structured_outputs": {"regex": 0}}), JSON, 422),
+    (
+        "structured-outputs-json-object-1",
+        COMPLETIONS,
+        _body({"prompt": "x", "structured_outputs": {"json_object": 1}}),
+        JSON,
+        422,
+    ),
+    (
+        "tgi-grammar-unknown-type",
+        "/generate",
+        _body({"inputs": "x", "parameters": {"grammar": {"type": "xml", "value": "a"}}}),
+        JSON,
+        422,
+    ),
+    (
+        "tgi-grammar-bad-regex",
+        "/generate",
+        _body({"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "["}}}),
+        JSON,
+        422,
+    ),
     ("logit-bias", COMPLETIONS, _body({"prompt": "x", "logit_bias": {"1": 100}}), JSON, 422),
     ("echo", COMPLETIONS, _body({"prompt": "x", "echo": True}), JSON, 422),
     ("unknown-openai-field", CHAT, _body({"messages": HI, "top_k": 5}), JSON, 422),
@@ -250,7 +395,25 @@ ACCEPTED = [
             {"messages": HI, "max_tokens": 2, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
         ),
         JSON,
-        id="neutral-unsupported-fields",
+        id="neutral-tool-and-format-fields",
+    ),
+    pytest.param(
+        CHAT,
+        _body(
+            {
+                "messages": [
+                    *HI,
+                    _assistant([_call('{"a": 1}')]),
+                    {"role": "tool", "tool_call_id": "call_1", "content": "2"},
+                ],
+                "tools": [_tool("f", {"type": "object"})],
+                "parallel_tool_calls": None,
+                "structured_outputs": {"json_object": False, "regex": None},
+                "max_tokens": 2,
+            }
+        ),
+        JSON,
+        id="tool-round-trip-and-null-constraints",
     ),
     pytest.param(
         COMPLETIONS,
@@ -351,6 +514,11 @@ def _grpc_corpus() -> list:
         "stop-100": request(stop=["a"] * 100, max_new_tokens=2),
         "empty-stop": request(stop=[""], max_new_tokens=2),
         "truncate-0": request(truncate=0, max_new_tokens=2),
+        "regex-invalid": request(constraint=pb.Constraint(regex="(unclosed"), max_new_tokens=2),
+        "json-schema-not-json": request(constraint=pb.Constraint(json_schema="{"), max_new_tokens=2),
+        "json-schema-invalid": request(constraint=pb.Constraint(json_schema='{"type": "nope"}'), max_new_tokens=2),
+        "choice-empty": request(constraint=pb.Constraint(choice=pb.Choices()), max_new_tokens=2),
+        "grammar-invalid": request(constraint=pb.Constraint(grammar="start: nowhere"), max_new_tokens=2),
     }
     return [
         pytest.param(m, data, id=f"{m}-{name}") for m in ("Generate", "GenerateStream") for name, data in cases.items()

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from conveyor.router.openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIRoutes
+from conveyor.router.openai import CHAT_FIELDS, COMPLETION_FIELDS, Choice, OpenAIRoutes
 from conveyor.router.scheduler import sampling_pb
+from conveyor.router.structured import VLLM_FIELDS
 from conveyor.router.validation import (
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
@@ -76,6 +77,107 @@ FRACTION = st.one_of(st.floats(min_value=1e-300, max_value=1.0), st.sampled_from
 PENALTY = st.floats(min_value=-2.0, max_value=2.0)
 STOP = st.text(min_size=1, max_size=4)
 
+
+def often(likely: st.SearchStrategy, rarely: st.SearchStrategy, odds: int = 4) -> st.SearchStrategy:
+    """`likely`, and one time in `odds + 1` `rarely`."""
+    return st.integers(0, odds).flatmap(lambda n: rarely if n == 0 else likely)
+
+
+# Structured output: bounded schemas, regexes, choices and Lark grammars (a few that do not compile), so that
+# most requests that carry one pass and the compile step runs.
+SCHEMAS = st.sampled_from(
+    [
+        {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]},
+        {"enum": ["a", "b"]},
+        {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        {"type": "object"},
+        {},
+        {"type": "nope"},
+        {"type": "string", "minLength": 3, "maxLength": 1},
+        {"$ref": "#/$defs/missing"},
+    ]
+)
+SCHEMA_VALUES = often(SCHEMAS, st.one_of(SCHEMAS.map(json.dumps), TEXT, JSON_VALUES))
+REGEXES = often(st.sampled_from(["[0-9]{1,3}", "(yes|no)", "a+b?", "\\w{2}", "(", "a{2,1}"]), TEXT)
+CHOICES = often(st.lists(STOP, min_size=1, max_size=3), JSON_VALUES)
+GRAMMARS = often(st.sampled_from(['start: "a" | "b"', 'start: x x\nx: "ab" | "c"', "start: nowhere", "x"]), TEXT)
+TGI_GRAMMARS = st.one_of(
+    st.fixed_dictionaries({"type": st.just("json"), "value": SCHEMA_VALUES}),
+    st.fixed_dictionaries({"type": st.just("regex"), "value": REGEXES}),
+    st.fixed_dictionaries({"type": st.just("choice"), "value": CHOICES}),
+    st.fixed_dictionaries({"type": st.just("grammar"), "value": GRAMMARS}),
+    st.fixed_dictionaries({"type": st.just("json_object")}, optional={"value": st.sampled_from([True, None, 1])}),
+)
+RESPONSE_FORMATS = st.one_of(
+    st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries(
+                {},
+                optional={
+                    "name": st.text(max_size=8),
+                    "schema": SCHEMA_VALUES,
+                    "strict": st.booleans(),
+                    "description": TEXT,
+                },
+            ),
+        }
+    ),
+)
+_STRUCTURED_KINDS = {
+    "json": SCHEMA_VALUES,
+    "regex": REGEXES,
+    "choice": CHOICES,
+    "grammar": GRAMMARS,
+    "json_object": st.sampled_from([True, False, None, 0, 1]),
+}
+# One kind, and now and then several (refused) or none
+STRUCTURED_OUTPUTS = often(
+    st.one_of(st.fixed_dictionaries({kind: values}) for kind, values in _STRUCTURED_KINDS.items()),
+    st.fixed_dictionaries({}, optional=_STRUCTURED_KINDS),
+)
+# Mostly null (no constraint), so that a body seldom carries two, which is refused.
+CONSTRAINTS = {
+    name: often(st.none(), values, 3)
+    for name, values in {
+        "response_format": RESPONSE_FORMATS,
+        "structured_outputs": STRUCTURED_OUTPUTS,
+        "guided_json": SCHEMA_VALUES,
+        "guided_regex": REGEXES,
+        "guided_choice": CHOICES,
+        "guided_grammar": GRAMMARS,
+    }.items()
+}
+TOOL_NAMES = often(st.sampled_from(["get_weather", "f", "f.g-1"]), st.sampled_from(["bad name", "f\n", ""]), 8)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": TOOL_NAMES}, optional={"parameters": SCHEMAS, "description": TEXT, "strict": st.booleans()}
+        ),
+    }
+)
+# Mostly of distinct names (two of one name are refused)
+TOOLS = often(st.lists(TOOL, max_size=3, unique_by=lambda t: t["function"]["name"]), st.lists(TOOL, max_size=3))
+TOOL_CHOICES = st.one_of(
+    st.sampled_from(["none", "auto", "required"]),
+    st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": TOOL_NAMES})}),
+)
+TOOL_CALLS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "id": st.just("call_1"),
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": TOOL_NAMES, "arguments": often(st.sampled_from(['{"n": 1}', "{}", "[1]"]), JSON_VALUES)}
+            ),
+        }
+    ),
+    min_size=1,
+    max_size=2,
+)
+
 # Values each field accepts (some at the edges of its range), so that a good share of the requests pass.
 TGI_VALID = {
     "temperature": POSITIVE,
@@ -97,7 +199,7 @@ TGI_VALID = {
     "truncate": st.integers(1, 32),
     "best_of": st.just(1),
     "watermark": st.just(False),
-    "grammar": st.none(),
+    "grammar": TGI_GRAMMARS,
     "adapter_id": st.none(),
 }
 OPENAI_VALID = {
@@ -115,6 +217,7 @@ OPENAI_VALID = {
     "seed": st.integers(0, 2**64 - 1),
     "logit_bias": st.just({}),
     "ignore_eos": st.booleans(),
+    **CONSTRAINTS,
 }
 COMPLETION_VALID = {
     **OPENAI_VALID,
@@ -128,18 +231,12 @@ CHAT_VALID = {
     "max_completion_tokens": st.integers(1, 30),
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(0, 4),
-    "response_format": st.just({"type": "text"}),
-    "tools": st.just([]),
+    "tools": TOOLS,
     "functions": st.just([]),
-    "tool_choice": st.just("none"),
+    "tool_choice": TOOL_CHOICES,
     "function_call": st.just("none"),
     "parallel_tool_calls": st.booleans(),
 }
-
-
-def often(likely: st.SearchStrategy, rarely: st.SearchStrategy, odds: int = 4) -> st.SearchStrategy:
-    """`likely`, and one time in `odds + 1` `rarely`."""
-    return st.integers(0, odds).flatmap(lambda n: rarely if n == 0 else likely)
 
 
 def _fields(valid: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict[str, Any]]:
@@ -163,11 +260,23 @@ TGI_BODIES = often(
 )
 MESSAGES = st.lists(
     often(
-        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": PROMPTS}),
+        st.one_of(
+            st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": PROMPTS}),
+            st.fixed_dictionaries(
+                {"role": st.just("assistant"), "tool_calls": TOOL_CALLS},
+                optional={"content": st.one_of(st.none(), PROMPTS)},
+            ),
+            st.fixed_dictionaries({"role": st.just("tool"), "tool_call_id": st.just("call_1"), "content": PROMPTS}),
+        ),
         st.one_of(
             st.fixed_dictionaries(
-                {"role": st.sampled_from(["user", "tool", "robot", ""]), "content": PROMPTS},
-                optional={"name": st.one_of(TEXT, JSON_VALUES), "tool_calls": JSON_VALUES, "x": JSON_VALUES},
+                {"role": st.sampled_from(["user", "assistant", "tool", "robot", ""]), "content": PROMPTS},
+                optional={
+                    "name": st.one_of(TEXT, JSON_VALUES),
+                    "tool_calls": JSON_VALUES,
+                    "tool_call_id": JSON_VALUES,
+                    "x": JSON_VALUES,
+                },
             ),
             JSON_VALUES,
         ),
@@ -257,19 +366,33 @@ def test_any_bytes_are_json_or_a_validation_error(raw: bytes) -> None:
         assert str(exc)
 
 
-def accepted(parse, body: dict, stream: bool) -> bool:
-    """An OpenAI body parses into 1 to 8 valid requests, or is refused with a ValidationError; True if accepted."""
+def accepted(parse, body: dict, stream: bool) -> list[Choice] | None:
+    """An OpenAI body parses into 1 to 8 valid requests, or is refused with a ValidationError; the choices if
+    accepted. A constraint the body asks for is never accepted and ignored."""
     try:
         choices = parse(body, stream)
     except ValidationError as exc:
         assert str(exc)
         event("refused")
-        return False
+        return None
     event("accepted")
     assert 1 <= len(choices) <= 8
     for choice in choices:
         check_valid(choice.request)
-    return True
+        assert (choice.request.parameters.grammar is not None) == _asks_for_a_constraint(body)
+    return choices
+
+
+def _asks_for_a_constraint(body: dict) -> bool:
+    """Whether an accepted body carries a structured-output constraint, or a tool choice that forces one."""
+    given = [
+        (body.get("response_format") or {}).get("type") in ("json_object", "json_schema"),
+        any(v is not None and v is not False for v in (body.get("structured_outputs") or {}).values()),
+        *(body.get(name) is not None for name in VLLM_FIELDS),
+        bool(body.get("tools"))
+        and (body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict)),
+    ]
+    return any(given)
 
 
 @examples(200)
@@ -283,9 +406,15 @@ def test_any_completion_body_is_valid_or_a_validation_error(validation: Validati
 @given(body=CHAT_BODIES, stream=st.booleans())
 def test_any_chat_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
     routes = OpenAIRoutes(None, validation, "m")
-    if accepted(routes._chat_choices, body, stream):
-        for name in ("tools", "functions", "logit_bias", "response_format"):
-            assert body.get(name) in (None, [], {}, {"type": "text"})  # never accepted and ignored
+    choices = accepted(routes._chat_choices, body, stream)
+    if choices is not None:
+        for name in ("functions", "logit_bias"):
+            assert body.get(name) in (None, [], {})  # never accepted and ignored
+        # tools reach the model unless there are none or `tool_choice` is none
+        offered = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        assert all((c.tools is not None) == offered for c in choices)
+        if offered:
+            event(f"tool_choice {choices[0].tools.choice}")
 
 
 # --- sampling -------------------------------------------------------------------------------------------------
