@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import grpc
 import httpx
+import jsonschema
 import pytest
 from conftest import Server, greedy_reference, wait_for
 from conveyor.client import AsyncClient, Client, ConnectionError, ValidationError
@@ -84,3 +88,32 @@ def test_standard_grpc_health_service(server: Server) -> None:
         for service in ("", "conveyor.v1.TextGeneration"):
             status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
             assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_structured_output(server: Server) -> None:
+    """A constraint over the gRPC front door, sampled (seeded): the text fits it, and ends where it is complete."""
+    schema = {
+        "type": "object",
+        "properties": {"level": {"enum": ["low", "high"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["level", "n"],
+    }
+    sampled = dict(do_sample=True, temperature=1.0, max_new_tokens=60)
+    with Client(server.grpc, timeout=60) as client:
+        response = client.generate("def f():", json_schema=schema, seed=5, **sampled)
+        jsonschema.validate(json.loads(response.generated_text), schema)
+        assert response.details.finish_reason == "eos_token"
+        greedy = client.generate("x", json_object=True, max_new_tokens=30)
+        assert isinstance(json.loads(greedy.generated_text), dict) and greedy.details.finish_reason == "eos_token"
+        assert re.fullmatch(
+            r"[0-9]{2}-[ab]", client.generate("x", regex=r"[0-9]{2}-[ab]", seed=2, **sampled).generated_text
+        )
+        choices = {
+            client.generate("x", choice=["red", "green"], seed=seed, **sampled).generated_text for seed in range(3)
+        }
+        assert choices <= {"red", "green"}
+        assert client.generate("x", grammar='start: "a" ("b" | "c")', seed=3, **sampled).generated_text in ("ab", "ac")
+        with pytest.raises(ValidationError, match="regex") as error:
+            client.generate("x", regex="(unclosed")
+        assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(ValueError, match="at most one constraint"):
+            client.generate("x", regex="a", choice=["a"])  # refused by the client before sending
