@@ -112,9 +112,14 @@ def _unsupported(body: dict) -> None:
 
 
 def _max_tokens(body: dict) -> int | None:
-    """`max_tokens`, or its newer name; 0 is passed on (and refused), not taken as unset."""
+    """`max_tokens`, or its newer name; 0 is passed on (and refused), not taken as unset. Both may come only with
+    one value: the other was once ignored unchecked, so that `max_completion_tokens: 0` passed beside a
+    `max_tokens`."""
     max_tokens = _get(body, "max_tokens", int)
-    return max_tokens if max_tokens is not None else _get(body, "max_completion_tokens", int)
+    newer = _get(body, "max_completion_tokens", int)
+    if max_tokens is not None and newer is not None and newer != max_tokens:
+        raise ValidationError("`max_tokens` and `max_completion_tokens` name one limit: give one, or equal values")
+    return max_tokens if max_tokens is not None else newer
 
 
 def _stream_options(body: dict, stream: bool) -> dict:

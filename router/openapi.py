@@ -6,11 +6,11 @@ JSON Schema cannot state: the prompt's length in tokens, `inputs` tokens + `max_
 `max_total_tokens`, prompts times `n` within 8, a chat template that cannot render the messages; a structured-output
 constraint that does not compile (a JSON schema llguidance cannot take, a regex or Lark grammar with an error, a
 schema given as JSON text that is not a JSON object); a tool call's `arguments` that are not JSON text; two tools of
-one name, or a `tool_choice` that names none of them; and, on the chat route only, at most one constraint per
-request (stated in words: see `ChatRequest`). The limits that depend on the deployment (stop sequences,
-alternatives per token, `truncate`) are the server's own. `tests/test_openapi.py` checks that it validates, that
-it lists exactly the routes the app serves, and that real responses match its schemas;
-`tests/faults/test_fuzz_api.py` runs schemathesis against it.
+one name, or a `tool_choice` that names none of them; `max_tokens` and `max_completion_tokens` that differ; and, on
+the chat route only, at most one constraint per request (stated in words: see `ChatRequest`). The limits that
+depend on the deployment (stop sequences, alternatives per token, `truncate`) are the server's own.
+`tests/test_openapi.py` checks that it validates, that it lists exactly the routes the app serves, and that real
+responses match its schemas; `tests/faults/test_fuzz_api.py` runs schemathesis against it.
 
 Server-sent events follow the convention of Open API 3.2 (and of Speakeasy and Stainless before it): the schema
 of a `text/event-stream` response describes one event, `{"data": ...}`, whose `data` is JSON
@@ -519,7 +519,10 @@ def _openai_schemas(limits: Limits) -> dict[str, Any]:
     chat = _openai_request(
         limits,
         messages={"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": _ref("ChatMessage")},
-        max_completion_tokens=_integer(1, limits.max_total_tokens - 1),
+        max_completion_tokens={
+            **_integer(1, limits.max_total_tokens - 1),
+            "description": "OpenAI's newer name for `max_tokens`; given both, their values must be equal (else 422)",
+        },
         logprobs=BOOLEAN,
         top_logprobs=_integer(0, limits.max_top_n_tokens),
         **_tools(),

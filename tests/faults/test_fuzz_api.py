@@ -100,9 +100,10 @@ def _few_tokens(path: str, body: Any) -> None:
     if not isinstance(body, dict):
         return
     if path.startswith("/v1/"):
+        given = [body[name] for name in ("max_tokens", "max_completion_tokens") if isinstance(body.get(name), int)]
         for name in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(name), int):
-                body[name] = min(body[name], NEW_TOKENS)
+                body[name] = min(*given, NEW_TOKENS)  # both names given: one value (two are a 422)
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = NEW_TOKENS
         return

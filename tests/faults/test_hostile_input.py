@@ -146,6 +146,13 @@ CORPUS: list[tuple[str, str, bytes, dict[str, str], int]] = [
     ("openai-temperature-negative", COMPLETIONS, _body({"prompt": "x", "temperature": -0.5}), JSON, 422),
     ("max-tokens-0", CHAT, _body({"messages": HI, "max_tokens": 0}), JSON, 422),
     ("max-tokens-0-completions", COMPLETIONS, _body({"prompt": "x", "max_tokens": 0}), JSON, 422),
+    (
+        "max-completion-tokens-0-beside-max-tokens",
+        CHAT,
+        _body({"messages": HI, "max_tokens": 2, "max_completion_tokens": 0}),
+        JSON,
+        422,
+    ),
     ("max-new-tokens-2^64", "/generate", _body({"inputs": "x", "parameters": {"max_new_tokens": 2**64}}), JSON, 422),
     ("seed-negative", CHAT, _body({"messages": HI, "seed": -1}), JSON, 422),
     ("n-1000", CHAT, _body({"messages": HI, "n": 1000}), JSON, 422),
