@@ -78,8 +78,11 @@ class Constraint:
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
-            # JSON string literals are Lark string literals, escapes included.
-            literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(self.value))
+            # JSON string literals are Lark string literals, escapes included; llguidance's lexer also wants DEL
+            # escaped, which JSON leaves as it is.
+            literals = " | ".join(
+                json.dumps(c, ensure_ascii=False).replace("\x7f", "\\u007f") for c in json.loads(self.value)
+            )
             return LLMatcher.grammar_from_lark(f"start: {literals}")
         if self.kind == "grammar":
             return LLMatcher.grammar_from_lark(self.value)
