@@ -229,7 +229,8 @@ def test_metrics_follow_vllm_definitions(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == PNG_MAGIC
 
 
-def test_compare_quick_runs_every_conveyor_mode(tiny_model: Path, tmp_path: Path) -> None:
+def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_path: Path) -> None:
+    """One Conveyor mode only (each costs a deployment, ~20 s of CI); tests/test_scheduling.py serves every mode."""
     out = subprocess.run(
         [
             sys.executable,
@@ -240,6 +241,8 @@ def test_compare_quick_runs_every_conveyor_mode(tiny_model: Path, tmp_path: Path
             str(tiny_model),
             "--skip-transformers",
             "--skip-vllm",
+            "--systems",
+            "continuous",
             "--out",
             str(tmp_path),
         ],
@@ -250,14 +253,11 @@ def test_compare_quick_runs_every_conveyor_mode(tiny_model: Path, tmp_path: Path
     ).stdout
     throughput = out.split("throughput workload (latencies in ms)")[1].split("\n\n")[0]
     rows = {line.split()[0]: line.split()[1:] for line in throughput.splitlines()[2:]}
-    for mode in ("continuous", "static", "sequential"):
-        assert rows[f"conveyor-{mode}"][0] == "8/0", out
+    assert rows["conveyor-continuous"][0] == "8/0", out
     assert "skipped" in rows["transformers-serve"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {s: v["status"] for s, v in summary["systems"].items()} == {
         "conveyor-continuous": "ok",
-        "conveyor-static": "ok",
-        "conveyor-sequential": "ok",
         "vllm-cpu": "skipped",
         "transformers-serve": "skipped",
     }
@@ -268,7 +268,7 @@ def test_compare_quick_runs_every_conveyor_mode(tiny_model: Path, tmp_path: Path
     verdicts = {t["name"]: t["passed"] for t in summary["targets"]}
     assert verdicts["continuous / transformers serve, output tok/s"] is None
     assert verdicts["continuous / vLLM-CPU, output tok/s"] is None
-    assert verdicts["continuous / sequential, output tok/s"] is not None
+    assert verdicts["continuous / sequential, output tok/s"] is None  # not measured
     assert verdicts["bare decode step at the full batch / 82 ms"] is not None
     assert summary["long_prompts_short_streams"]["gaps"] > 0
     assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
