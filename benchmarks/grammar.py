@@ -1,7 +1,10 @@
 """Structured output's cost: the token mask inside Conveyor's decode step, and the grammar engines side by side.
 
-    .venv/bin/python -m conveyor.benchmarks.grammar                       # the demo `small` model, ~2-3 minutes
+    make bench-grammar                                  # the demo `small` model, ~3 minutes on an idle 2-core CPU
     .venv/bin/python -m conveyor.benchmarks.grammar --model-id DIR --batch-sizes 1,8 --steps 16
+
+Run it on an otherwise idle machine: torch's threads wait for one another at every operation, so another busy
+process on a 2-core CPU made the same steps 2-5x slower in trials (and the engines' thread pools suffer alike).
 
 **Decode step.** The model is loaded in-process as a shard loads it (`bare.BareLoop`, one KV slot per row) and the
 shard's `Engine` is driven directly, as the shard's service drives it (Prefill, Decode, FilterBatch) but with no
@@ -24,10 +27,13 @@ in place and advances every row with the arg-max, i.e. a uniformly random allowe
 starts again). The time is the mask (fill + apply) plus the advance, as each engine's own API does it: llguidance
 through Conveyor's `GrammarCache` and `shard.masks.Masks` (its parallel batch fill); xgrammar's
 `BatchGrammarMatcher` (batch fill and batch accept) and its CPU `apply_token_bitmask_inplace`; outlines-core has
-no batch fill (one `Guide.write_mask_into` per row) and its apply kernel needs `torch.compile`, so its rows are
-unpacked and applied as Conveyor does. Every engine gets the schema as Conveyor compiles it (`grammar.closed`: no
-properties beyond the listed ones) and compact separators where it takes them. An engine that cannot be imported
-is listed as skipped.
+no batch fill (one `Guide.write_mask_into` per row) and its apply kernel needs `torch.compile`, so its mask is
+unpacked with Conveyor's `unpack` and applied with one in-place masked fill. Every engine gets the schema as
+Conveyor compiles it (`grammar.closed`: no properties beyond the listed ones) and Conveyor's separators (", " and
+": ") where it takes them (outlines-core allows an optional space instead). An engine that cannot be imported
+is listed as skipped: xgrammar and outlines-core are no dependency of Conveyor's, not even of the `bench` extra
+(xgrammar requires triton, a GPU compiler of no use beside the CPU torch); `pip install xgrammar outlines-core`
+into the venv to compare them.
 """
 
 from __future__ import annotations
