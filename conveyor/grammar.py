@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # JSON as Python writes it (", " and ": " separators, no other whitespace): a model may not pad its output with
 # whitespace for ever, and the output is the same text whatever the model prefers.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

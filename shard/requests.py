@@ -147,9 +147,9 @@ class RequestState:
         if reason is not None:
             # The special token that ended the text is not part of it (TGI's generated_text skips it too); its own
             # text still goes with the token, marked special.
-            ended_by_special = reason == FinishReason.EOS_TOKEN and token_id in special_ids and text
-            ended_by_special = ended_by_special and self.detokenizer.text.endswith(text)
-            final = self.detokenizer.text[: -len(text)] if ended_by_special else self.detokenizer.text
+            final = self.detokenizer.text
+            if reason == FinishReason.EOS_TOKEN and token_id in special_ids and text and final.endswith(text):
+                final = final[: -len(text)]
             generation.finished.CopyFrom(self._finished(reason, final))
         return generation
 

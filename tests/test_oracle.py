@@ -53,9 +53,12 @@ class Stream:
     final: dict | None = None
     progress: threading.Condition = field(default_factory=threading.Condition)
 
+    def body(self) -> dict:
+        return {"inputs": self.prompt, "parameters": {"max_new_tokens": self.max_new_tokens, "details": True}}
+
     def run(self, url: str, start: threading.Event) -> None:
         start.wait(120)
-        body = {"inputs": self.prompt, "parameters": {"max_new_tokens": self.max_new_tokens, "details": True}}
+        body = self.body()
         with httpx.Client(timeout=120) as client:
             with client.stream("POST", f"{url}/generate_stream", json=body) as response:
                 assert response.status_code == 200, response.read()

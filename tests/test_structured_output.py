@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ import httpx
 import jsonschema
 import pytest
 import regex
-import sseclient
 from conftest import ORACLE_PROMPTS, Server, free_port, greedy_reference, start_server, wait_for
 from test_oracle import Stream, run_staggered
 from text_generation import Client
@@ -443,19 +441,8 @@ class ConstrainedStream(Stream):
 
     grammar: dict = field(default_factory=dict)
 
-    def run(self, url: str, start: threading.Event) -> None:
-        start.wait(120)
-        body = request(self.prompt, self.grammar, self.max_new_tokens)
-        with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/generate_stream", json=body) as r:
-            assert r.status_code == 200, r.read()
-            for event in sseclient.SSEClient(r.iter_bytes()).events():
-                payload = json.loads(event.data)
-                assert "error" not in payload, payload
-                with self.progress:
-                    self.ids.append(payload["token"]["id"])
-                    self.progress.notify_all()
-                if payload["generated_text"] is not None:
-                    self.final = payload
+    def body(self) -> dict:
+        return request(self.prompt, self.grammar, self.max_new_tokens)
 
 
 GREEDY_CONSTRAINED = [
