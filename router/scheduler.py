@@ -99,8 +99,8 @@ class Scheduler:
             if not self.running:
                 await self._settle()
             plan = self.planner.plan()
-            if plan.preempted:
-                await self._drop_preempted(plan.preempted)
+            if plan.preempted and not await self._drop_preempted(plan.preempted):
+                continue  # the shards were lost meanwhile: recovery put the plan's sequences back in the queue
             if plan.empty:
                 await self._idle()
                 continue
@@ -225,16 +225,20 @@ class Scheduler:
         for sequence in list(sequences):
             self.planner.remove(sequence)
 
-    async def _drop_preempted(self, preempted: list[Sequence]) -> None:
-        """The planner took the preempted sequences' blocks: the shards must forget them before the next step."""
+    async def _drop_preempted(self, preempted: list[Sequence]) -> bool:
+        """The planner took the preempted sequences' blocks: the shards must forget them before the next step.
+        False when the shards failed meanwhile: the step just planned is void (it would decode a batch that no
+        longer exists), and its sequences are back in the queue."""
         self.metrics.preemptions.inc(len(preempted))
         log.info("preempted", extra={"requests": [s.id for s in preempted]})
         if self._batch is None:
-            return
+            return True
         try:  # the planner already took them out of the running set: keep what is left
             self._batch = await self._keep(self._batch, list(self.running))
         except ShardError as exc:
             await self._recover(exc)
+            return False
+        return True
 
     # --- failure and recovery -----------------------------------------------------------------------------
 

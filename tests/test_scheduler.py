@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.metrics import Metrics
 from conveyor.router.scheduler import SETTLE_QUIET_SECONDS, Scheduler
 from conveyor.router.sequence import Sequence
+from conveyor.router.shard_client import ShardError
 from conveyor.router.step_planner import PlannerConfig
 from conveyor.router.validation import Parameters, ValidRequest
+from conveyor.v1 import shard_pb2 as pb
 
 
 def sequence(n: int, input_length: int, max_new_tokens: int = 10) -> Sequence:
@@ -125,3 +128,38 @@ def test_a_failure_with_a_suspect_in_the_step_is_blamed_on_the_suspect_alone() -
     assert crasher.is_finished and crasher not in s.running  # a third failure: past max_request_retries (2)
     error = crasher.events.get_nowait()
     assert error.error_type == "generation" and "3 failed steps" in error.message
+
+
+class _LostShards:
+    """A client whose shards are gone: FilterBatch fails as a killed rank's does."""
+
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> None:
+        raise ShardError("shard 0 failed FilterBatch: Stream removed")
+
+    async def clear_cache(self, batch_id: int) -> None:
+        raise ShardError("shard 0 failed ClearCache: Stream removed")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_shards_lost_while_dropping_preempted_sequences_void_the_planned_step() -> None:
+    """Found by the soak: the loop went on to decode the step it had planned, with no batch left (a TypeError
+    that killed the router). Dropping must say the plan is void, with every sequence back in the queue."""
+    s = scheduler()
+    s.client = _LostShards()
+    s.reconnect = _reconnected(s)
+    running = _running(s, 3)
+    preempted = running[2]
+    s.planner.requeue(preempted)
+    s._batch = pb.CachedBatch(id=1, request_ids=[r.id for r in running], size=3)
+    assert await s._drop_preempted([preempted]) is False
+    assert s._batch is None and not s.running and not s.recovering
+    assert set(s.queue.take_all()) == set(running)
+
+
+def _reconnected(s: Scheduler):
+    async def reconnect() -> SimpleNamespace:
+        return SimpleNamespace(client=s.client, num_blocks=s.allocator.num_blocks)
+
+    return reconnect
