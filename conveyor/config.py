@@ -16,8 +16,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING = ("continuous", "static", "sequential")
 DEMO_SIZES = ("tiny", "small")
-# Never on a command line (where `ps` shows it): the launcher passes it to the router in the environment.
-SECRET = {"api_key"}
+# Never on a command line (where `ps` shows them): the launcher passes them on in the environment.
+SECRET = {"api_key": "CONVEYOR_API_KEY", "shard_token": "CONVEYOR_SHARD_TOKEN"}
 
 
 def flag(default: Any, help: str, **argparse_options: Any) -> Any:
@@ -35,7 +35,35 @@ class Config:
     shard_uds_path: str | None = flag(
         None, "socket prefix for the shards; rank r listens on PREFIX-r (default: a private temp path)"
     )
-    master_addr: str = flag("127.0.0.1", "torch.distributed rendezvous address")
+    listen: str | None = flag(
+        None,
+        "shards listen on tcp://HOST:PORT instead of unix sockets, local rank i on PORT+i (HOST defaults to "
+        "127.0.0.1; needs --shard-token)",
+    )
+    advertise_host: str | None = flag(
+        None, "the host other nodes and the router reach this node's shards at (default: the --listen host)"
+    )
+    shard_address: str | None = flag(
+        None,
+        "router: rank 0's address (tcp://HOST:PORT or unix://PATH; the other ranks are discovered from it) or every "
+        "rank's, comma-separated (default: the launcher's own shards)",
+    )
+    shard_token: str | None = flag(
+        None,
+        "shared secret the router sends and shards demand; required for shards on TCP (default: "
+        "$CONVEYOR_SHARD_TOKEN; a single-node launcher makes one up)",
+    )
+    shard_tls_cert: str | None = flag(
+        None, "PEM certificate chain: shards serve it, the router presents it as a client"
+    )
+    shard_tls_key: str | None = flag(None, "PEM private key of --shard-tls-cert")
+    shard_tls_ca: str | None = flag(
+        None, "PEM CA: the router verifies shards with it; shards given one demand client certificates (mutual TLS)"
+    )
+    # Several hosts, one model (like torchrun)
+    nnodes: int = flag(1, "hosts the model spans; each runs a launcher with --num-shard ranks")
+    node_rank: int = flag(0, "this host's place among --nnodes; node 0 also runs the router")
+    master_addr: str = flag("127.0.0.1", "torch.distributed rendezvous address (node 0's, with --nnodes > 1)")
     master_port: int = flag(29500, "torch.distributed rendezvous port")
     # Front doors
     hostname: str = flag("127.0.0.1", "HTTP (and gRPC) listening address")
@@ -106,7 +134,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     for f in fields(Config):
         options = dict(f.metadata)
-        default = os.environ.get("CONVEYOR_API_KEY") if f.name == "api_key" else f.default
+        default = os.environ.get(SECRET[f.name]) if f.name in SECRET else f.default
         if options.get("action") is None and f.default is not MISSING:
             kind = _kind(f.type)
             if kind is not None:
