@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -182,6 +183,23 @@ def ensure(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama"
     else:
         _template_into_tokenizer_config(out_dir)  # a build from before the template last changed gets the new one
     return out_dir
+
+
+DEMO_MODEL = "demo"
+
+
+def resolve_model(model_id: str, demo_size: str) -> Path:
+    """A model directory; 'demo' is built into the cache folder the first time it is asked for."""
+    if model_id == DEMO_MODEL:
+        cache = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
+        target = cache / f"demo-{demo_size}"
+        if not (target / "conveyor_demo.json").exists():
+            print(f"building the {demo_size} demo model into {target} (first use only)...", file=sys.stderr)
+        return ensure(target, demo_size)
+    path = Path(model_id)
+    if not (path / "config.json").exists():
+        raise SystemExit(f"--model-id {model_id!r}: no config.json there (Conveyor loads local model directories)")
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -18,39 +19,46 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from conveyor.launcher import demo_model
+from conveyor.launcher.demo_model import resolve_model
 from conveyor.launcher.processes import ChildDied, Deployment
 
 from conveyor import config
 from conveyor import log as conveyor_log
 from conveyor.config import Config
+from conveyor.shard_channels import AddressError, Security, rank_address
 
 log = logging.getLogger(__name__)
 
-DEMO_MODEL = "demo"
 
-
-def resolve_model(model_id: str, demo_size: str) -> Path:
-    """A model directory; 'demo' is built into the cache folder the first time it is asked for."""
-    if model_id == DEMO_MODEL:
-        cache = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
-        target = cache / f"demo-{demo_size}"
-        if not (target / "conveyor_demo.json").exists():
-            print(f"building the {demo_size} demo model into {target} (first use only)...", file=sys.stderr)
-        return demo_model.ensure(target, demo_size)
-    path = Path(model_id)
-    if not (path / "config.json").exists():
-        raise SystemExit(f"--model-id {model_id!r}: no config.json there (Conveyor loads local model directories)")
-    return path
+def check_nodes(args: Config) -> Config:
+    """The flags of several nodes, checked before anything starts; a single-node launcher on TCP makes up the
+    shared token its router and shards need (every node of several must be given the same one)."""
+    if args.num_shard < 1:
+        raise SystemExit("--num-shard must be at least 1")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise SystemExit(f"--node-rank must be in [0, --nnodes), not {args.node_rank} of {args.nnodes}")
+    if args.nnodes > 1 and args.listen is None:
+        raise SystemExit("--nnodes > 1: shards must --listen tcp://HOST:PORT where node 0's router can reach them")
+    try:
+        Security.from_config(args)
+        rank_address(args, 0, 0)
+    except (AddressError, OSError) as exc:
+        raise SystemExit(f"conveyor-launcher: {exc}") from None
+    if args.listen is not None and not args.shard_token:
+        if args.nnodes > 1:
+            raise SystemExit("--nnodes > 1: every node needs the same shared token in CONVEYOR_SHARD_TOKEN")
+        args = replace(args, shard_token=secrets.token_urlsafe(32))
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = config.parse(argv, "Conveyor launcher: serve a model directory (or the built-in demo model) over HTTP.")
     conveyor_log.setup("launcher", args.log_level)
-    if args.num_shard < 1:
-        raise SystemExit("--num-shard must be at least 1")
-    if args.api_key:
-        os.environ["CONVEYOR_API_KEY"] = args.api_key  # the router reads it; the environment keeps it out of `ps`
+    args = check_nodes(args)
+    # The children read secrets from the environment, which keeps them out of `ps`.
+    for name, variable in config.SECRET.items():
+        if getattr(args, name):
+            os.environ[variable] = getattr(args, name)
     # What every shard and the router get: the same configuration, with the model and the sockets decided.
     model_dir = resolve_model(args.model_id, args.demo_size)
     # By default the sockets live in a fresh private directory (mode 0700): a predictable path in a shared /tmp
@@ -87,6 +95,15 @@ def _serve(deployment: Deployment, args: Config, model_dir: Path) -> None:
 
 
 def _announce(args: Config, model_dir: Path) -> None:
+    if args.node_rank > 0:
+        first = args.node_rank * args.num_shard
+        print(
+            f"\nConveyor node {args.node_rank} of {args.nnodes}: ranks {first}..{first + args.num_shard - 1} of "
+            f"{model_dir} joined node 0 ({args.master_addr}:{args.master_port}), whose router serves them\n",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     url = f"http://{args.hostname}:{args.port}"
     body = '{"inputs": "def hello():", "parameters": {"max_new_tokens": 20}}'
     print(

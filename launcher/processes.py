@@ -11,14 +11,19 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 from conveyor.config import Config
+
+if TYPE_CHECKING:  # imported when needed: it imports torch, which a single-node launcher never needs
+    from conveyor.group_store import GroupStore
+from conveyor.shard_channels import RankAddress, Security, rank_address
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +61,41 @@ class Child:
             self.process.wait()
 
 
+class StartupTimeout(ChildDied):
+    pass
+
+
+class EpochMoved(RuntimeError):
+    """Another node restarted the group while this one was starting its ranks: they must join the new epoch."""
+
+
 @dataclass
 class Deployment:
-    """Every process gets the same `config` (model directory and socket prefix already decided)."""
+    """Every process gets the same `config` (model directory and socket prefix already decided). With --nnodes > 1
+    this launcher runs one node's ranks (node 0's also runs the router and hosts the group's epoch store)."""
 
     config: Config
     shards: list[Child] = field(default_factory=list)
     router: Child | None = None
+    security: Security = field(init=False)
+    store: GroupStore | None = field(default=None, init=False)
+    epoch: int = 0  # the group's epoch this node's ranks belong to, with several nodes
+
+    def __post_init__(self) -> None:
+        self.security = Security.from_config(self.config)
 
     @property
-    def uds_path(self) -> str:
-        return self.config.shard_uds_path
+    def num_shard(self) -> int:
+        return self.config.num_shard
+
+    @property
+    def first_rank(self) -> int:
+        return self.config.node_rank * self.config.num_shard
+
+    @property
+    def addresses(self) -> list[RankAddress]:
+        """This node's ranks' addresses, in local rank order."""
+        return [rank_address(self.config, self.first_rank + i, i) for i in range(self.num_shard)]
 
     @property
     def router_url(self) -> str:
@@ -79,32 +108,48 @@ class Deployment:
 
     def start(self, timeout: float, should_stop: Callable[[], bool]) -> None:
         deadline = time.monotonic() + timeout
+        if self.config.nnodes > 1:
+            from conveyor.group_store import GroupStore
+
+            self.store = GroupStore(
+                self.config.master_addr, self.config.master_port, self.config.node_rank == 0, timeout
+            )
+            self.epoch = self.store.epoch
         self._start_shards(deadline, should_stop)
-        self.router = self._spawn("router", "conveyor.router.main", self.config.to_argv(), dict(os.environ))
-        self._wait(self.router, lambda: _http_ok(f"{self.router_url}/health"), deadline, should_stop)
+        if self.config.node_rank == 0:
+            argv = replace(self.config, shard_address=self.addresses[0].url).to_argv()
+            self.router = self._spawn("router", "conveyor.router.main", argv, dict(os.environ))
+            self._wait(self.router, lambda: _http_ok(f"{self.router_url}/health"), deadline, should_stop)
 
     def _start_shards(self, deadline: float, should_stop: Callable[[], bool]) -> None:
-        argv, num_shard = self.config.to_argv(), self.config.num_shard
-        for rank in range(num_shard):
+        argv, world_size = self.config.to_argv(), self.config.nnodes * self.num_shard
+        for local_rank in range(self.num_shard):
+            rank = self.first_rank + local_rank
             env = dict(
                 os.environ,
                 RANK=str(rank),
-                WORLD_SIZE=str(num_shard),
+                LOCAL_RANK=str(local_rank),
+                WORLD_SIZE=str(world_size),
                 MASTER_ADDR=self.config.master_addr,
                 MASTER_PORT=str(self.config.master_port),
             )
+            if self.store is not None:
+                env["CONVEYOR_GROUP_EPOCH"] = str(self.epoch)
             self.shards.append(self._spawn(f"shard {rank}", "conveyor.shard.main", argv, env))
-        for rank, shard in enumerate(self.shards):
-            self._wait(shard, lambda r=rank: shard_healthy(f"{self.uds_path}-{r}"), deadline, should_stop)
+        for shard, address in zip(self.shards, self.addresses):
+            self._wait(shard, lambda url=address.url: shard_healthy(url, self.security), deadline, should_stop)
 
     def _wait(self, child: Child, ready: Callable[[], bool], deadline: float, should_stop) -> None:
-        """Polls until `ready`, failing fast if the child dies and clearly if the deadline passes."""
+        """Polls until `ready`, failing fast if the child dies, if another node restarts the group, and clearly
+        if the deadline passes."""
         while not should_stop():
             self._check_all()
+            if self.store is not None and self.store.epoch != self.epoch:
+                raise EpochMoved(f"the group moved to epoch {self.store.epoch} while {child.name} started")
             if ready():
                 return
             if time.monotonic() > deadline:
-                raise ChildDied(f"{child.name} was not ready within the startup timeout")
+                raise StartupTimeout(f"{child.name} was not ready within the startup timeout")
             time.sleep(POLL_SECONDS)
 
     def _check_all(self) -> None:
@@ -118,35 +163,65 @@ class Deployment:
     def watch(self, should_stop: Callable[[], bool]) -> None:
         """Returns when asked to stop. A shard that exits on its own takes its group down with it (a
         tensor-parallel group cannot lose one rank), and the group is started again: the router notices the
-        failed step, replays its requests and reconnects. Raises ChildDied when the router exits, when a restart
-        fails, or when the group died more than --max-restarts times within --restart-window seconds."""
+        failed step, replays its requests and reconnects. With several nodes the group restarts on every node
+        together (conveyor/group_store.py). Raises ChildDied when the router exits, when a restart fails, or
+        when the group died more than --max-restarts times within --restart-window seconds."""
         restarts: deque[float] = deque()
         while not should_stop():
-            self.router.check()
-            dead = next((s for s in self.shards if s.process.poll() is not None), None)
-            if dead is not None:
+            if self.router is not None:
+                self.router.check()
+            failure = self._group_failure()
+            if failure is not None:
                 now = time.monotonic()
                 while restarts and now - restarts[0] > self.config.restart_window:
                     restarts.popleft()
                 if len(restarts) >= self.config.max_restarts:
                     raise ChildDied(
-                        f"{dead.name} exited with code {dead.process.returncode}, after {len(restarts)} restarts "
-                        f"within {self.config.restart_window:g}s (--max-restarts {self.config.max_restarts})"
+                        f"{failure}, after {len(restarts)} restarts within {self.config.restart_window:g}s "
+                        f"(--max-restarts {self.config.max_restarts})"
                     )
                 restarts.append(now)
-                log.warning("restarting the shards", extra={"exited": dead.name, "code": dead.process.returncode})
+                log.warning("restarting the shards", extra={"cause": failure})
                 self._restart_shards(should_stop)
                 continue
             time.sleep(POLL_SECONDS)
 
+    def _group_failure(self) -> str | None:
+        """Why the group must restart, if it must: a rank of this node died (then, with several nodes, this node
+        moves the epoch on so that the others follow), or another node (or the router) moved it."""
+        dead = next((s for s in self.shards if s.process.poll() is not None), None)
+        if self.store is None:
+            return None if dead is None else f"{dead.name} exited with code {dead.process.returncode}"
+        try:
+            if dead is not None:
+                self.store.restart(self.epoch)
+                return f"{dead.name} exited with code {dead.process.returncode}"
+            if (epoch := self.store.epoch) != self.epoch:
+                return f"the group moved to epoch {epoch} (a rank of another node failed, or the router found it hung)"
+        except RuntimeError as exc:  # torch's store client: node 0's launcher is gone
+            raise ChildDied(
+                f"lost node 0's group store at {self.config.master_addr}:{self.config.master_port}"
+            ) from exc
+        return None
+
     def _restart_shards(self, should_stop: Callable[[], bool]) -> None:
-        """Kills what is left of the group (its survivors may wait in a collective for ever) and starts it anew."""
+        """Kills what is left of the group (its survivors may wait in a collective for ever) and starts it anew.
+        With several nodes, a start that another node's restart overtakes, or that loses a rank while the nodes
+        meet, is one more failure for `watch` to count."""
         for shard in self.shards:
             shard.kill()
         self.shards = []
         self._remove_sockets()
-        self._start_shards(time.monotonic() + self.config.startup_timeout, should_stop)
-        log.warning("shards restarted")
+        if self.store is not None:
+            self.epoch = self.store.epoch
+        try:
+            self._start_shards(time.monotonic() + self.config.startup_timeout, should_stop)
+        except (EpochMoved, ChildDied) as exc:
+            if self.store is None or isinstance(exc, StartupTimeout):
+                raise
+            log.warning("group restart interrupted", extra={"cause": str(exc)})
+            return
+        log.warning("shards restarted", extra={"epoch": self.epoch})
 
     def stop(self, timeout: float) -> None:
         if self.router is not None:
@@ -156,17 +231,18 @@ class Deployment:
         self._remove_sockets()
 
     def _remove_sockets(self) -> None:
-        for rank in range(self.config.num_shard):
-            Path(f"{self.uds_path}-{rank}").unlink(missing_ok=True)
+        for address in self.addresses:
+            if address.bind.startswith("unix://"):
+                Path(address.bind.removeprefix("unix://")).unlink(missing_ok=True)
 
 
-def shard_healthy(socket_path: str) -> bool:
-    """True once the shard at this socket answers Health."""
-    if not os.path.exists(socket_path):
+def shard_healthy(url: str, security: Security) -> bool:
+    """True once the shard at this address answers Health (which it serves only once loaded and grouped)."""
+    if url.startswith("unix://") and not os.path.exists(url.removeprefix("unix://")):
         return False
     try:
-        with grpc.insecure_channel(f"unix://{socket_path}") as channel:
-            pb_grpc.ShardStub(channel).Health(pb.HealthRequest(), timeout=2.0)
+        with security.channel(url) as channel:
+            pb_grpc.ShardStub(channel).Health(pb.HealthRequest(), timeout=2.0, metadata=security.metadata())
         return True
     except grpc.RpcError:
         return False

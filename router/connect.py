@@ -15,6 +15,8 @@ from conveyor.router.shard_client import ShardedClient
 from conveyor.v1 import shard_pb2 as pb
 
 from conveyor.config import Config
+from conveyor.group_store import GroupStore
+from conveyor.shard_channels import Security
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +37,25 @@ class Connection:
         return self.limits.max_batch_total_tokens // self.info.block_size
 
 
-async def connect(args: Config, tokenizer, first: Connection | None = None) -> Connection:
+def shard_address(args: Config) -> str:
+    """Where the router finds rank 0: --shard-address, or the socket of a launcher's rank 0."""
+    if args.shard_address:
+        return args.shard_address
+    if args.shard_uds_path:
+        return f"unix://{args.shard_uds_path}-0"
+    raise SystemExit("conveyor-router needs --shard-address (or --shard-uds-path)")
+
+
+async def connect(
+    args: Config, tokenizer, security: Security, group: GroupStore | None = None, first: Connection | None = None
+) -> Connection:
     """A client to every rank, warmed up. On a reconnection, `first` is the first connection: its limits (which
     requests were validated against) and its step deadline stay, and the warmup is a short one that asks for
-    the pool the first one measured (the capacity must still hold the longest request)."""
-    client = await ShardedClient.connect(f"{args.shard_uds_path}-0")
+    the pool the first one measured (the capacity must still hold the longest request). `group` is the epoch
+    store of a group that spans several nodes: a hung one is restarted through it."""
+    client = await ShardedClient.connect(shard_address(args), security)
+    if group is not None:
+        client.restart_group = group.restart
     try:
         await client.clear_cache()
         infos = await client.infos()

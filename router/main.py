@@ -14,11 +14,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from aiohttp import web
+from conveyor.launcher.demo_model import resolve_model
 from conveyor.router import grpc_server as grpc_front_door
 from conveyor.router.block_allocator import BlockAllocator
-from conveyor.router.connect import Connection, connect
+from conveyor.router.connect import Connection, connect, shard_address
 from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
@@ -31,6 +33,8 @@ from conveyor.router.validation import Validation
 from conveyor import config, tracing
 from conveyor import log as conveyor_log
 from conveyor.config import Config
+from conveyor.group_store import GroupStore
+from conveyor.shard_channels import Security
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +43,15 @@ async def run(args: Config) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_id)
-    connection = await connect(args, tokenizer)
+    security = Security.from_config(args)
+    group = GroupStore(args.master_addr, args.master_port, False, args.startup_timeout) if args.nnodes > 1 else None
+    connection = await connect(args, tokenizer, security, group)
     client, shard_info, limits = connection.client, connection.info, connection.limits
 
     metrics = Metrics()
-    scheduler = make_scheduler(args, connection, metrics, reconnect=lambda: connect(args, tokenizer, connection))
+    scheduler = make_scheduler(
+        args, connection, metrics, reconnect=lambda: connect(args, tokenizer, security, group, connection)
+    )
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     server = HttpServer(
         infer,
@@ -146,6 +154,11 @@ async def _drain(infer: Infer, timeout: float, until: Callable[[], bool] = lambd
 
 def main(argv: list[str] | None = None) -> None:
     args = config.parse(argv, "Conveyor router: HTTP front end, queue and batching loop.")
+    args = replace(args, model_id=str(resolve_model(args.model_id, args.demo_size)))  # the tokenizer's
+    if shard_address(args).startswith("tcp://") and not args.shard_token:
+        raise SystemExit(
+            "shards on TCP need the deployment's shared token: set CONVEYOR_SHARD_TOKEN (or --shard-token)"
+        )
     conveyor_log.setup("router", args.log_level)
     tracing.setup("conveyor-router", args.otlp_endpoint)
     try:

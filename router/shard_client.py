@@ -6,6 +6,7 @@ Ranks run the same forward in lockstep and answer the same tokens; the first ran
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -16,10 +17,11 @@ import grpc
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
+from conveyor.shard_channels import LOOPBACK, Security, parse_tcp
+
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Metadata = list[tuple[str, str]] | None
-
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 class ShardError(RuntimeError):
@@ -42,17 +44,27 @@ class StepResult:
 
 
 class ShardedClient:
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], security: Security | None = None) -> None:
         self.urls = urls
         # Seconds a step (and a filter or clear) may take before the shards count as hung; None waits for ever.
         self.step_timeout: float | None = None
         self.pids: list[int] = []  # every rank's process id, when known: `kill` needs them
-        self._channels = [grpc.aio.insecure_channel(u, options=CHANNEL_OPTIONS) for u in urls]
+        # With several nodes, how to restart the whole group (move its epoch on): pids mean nothing across hosts.
+        self.restart_group: Callable[[], object] | None = None
+        self._channels = [(security or Security()).aio_channel(u) for u in urls]
         self._stubs = [pb_grpc.ShardStub(c) for c in self._channels]
 
     def kill(self) -> None:
-        """SIGKILLs every rank: a hung shard group cannot be asked to stop. The launcher then restarts the group.
-        Only a router on the shards' host can do this (the ranks' process ids mean nothing elsewhere)."""
+        """Restarts a hung group, which cannot be asked to stop. Across nodes, by moving the group's epoch on
+        (every node's launcher then restarts its ranks); on this host, by SIGKILLing every rank (the launcher then
+        restarts the group). Shards elsewhere that are not a launcher's group (separate containers, say) cannot be
+        killed from here: their supervisor must restart them."""
+        if self.restart_group is not None:
+            self.restart_group()
+            return
+        if not all(_local(url) for url in self.urls):
+            log.error("the shards are hung and not on this host: their supervisor must restart them")
+            return
         for pid in self.pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -60,16 +72,19 @@ class ShardedClient:
                 pass
 
     @classmethod
-    async def connect(cls, master_uds: str, timeout: float = 10.0) -> ShardedClient:
-        """Asks rank 0 (at `master_uds`) for every rank's address and connects to all of them."""
-        master = cls([_unix_url(master_uds)])
+    async def connect(cls, address: str, security: Security | None = None, timeout: float = 10.0) -> ShardedClient:
+        """`address` is rank 0's (then the others are discovered from it) or every rank's, comma-separated."""
+        urls = [u.strip() for u in address.split(",") if u.strip()]
+        if len(urls) > 1:
+            return cls(urls, security)
+        master = cls(urls, security)
         try:
             response = await master._all(
                 "ServiceDiscovery", lambda s: s.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=timeout)
             )
         finally:
             await master.close()
-        return cls(list(response[0].urls))
+        return cls(list(response[0].urls), security)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels))
@@ -140,8 +155,12 @@ def _shard_error(rank: int, name: str, exc: BaseException) -> ShardError:
     return ShardError(f"shard {rank} failed {name}: {exc!r}")
 
 
-def _unix_url(path: str) -> str:
-    return path if path.startswith("unix:") else f"unix://{path}"
+def _local(url: str) -> bool:
+    """Whether a shard URL is surely on this host (a unix socket, or TCP on loopback)."""
+    if not url.startswith("tcp://"):
+        return True
+    host, _ = parse_tcp(url)
+    return host in (LOOPBACK, "localhost", "::1") or host.startswith("127.")
 
 
 def _step_result(responses: list[Any]) -> StepResult:

@@ -6,11 +6,30 @@ there are before it reduces.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from conveyor.group_store import GroupStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# A rank whose group broke (a peer died or restarted) exits with this code: the group cannot heal, and its
+# launcher restarts it whole (on several nodes, by moving the group's epoch on: conveyor/group_store.py).
+GROUP_LOST_EXIT_CODE = 75
+
+
+def _collective(run: Callable[[], T]) -> T:
+    try:
+        return run()
+    except RuntimeError as exc:  # gloo's "Connection closed by peer" and the like
+        log.critical("lost the process group; exiting", extra={"error": str(exc)})
+        os._exit(GROUP_LOST_EXIT_CODE)
 
 
 @dataclass(frozen=True)
@@ -21,7 +40,7 @@ class ProcessGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over ranks, in place."""
         if self.world_size > 1:
-            dist.all_reduce(tensor)
+            _collective(lambda: dist.all_reduce(tensor))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -29,7 +48,7 @@ class ProcessGroup:
         if self.world_size == 1:
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous())
+        _collective(lambda: dist.all_gather(parts, tensor.contiguous()))
         return torch.cat(parts, dim=dim)
 
     def min(self, value: int) -> int:
@@ -37,21 +56,36 @@ class ProcessGroup:
         if self.world_size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device())
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        _collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN))
         return int(tensor.item())
+
+    def gather(self, value: str) -> list[str]:
+        """Every rank's `value`, in rank order: how rank 0 learns the other ranks' addresses."""
+        if self.world_size == 1:
+            return [value]
+        values: list[str | None] = [None] * self.world_size
+        _collective(lambda: dist.all_gather_object(values, value))
+        return [str(v) for v in values]
 
 
 def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def initialize(device: torch.device) -> ProcessGroup:
-    """Joins the group described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as the launcher sets them)."""
+def initialize(device: torch.device, timeout: float) -> ProcessGroup:
+    """Joins the group described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as the launcher sets them),
+    waiting up to `timeout` seconds for the other ranks. On one node, rank 0 hosts the rendezvous; across nodes
+    (CONVEYOR_GROUP_EPOCH set), node 0's launcher does, and this epoch's ranks meet under its own prefix;
+    `timeout` is how long they wait for one another there."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         address = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = os.environ.get("MASTER_PORT", "29500")
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
+        port = int(os.environ.get("MASTER_PORT", "29500"))
+        if (epoch := os.environ.get("CONVEYOR_GROUP_EPOCH")) is None:
+            dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
+        else:
+            store = GroupStore(address, port, host_it=False, timeout=timeout).rendezvous(int(epoch))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     return ProcessGroup(rank, world_size)

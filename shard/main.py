@@ -1,7 +1,8 @@
-"""`conveyor-shard`: loads a model directory and serves the Shard gRPC service on a unix socket.
+"""`conveyor-shard`: loads a model directory and serves the Shard gRPC service, on a unix socket or on TCP.
 
-The launcher starts one per rank with the deployment's flags and RANK and WORLD_SIZE in the environment; the socket is
-`{shard_uds_path}-{rank}`, bound only once the model has loaded.
+The launcher starts one per rank with the deployment's flags and RANK, WORLD_SIZE and LOCAL_RANK in the
+environment; the address (conveyor/shard_channels.py) is bound only once the model has loaded and the group has
+formed, so a shard that answers is ready.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import replace
 
 import torch
+from conveyor.launcher.demo_model import resolve_model
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import initialize
 from conveyor.shard.engine import Engine
@@ -22,6 +25,7 @@ from conveyor.shard.server import serve
 from conveyor import config, tracing
 from conveyor import log as conveyor_log
 from conveyor.config import Config
+from conveyor.shard_channels import AddressError, Security, rank_address
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +46,23 @@ def check_supported(model_dir: str) -> None:
 
 
 def load(args: Config) -> Engine:
-    device = choose_device(args.device, int(os.environ.get("RANK", "0")))
+    device = choose_device(args.device, _local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("device", extra={"device": str(device)})
-    group = initialize(device)
+    group = initialize(device, args.startup_timeout)
     if group.world_size > 1 and device.type == "cpu":
         # Ranks share the machine's cores; more threads than cores each would only thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     return Engine(args.model_id, args.dtype, device, group)
 
 
-async def run(args: Config) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def _local_rank() -> int:
+    """This rank's place on its own node (its GPU), as the launcher or torchrun sets it."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+async def run(args: Config, security: Security) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -63,20 +70,33 @@ async def run(args: Config) -> None:
     check_supported(args.model_id)
     log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype})
     engine = await asyncio.to_thread(load, args)
-    socket_path = f"{args.shard_uds_path}-{rank}"
-    if os.path.exists(socket_path):
-        os.unlink(socket_path)
-    await serve(engine, args.shard_uds_path, rank, world_size, stop)
+    address = rank_address(args, engine.group.rank, _local_rank())
+    if address.bind.startswith("unix://") and os.path.exists(path := address.bind.removeprefix("unix://")):
+        os.unlink(path)
+    urls = await asyncio.to_thread(engine.group.gather, address.url)  # every rank's, for ServiceDiscovery
+    await serve(engine, address.bind, urls, security, stop)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = config.parse(argv, "Conveyor shard: one model rank behind gRPC (rank and world size from RANK, WORLD_SIZE).")
-    if args.shard_uds_path is None:
-        raise SystemExit("conveyor-shard needs --shard-uds-path")
+    args = config.parse(
+        argv, "Conveyor shard: one model rank behind gRPC (rank and world size from RANK, WORLD_SIZE, LOCAL_RANK)."
+    )
+    if args.listen is None and args.shard_uds_path is None:
+        raise SystemExit("conveyor-shard needs --listen tcp://HOST:PORT or --shard-uds-path")
+    if args.listen is not None and not args.shard_token:
+        raise SystemExit(
+            "a shard on TCP needs the deployment's shared token: set CONVEYOR_SHARD_TOKEN (or --shard-token)"
+        )
+    try:
+        security = Security.from_config(args)
+        rank_address(args, 0, 0)
+    except (AddressError, OSError) as exc:
+        raise SystemExit(f"conveyor-shard: {exc}") from None
+    args = replace(args, model_id=str(resolve_model(args.model_id, args.demo_size)))
     conveyor_log.setup(f"shard-{os.environ.get('RANK', '0')}", args.log_level)
     tracing.setup("conveyor-shard", args.otlp_endpoint)
     try:
-        asyncio.run(run(args))
+        asyncio.run(run(args, security))
     finally:
         tracing.shutdown()
 

@@ -23,9 +23,11 @@ from conveyor.shard.engine import Engine, StepOutput
 from conveyor.shard.requests import BadRequest
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
+from conveyor.shard_channels import CHANNEL_OPTIONS, Security
 
 log = logging.getLogger(__name__)
 
@@ -170,16 +172,16 @@ class ShardService(pb_grpc.ShardServicer):
         return pb.FilterBatchResponse(batch=self._keep(kept))
 
 
-async def serve(engine: Engine, uds_path: str, rank: int, world_size: int, stop: asyncio.Event) -> None:
-    """Serves until `stop` is set, then lets in-flight RPCs finish for a few seconds."""
-    urls = [f"unix://{uds_path}-{r}" for r in range(world_size)]
-    server = grpc.aio.server(
-        options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-    )
+async def serve(engine: Engine, bind: str, urls: list[str], security: Security, stop: asyncio.Event) -> None:
+    """Serves at `bind` until `stop` is set, then lets in-flight RPCs finish for a few seconds. `urls` are every
+    rank's addresses (ServiceDiscovery's answer). The standard health service says SERVING from the start: the
+    server starts only once the model is loaded and the group formed."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=security.interceptors())
     pb_grpc.add_ShardServicer_to_server(ShardService(engine, urls), server)
-    server.add_insecure_port(urls[rank])
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    security.add_port(server, bind)
     await server.start()
-    log.info("shard serving", extra={"url": urls[rank], "rank": rank})
+    log.info("shard serving", extra={"url": bind, "rank": engine.group.rank, "tls": security.cert is not None})
     await stop.wait()
     await server.stop(grace=5)
     log.info("shard stopped")

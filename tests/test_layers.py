@@ -92,7 +92,7 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, inputs_path: 
     from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    group = initialize(CPU)
+    group = initialize(CPU, timeout=60)
     try:
         inputs = torch.load(inputs_path)
         weights = Weights(model_dir, group, torch.float32, CPU)

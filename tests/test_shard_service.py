@@ -16,6 +16,7 @@ import grpc
 import pytest
 from conftest import greedy_reference, wait_for
 from conveyor.launcher.processes import shard_healthy
+from conveyor.shard_channels import Security
 from conveyor.router.shard_client import ShardedClient, ShardError
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
@@ -33,10 +34,10 @@ def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
     def healthy() -> bool:
         assert process.poll() is None, "the shard exited while loading"
-        return shard_healthy(f"{uds}-0")
+        return shard_healthy(f"unix://{uds}-0", Security())
 
     wait_for(healthy, 120, "the shard to answer Health")
-    yield f"{uds}-0"
+    yield f"unix://{uds}-0"
     process.terminate()
     assert process.wait(30) == 0
 
@@ -79,7 +80,7 @@ async def test_info_and_discovery(client: ShardedClient, shard: str) -> None:
     assert info.engine == "paged" and info.dtype == "float32"
     assert info.block_size == 16
     assert info.model_type == "llama" and info.world_size == 1
-    assert client.urls == [f"unix://{shard}"]
+    assert client.urls == [shard]
 
 
 async def test_join_filter_and_decode_keep_each_request_on_its_greedy_path(
@@ -134,7 +135,7 @@ async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(client: Sharded
 
 
 async def test_a_failed_grpc_call_has_invalid_argument_status(shard: str) -> None:
-    async with grpc.aio.insecure_channel(f"unix://{shard}") as channel:
+    async with grpc.aio.insecure_channel(shard) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await pb_grpc.ShardStub(channel).FilterBatch(pb.FilterBatchRequest(batch_id=12345))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
