@@ -34,9 +34,13 @@ class AddressError(ValueError):
 def parse_tcp(url: str) -> tuple[str, int]:
     """`tcp://HOST:PORT` (HOST may be empty: loopback) as (host, port)."""
     parts = urlsplit(url)
-    if parts.scheme != "tcp" or parts.port is None or parts.path not in ("", "/"):
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or port is None or parts.path not in ("", "/"):
         raise AddressError(f"{url!r} is not tcp://HOST:PORT")
-    return parts.hostname or LOOPBACK, parts.port
+    return parts.hostname or LOOPBACK, port
 
 
 def target(url: str) -> str:
