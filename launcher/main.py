@@ -25,7 +25,7 @@ from conveyor.launcher.processes import ChildDied, Deployment
 from conveyor import config
 from conveyor import log as conveyor_log
 from conveyor.config import Config
-from conveyor.shard_channels import AddressError, Security, rank_address
+from conveyor.shard_channels import AddressError, Security, parse_tcp, rank_address
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ def check_nodes(args: Config) -> Config:
         rank_address(args, 0, 0)
     except (AddressError, OSError) as exc:
         raise SystemExit(f"conveyor-launcher: {exc}") from None
+    if args.nnodes > 1 and args.advertise_host is None and parse_tcp(args.listen)[0] in ("0.0.0.0", "::"):
+        raise SystemExit("--nnodes > 1 with --listen on every interface: say where others reach it, --advertise-host")
     if args.listen is not None and not args.shard_token:
         if args.nnodes > 1:
             raise SystemExit("--nnodes > 1: every node needs the same shared token in CONVEYOR_SHARD_TOKEN")

@@ -46,6 +46,16 @@ def shard_address(args: Config) -> str:
     raise SystemExit("conveyor-router needs --shard-address (or --shard-uds-path)")
 
 
+def _check_ranks(urls: list[str], infos: list[pb.InfoResponse]) -> None:
+    """Each address must lead to the rank of its place, and to a group of their number."""
+    for place, (url, info) in enumerate(zip(urls, infos)):
+        if info.rank != place or info.world_size != len(urls):
+            raise ValueError(
+                f"{url} answers as rank {info.rank} of {info.world_size}, not rank {place} of {len(urls)} "
+                "(check --advertise-host and --shard-address)"
+            )
+
+
 async def connect(
     args: Config, tokenizer, security: Security, group: GroupStore | None = None, first: Connection | None = None
 ) -> Connection:
@@ -59,6 +69,7 @@ async def connect(
     try:
         await client.clear_cache()
         infos = await client.infos()
+        _check_ranks(client.urls, infos)
         client.pids = [info.pid for info in infos]
         limits = first.limits if first else resolve_limits(args, infos[0], tokenizer)
         log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})

@@ -69,6 +69,7 @@ class Engine:
             model_type=self.config.model_type,
             max_position_embeddings=getattr(self.config, "max_position_embeddings", 0) or 0,
             world_size=self.group.world_size,
+            rank=self.group.rank,
             block_size=self.block_size,
         )
 

@@ -35,7 +35,9 @@ def test_the_launcher_refuses_several_nodes_it_could_not_wire() -> None:
     with pytest.raises(SystemExit, match="--listen"):
         check_nodes(Config(nnodes=2))
     with pytest.raises(SystemExit, match="CONVEYOR_SHARD_TOKEN"):
-        check_nodes(Config(nnodes=2, listen="tcp://0.0.0.0:5000"))
+        check_nodes(Config(nnodes=2, listen="tcp://10.0.0.5:5000"))
+    with pytest.raises(SystemExit, match="--advertise-host"):
+        check_nodes(Config(nnodes=2, listen="tcp://0.0.0.0:5000", shard_token="t"))
     with pytest.raises(SystemExit, match="--node-rank"):
         check_nodes(Config(nnodes=2, node_rank=2, listen="tcp://0.0.0.0:5000", shard_token="t"))
     with pytest.raises(SystemExit, match="tcp://HOST:PORT"):
@@ -47,7 +49,7 @@ def test_the_launcher_refuses_several_nodes_it_could_not_wire() -> None:
 def test_a_single_node_on_tcp_makes_up_its_token_and_several_keep_theirs() -> None:
     made_up = check_nodes(Config(listen="tcp://127.0.0.1:5000")).shard_token
     assert made_up and len(made_up) >= 32 and made_up != check_nodes(Config(listen="tcp://:5000")).shard_token
-    given = Config(nnodes=2, listen="tcp://0.0.0.0:5000", shard_token="shared")
+    given = Config(nnodes=2, listen="tcp://10.0.0.5:5000", shard_token="shared")
     assert check_nodes(given).shard_token == "shared"
     assert check_nodes(Config()).shard_token is None  # unix sockets in a private directory need none
 

@@ -21,7 +21,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("dtype", "device_type", "block_size", "engine", "model_type", "max_position_embeddings", "world_size", "pid")
+    __slots__ = ("dtype", "device_type", "block_size", "engine", "model_type", "max_position_embeddings", "world_size", "pid", "rank")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class InfoResponse(_message.Message):
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     device_type: str
     block_size: int
@@ -38,7 +39,8 @@ class InfoResponse(_message.Message):
     max_position_embeddings: int
     world_size: int
     pid: int
-    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
