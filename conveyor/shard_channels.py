@@ -101,7 +101,8 @@ class Security:
     # --- shard side -------------------------------------------------------------------------------------------
 
     def add_port(self, server: grpc.aio.Server, bind: str) -> None:
-        if self.cert is None:
+        """TLS on TCP only, as the router's channels do: a unix socket stays within the host."""
+        if self.cert is None or bind.startswith("unix:"):
             server.add_insecure_port(bind)
             return
         credentials = grpc.ssl_server_credentials(
