@@ -16,10 +16,11 @@ import grpc
 import pytest
 from conftest import greedy_reference, wait_for
 from conveyor.launcher.processes import shard_healthy
-from conveyor.shard_channels import Security
 from conveyor.router.shard_client import ShardedClient, ShardError
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
+
+from conveyor.shard_channels import Security
 
 BLOCKS_PER_REQUEST = 8  # request n gets blocks [8n, 8n + 8), 128 tokens with 16-token blocks
 
