@@ -373,22 +373,19 @@ def substitute(where: str, value: str, env: dict[str, dict], lws: bool) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, value)
 
 
-def container_processes(pod: Pod, lws: bool) -> Iterator[tuple[dict, Process]]:
+def container_processes(pod: Pod) -> Iterator[tuple[dict, Process]]:
     for container in pod.spec["containers"]:
         command = [*container.get("command", []), *container.get("args", [])]
         if not command or command[0] not in CONSOLE_SCRIPTS:
             continue
         where = f"{pod.where} container {container['name']}"
         env = {e["name"]: e for e in container.get("env", [])}
-        yield container, parse_process(where, [substitute(where, str(a), env, lws) for a in command])
+        argv = [substitute(where, str(a), env, lws=pod.group is not None) for a in command]
+        yield container, parse_process(where, argv)
 
 
 def all_processes() -> list[tuple[Pod, dict, Process]]:
-    found = [
-        (pod, container, process)
-        for pod in pods()
-        for container, process in container_processes(pod, lws=pod.group is not None)
-    ]
+    found = [(pod, container, process) for pod in pods() for container, process in container_processes(pod)]
     assert found, "no Conveyor container in deploy/kubernetes"
     return found
 
