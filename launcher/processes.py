@@ -129,6 +129,7 @@ class Deployment:
                 os.environ,
                 RANK=str(rank),
                 LOCAL_RANK=str(local_rank),
+                LOCAL_WORLD_SIZE=str(self.num_shard),
                 WORLD_SIZE=str(world_size),
                 MASTER_ADDR=self.config.master_addr,
                 MASTER_PORT=str(self.config.master_port),

@@ -243,12 +243,27 @@ def _free_memory(device: torch.device) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free * GPU_MEMORY_FRACTION
-    return _available_ram() * CPU_MEMORY_FRACTION / max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    ranks_here = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    return available_ram() * CPU_MEMORY_FRACTION / max(1, int(ranks_here))
 
 
-def _available_ram() -> float:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
+def available_ram(cgroup: Path = Path("/sys/fs/cgroup"), meminfo: Path = Path("/proc/meminfo")) -> float:
+    """What this process may still take: the host's available memory, or less when a container's cgroup limit
+    leaves less (/proc/meminfo shows the host's memory inside a container, not the limit)."""
+    available = 4 << 30
+    with open(meminfo) as lines:
+        for line in lines:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
+                available = int(line.split()[1]) * 1024
+    for limit, usage in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            cap = (cgroup / limit).read_text().strip()
+            used = int((cgroup / usage).read_text())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit():
+            return max(0, min(available, int(cap) - used))
+    return available

@@ -58,3 +58,23 @@ def test_gemm_backend_switch(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CONVEYOR_GEMM", "onednn")
     with pytest.raises(ValueError, match="cannot pack"):
         Gemm(weight.to(torch.float16))
+
+
+def test_the_kv_pool_on_cpu_sees_a_containers_memory_limit(tmp_path) -> None:
+    """/proc/meminfo shows the host's memory inside a container; the cgroup limit is what the pod may take."""
+    from conveyor.shard.engine import available_ram
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
+    host = 8000000 * 1024
+    assert available_ram(tmp_path / "no-cgroup", meminfo) == host
+    (tmp_path / "memory.max").write_text("1073741824\n")  # cgroup v2: a 1 GiB limit, 256 MiB used
+    (tmp_path / "memory.current").write_text(str(256 << 20))
+    assert available_ram(tmp_path, meminfo) == 768 << 20
+    (tmp_path / "memory.max").write_text("max\n")  # no limit
+    assert available_ram(tmp_path, meminfo) == host
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(512 << 20))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(128 << 20))
+    assert available_ram(v1, meminfo) == 384 << 20
