@@ -250,3 +250,17 @@ def server(tiny_model: Path) -> Iterator[Server]:
     server = start_server(tiny_model, "--max-total-tokens", "512", "--max-batch-prefill-tokens", "2048")
     yield server
     assert server.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def small_kv(tiny_model: Path) -> Iterator[Server]:
+    """A KV pool of 32 blocks of 16 tokens: a few long requests outgrow it, so the scheduler has to preempt. One
+    deployment for tests/test_kv_blocks.py, tests/test_scheduling.py and tests/faults/test_soak.py (a start is
+    12-20 s on 2 cores): they read counters as differences, and the soak's SIGKILLed shard comes back with the
+    same pool (its size is given, not measured)."""
+    server = start_server(
+        tiny_model, "--master-port", str(free_port()), "--max-batch-total-tokens", "512", "--max-total-tokens", "256"
+    )
+    assert server.info()["kv_blocks_total"] == 32
+    yield server
+    assert server.stop() == 0

@@ -8,19 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
-from conftest import Server, free_port, greedy_reference, start_server, wait_for
+from conftest import Server, free_port, greedy_reference, wait_for
 from test_lifecycle import StreamWatcher
 
 PROMPTS = [f"def step_{n}(x):" for n in range(10)]
 MAX_NEW = 150  # each request may fill ceil((~7 + 149) / 16) = 10 blocks: 3 of them fit 32 blocks at once
-
-
-@pytest.fixture(scope="module")
-def small_kv(tiny_model: Path):
-    server = start_server(tiny_model, "--max-batch-total-tokens", "512", "--max-total-tokens", "256")
-    yield server
-    assert server.stop() == 0
 
 
 def info(server: Server) -> dict:

@@ -139,15 +139,6 @@ def chunking(tiny_model: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def small_kv(tiny_model: Path) -> Iterator[Server]:
-    """32 blocks of 16 tokens: a few long requests outgrow them, so the scheduler has to preempt."""
-    server = launch(tiny_model, "--max-batch-total-tokens", "512", "--max-total-tokens", "256")
-    assert info(server)["kv_blocks_total"] == 32
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture(scope="module")
 def long_runners(tiny_model: Path) -> list[str]:
     """Prompts whose greedy continuation runs the full PREEMPT_NEW_TOKENS: the test model's extra EOS id ends
     some others early (conftest keeps it out of the oracle prompts' continuations only), and short requests

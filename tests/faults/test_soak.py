@@ -16,8 +16,6 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -34,7 +32,7 @@ from clients import (
     wait_until,
     wait_until_idle,
 )
-from conftest import Server, free_port, start_server
+from conftest import Server
 
 REQUESTS = int(os.environ.get("CONVEYOR_SOAK_REQUESTS", "200"))
 # Shard kills spread over the run (SIGKILL, as an OOM kill): every request they cut is replayed, none lost.
@@ -42,18 +40,11 @@ KILLS = int(os.environ.get("CONVEYOR_SOAK_KILLS", "1"))
 SEED = int(os.environ.get("CONVEYOR_SOAK_SEED", "11"))
 CONCURRENCY = 48
 HANG_UP_SHARE = 0.1
-# 32 blocks of 16 tokens: a few dozen requests of up to ~100 prompt tokens plus 64 new ones outgrow it.
-FLAGS = ("--max-batch-total-tokens", "512", "--max-total-tokens", "256")
+# The deployment is conftest's `small_kv`, shared with other modules: 32 blocks of 16 tokens, which a few dozen
+# requests of up to ~100 prompt tokens plus 64 new ones outgrow. Its counters are read as differences.
 # Generous bounds, so that only a hang trips them: the whole run, and each read of each request.
 RUN_LIMIT = 60 + REQUESTS * 0.5 + KILLS * 60
 READ_TIMEOUT = 120
-
-
-@pytest.fixture
-def small_kv(tiny_model: Path) -> Iterator[Server]:
-    server = start_server(tiny_model, "--master-port", str(free_port()), *FLAGS)
-    yield server
-    assert server.stop() == 0
 
 
 def lost(result: Result) -> str | None:
