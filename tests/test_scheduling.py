@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,12 +70,15 @@ def reusable_tokens(cached: list[int], prompt: list[int]) -> int:
     return min(common_length(cached, prompt), len(prompt) - 1) // BLOCK * BLOCK
 
 
-def counter(server: Server, name: str) -> float:
-    """One unlabelled Prometheus sample: the value on the line `name value` of /metrics."""
+def counter(server: Server, name: str, missing: float | None = None) -> float:
+    """One Prometheus sample: the value on the line `name value` of /metrics (`missing` if there is none yet, as
+    for a labelled child never observed; None: an error)."""
     for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
         key, _, value = line.partition(" ")
         if key == name:
             return float(value)
+    if missing is not None:
+        return missing
     raise AssertionError(f"{name} is not in /metrics")
 
 
@@ -136,6 +139,30 @@ def chunking(tiny_model: Path) -> Iterator[Server]:
     server = launch(tiny_model, "--max-total-tokens", "512", "--max-batch-prefill-tokens", "16")
     yield server
     assert server.stop() == 0
+
+
+# Launcher flags of each scheduling mode. The sequential deployment runs without the prefix cache too, for
+# test_without_prefix_caching_...: a start less, and the two do not meet (that test's requests come one after the
+# other anyway, and the mode test reads its decode steps as a difference).
+MODES = {
+    "sequential": ["--scheduling", "sequential", "--no-prefix-caching"],
+    "static": ["--scheduling", "static", "--max-batch-size", "4", "--static-batch-timeout", "0.5"],
+}
+
+
+@pytest.fixture(scope="module")
+def mode_server(tiny_model: Path) -> Iterator[Callable[[str], Server]]:
+    """The deployment of a scheduling mode (MODES), started at its first use and shared by the tests after."""
+    servers: dict[str, Server] = {}
+
+    def get(mode: str) -> Server:
+        if mode not in servers:
+            servers[mode] = launch(tiny_model, "--max-total-tokens", "512", *MODES[mode])
+        return servers[mode]
+
+    yield get
+    codes = [server.stop() for server in servers.values()]
+    assert codes == [0] * len(codes)
 
 
 @pytest.fixture(scope="module")
@@ -217,18 +244,17 @@ def test_requests_sharing_a_prefix_reuse_its_blocks_exactly(chunking: Server, ti
     wait_for(lambda: all_blocks_free(chunking), 60, "every block to be free again")
 
 
-def test_without_prefix_caching_the_same_prompts_give_the_same_tokens_and_no_hits(tiny_model: Path) -> None:
-    server = launch(tiny_model, "--max-total-tokens", "512", "--no-prefix-caching")
-    try:
-        assert info(server)["prefix_caching"] is False
-        prompt = COMMON_PREFIX + TAILS[0]
-        for _ in range(2):  # the second would hit the first's blocks, were they cached
-            assert_exact(tiny_model, prompt, generated_ids(server, prompt, PREFIX_NEW_TOKENS), PREFIX_NEW_TOKENS)
-        assert counter(server, "conveyor_prefix_cache_hits_total") == 0
-        wait_for(lambda: all_blocks_free(server), 60, "every block to be free again")
-        assert info(server)["kv_blocks_cached"] == 0
-    finally:
-        assert server.stop() == 0
+def test_without_prefix_caching_the_same_prompts_give_the_same_tokens_and_no_hits(
+    mode_server: Callable[[str], Server], tiny_model: Path
+) -> None:
+    server = mode_server("sequential")  # started with --no-prefix-caching (see MODES)
+    assert info(server)["prefix_caching"] is False
+    prompt = COMMON_PREFIX + TAILS[0]
+    for _ in range(2):  # the second would hit the first's blocks, were they cached
+        assert_exact(tiny_model, prompt, generated_ids(server, prompt, PREFIX_NEW_TOKENS), PREFIX_NEW_TOKENS)
+    assert counter(server, "conveyor_prefix_cache_hits_total") == 0
+    wait_for(lambda: all_blocks_free(server), 60, "every block to be free again")
+    assert info(server)["kv_blocks_cached"] == 0
 
 
 # ---------------------------------------------------------------------------------------------------- preemption
@@ -284,27 +310,21 @@ def test_a_client_hanging_up_under_preemption_leaves_the_others_exact(
 # ---------------------------------------------------------------------------------------------------- modes
 
 
-MODES = {
-    "sequential": ["--scheduling", "sequential"],
-    "static": ["--scheduling", "static", "--max-batch-size", "4", "--static-batch-timeout", "0.5"],
-}
-
-
 @pytest.mark.parametrize("mode", list(MODES))
-def test_each_scheduling_mode_serves_a_burst_exactly(mode: str, tiny_model: Path) -> None:
-    server = launch(tiny_model, "--max-total-tokens", "512", *MODES[mode])
-    try:
-        assert info(server)["scheduling"] == mode
-        burst = ORACLE_PROMPTS[:6]
-        with ThreadPoolExecutor(len(burst)) as pool:
-            results = list(pool.map(lambda pn: generated_ids(server, *pn), burst))
-        for (prompt, n), ids in zip(burst, results):
-            assert_exact(tiny_model, prompt, ids, n)
-        if mode == "sequential":  # one request at a time: no decode step is ever shared
-            decodes = 'conveyor_batch_step_duration_seconds_count{method="decode"}'
-            assert counter(server, decodes) == sum(n - 1 for _, n in burst)
-    finally:
-        assert server.stop() == 0
+def test_each_scheduling_mode_serves_a_burst_exactly(
+    mode: str, mode_server: Callable[[str], Server], tiny_model: Path
+) -> None:
+    server = mode_server(mode)
+    assert info(server)["scheduling"] == mode
+    decodes = 'conveyor_batch_step_duration_seconds_count{method="decode"}'
+    decodes_before = counter(server, decodes, missing=0.0)
+    burst = ORACLE_PROMPTS[:6]
+    with ThreadPoolExecutor(len(burst)) as pool:
+        results = list(pool.map(lambda pn: generated_ids(server, *pn), burst))
+    for (prompt, n), ids in zip(burst, results):
+        assert_exact(tiny_model, prompt, ids, n)
+    if mode == "sequential":  # one request at a time: no decode step is ever shared
+        assert counter(server, decodes) - decodes_before == sum(n - 1 for _, n in burst)
 
 
 def test_an_unknown_scheduling_mode_is_refused_at_startup(tiny_model: Path) -> None:
