@@ -20,17 +20,22 @@ from conftest import ORACLE_PROMPTS, Server, free_port, greedy_reference, start_
 
 PROMPTS = ORACLE_PROMPTS
 
-# (model fixture, launcher flags): every engine and sharding must pass the same oracle.
+# (model fixture, launcher flags): every engine and sharding must pass the same oracle. None: conftest's session
+# deployment of the tiny model (--max-total-tokens 512 as here; its prefill budget of 2048 tokens is more than
+# these prompts take together), which saves a start of the same thing.
 DEPLOYMENTS = {
-    "llama-gqa": ("tiny_model", []),
+    "llama-gqa": ("tiny_model", None),
     "qwen2-bias": ("qwen2_model", []),
     "llama-2-shards": ("tiny_model", ["--num-shard", "2"]),
 }
 
 
 @pytest.fixture(scope="module", params=list(DEPLOYMENTS))
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+def deployment(request: pytest.FixtureRequest) -> Iterator[Server]:
     model_fixture, flags = DEPLOYMENTS[request.param]
+    if flags is None:
+        yield request.getfixturevalue("server")
+        return
     model_dir = request.getfixturevalue(model_fixture)
     server = start_server(model_dir, "--max-total-tokens", "512", "--master-port", str(free_port()), *flags)
     try:
@@ -98,34 +103,34 @@ def run_staggered(server: Server, streams: list[Stream], after_tokens: int) -> N
             f.result()
 
 
-def test_staggered_greedy_requests_match_transformers(server: Server) -> None:
+def test_staggered_greedy_requests_match_transformers(deployment: Server) -> None:
     streams = [Stream(p, n) for p, n in PROMPTS]
-    run_staggered(server, streams, after_tokens=2)
+    run_staggered(deployment, streams, after_tokens=2)
     for s in streams:
-        expected = greedy_reference(server.model_dir, s.prompt, s.max_new_tokens)
+        expected = greedy_reference(deployment.model_dir, s.prompt, s.max_new_tokens)
         assert s.ids == expected, f"prompt {s.prompt!r}"
         assert s.final is not None and s.final["details"]["generated_tokens"] == len(expected)
 
 
-def test_a_cancelled_stream_leaves_the_others_exact(server: Server) -> None:
+def test_a_cancelled_stream_leaves_the_others_exact(deployment: Server) -> None:
     streams = [Stream(p, n) for p, n in PROMPTS[:8]]
     streams[2] = Stream(PROMPTS[2][0], 200, cancel_after=3)  # disconnects after 3 tokens, mid-batch
-    run_staggered(server, streams, after_tokens=3)
+    run_staggered(deployment, streams, after_tokens=3)
     for s in streams:
-        expected = greedy_reference(server.model_dir, s.prompt, s.max_new_tokens)
+        expected = greedy_reference(deployment.model_dir, s.prompt, s.max_new_tokens)
         if s.cancel_after is None:
             assert s.ids == expected, f"prompt {s.prompt!r}"
         else:
             assert s.ids == expected[: len(s.ids)] and len(s.ids) == s.cancel_after
-    # The server is still healthy and serves the next request exactly.
-    with server.client() as client:
+    # The deployment is still healthy and serves the next request exactly.
+    with deployment.client() as client:
         response = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 5, "details": True}})
-    assert [t["id"] for t in response.json()["details"]["tokens"]] == greedy_reference(server.model_dir, "x", 5)
+    assert [t["id"] for t in response.json()["details"]["tokens"]] == greedy_reference(deployment.model_dir, "x", 5)
 
 
-def test_non_streaming_requests_in_a_burst_match_transformers(server: Server) -> None:
+def test_non_streaming_requests_in_a_burst_match_transformers(deployment: Server) -> None:
     def generate(prompt: str, n: int) -> list[int]:
-        with server.client() as client:
+        with deployment.client() as client:
             r = client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}})
         assert r.status_code == 200, r.text
         return [t["id"] for t in r.json()["details"]["tokens"]]
@@ -133,4 +138,4 @@ def test_non_streaming_requests_in_a_burst_match_transformers(server: Server) ->
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(lambda pn: generate(*pn), PROMPTS))
     for (prompt, n), ids in zip(PROMPTS, results):
-        assert ids == greedy_reference(server.model_dir, prompt, n), f"prompt {prompt!r}"
+        assert ids == greedy_reference(deployment.model_dir, prompt, n), f"prompt {prompt!r}"
