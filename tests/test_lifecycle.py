@@ -1,6 +1,6 @@
 """Deployments under stress and at their ends: overload, a shard dying mid-stream, a graceful shutdown.
 
-Each test starts its own deployment, since each ends it.
+The tests that end a deployment end their own; the 429 test leaves its deployment to the SIGTERM test.
 """
 
 from __future__ import annotations
@@ -11,14 +11,33 @@ import signal
 import stat
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from conftest import Server, StreamWatcher, free_port, greedy_reference, start_server, wait_for
 
 LONG = {"inputs": "def forever():", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def capped(tiny_model: Path) -> Iterator[Callable[[], Server]]:
+    """A deployment with --max-concurrent-requests 2, for the 429 test, which leaves it healthy, and then the
+    SIGTERM test, which ends it (a start is 12-20 s on 2 cores). Started at first use, and again for a test that
+    finds it ended, so neither depends on the other's running first."""
+    servers: list[Server] = []
+
+    def get() -> Server:
+        if not servers or servers[-1].process.poll() is not None:
+            servers.append(start_server(tiny_model, "--max-concurrent-requests", "2"))
+        return servers[-1]
+
+    yield get
+    codes = [server.stop() for server in servers]
+    assert codes == [0] * len(codes)
 
 
 def _refused_while_two_in_flight(server: Server) -> tuple[httpx.Response, httpx.Response] | None:
@@ -39,28 +58,24 @@ def _refused_while_two_in_flight(server: Server) -> tuple[httpx.Response, httpx.
     return (refused, refused_stream) if held else None
 
 
-def test_over_max_concurrent_requests_is_429_and_the_slots_come_back(tiny_model: Path) -> None:
-    server = start_server(tiny_model, "--max-concurrent-requests", "2")
-    try:
-        for _ in range(5):
-            if (answers := _refused_while_two_in_flight(server)) is not None:
-                break
-        else:
-            raise AssertionError("the long streams always finished before the third request was answered")
-        for refused in answers:
-            assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded"
-        # Disconnected clients give their slots back: a request is served again.
-        with server.client() as client:
-            wait_for(
-                lambda: (
-                    client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}).status_code
-                    == 200
-                ),
-                60,
-                "a slot to come back",
-            )
-    finally:
-        assert server.stop() == 0
+def test_over_max_concurrent_requests_is_429_and_the_slots_come_back(capped: Callable[[], Server]) -> None:
+    server = capped()
+    for _ in range(5):
+        if (answers := _refused_while_two_in_flight(server)) is not None:
+            break
+    else:
+        raise AssertionError("the long streams always finished before the third request was answered")
+    for refused in answers:
+        assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded"
+    # Disconnected clients give their slots back: a request is served again.
+    with server.client() as client:
+        wait_for(
+            lambda: (
+                client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}).status_code == 200
+            ),
+            60,
+            "a slot to come back",
+        )
 
 
 def test_past_max_restarts_a_killed_shard_ends_the_stream_with_an_error_and_the_launcher_fails(
@@ -102,8 +117,10 @@ def _draining(server) -> bool:
     return health.status_code == 503 and health.json()["error_type"] == "unavailable" and refused.status_code == 503
 
 
-def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(tiny_model: Path) -> None:
-    server = start_server(tiny_model, "--max-total-tokens", "512")
+def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(
+    capped: Callable[[], Server], tiny_model: Path
+) -> None:
+    server = capped()  # one stream: the cap of 2 leaves room for the requests the drain refuses
     # Long enough that the drain outlasts a few polls of /health even on a fast machine.
     body = {"inputs": "x = 1", "parameters": {"max_new_tokens": 400, "details": True, "ignore_eos": True}}
     watcher = StreamWatcher(server, body)
