@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+import pytest
 from conftest import ORACLE_PROMPTS, Server, StreamWatcher, free_port, greedy_reference, start_server, wait_for
 
 # 16 greedy streams, long enough to be mid-way when the shards die; at most 8 run at once, so 8 are queued.
@@ -22,6 +24,8 @@ SEEDED = {
     "inputs": "def sample():",
     "parameters": {"max_new_tokens": 40, "do_sample": True, "seed": 7, "ignore_eos": True},
 }
+# Group restarts the kill-then-hang deployment allows: it heals from both, and the next death is one too many.
+MAX_RESTARTS = 2
 
 
 def _idle_and_whole(server: Server) -> bool:
@@ -58,10 +62,30 @@ def _serve_through(server: Server, fault: Callable[[], None], restarts: int) -> 
     wait_for(lambda: _idle_and_whole(server), 60, "every KV block to be free")
 
 
-def test_a_killed_then_a_hung_shard_lose_no_request(tiny_model: Path) -> None:
+@pytest.fixture(scope="module")
+def restarting(tiny_model: Path) -> Iterator[Callable[[], Server]]:
+    """A deployment that allows MAX_RESTARTS group restarts, shared by the kill-then-hang test (which spends them)
+    and the past-max-restarts test (which ends it): a start is 12-20 s on 2 cores. Started at first use, and again
+    for a test that finds it ended, so neither depends on the other's running first."""
+    servers: list[Server] = []
+    flags = ("--max-batch-size", MAX_BATCH, "--shard-step-timeout", "5", "--max-restarts", str(MAX_RESTARTS))
+
+    def get() -> Server:
+        if not servers or servers[-1].process.poll() is not None:
+            servers.append(start_server(tiny_model, *flags))
+        return servers[-1]
+
+    yield get
+    running = [server for server in servers if server.process.poll() is None]
+    codes = [server.stop() for server in running]  # a test that ended one checked its exit code
+    assert codes == [0] * len(codes)
+
+
+def test_a_killed_then_a_hung_shard_lose_no_request(restarting: Callable[[], Server]) -> None:
     """SIGKILL, then SIGSTOP (the shard neither answers nor dies: the step deadline catches it, and the router
     kills the group), on one deployment that heals from both."""
-    server = start_server(tiny_model, "--max-batch-size", MAX_BATCH, "--shard-step-timeout", "5")
+    server = restarting()
+    assert server.metric("conveyor_shard_restarts_total") == 0
     stopped: list[int] = []
 
     def hang() -> None:
@@ -70,13 +94,43 @@ def test_a_killed_then_a_hung_shard_lose_no_request(tiny_model: Path) -> None:
 
     try:
         _serve_through(server, lambda: os.kill(server.shard_pid(0), signal.SIGKILL), restarts=1)
-        _serve_through(server, hang, restarts=2)
+        _serve_through(server, hang, restarts=MAX_RESTARTS)
         assert stopped[0] not in server.shard_pids()
     finally:
         if stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped[0], signal.SIGKILL)
-        assert server.stop() == 0
+
+
+def test_past_max_restarts_a_killed_shard_ends_the_stream_with_an_error_and_the_launcher_fails(
+    restarting: Callable[[], Server],
+) -> None:
+    """Once --max-restarts are spent (by the test above; alone, this test spends them first), the next death is
+    the last: the stream ends with an error event at once (not after the graceful timeout) and the launcher exits
+    non-zero with nothing left running."""
+    server = restarting()
+    try:
+        with server.client() as client:
+            for _ in range(MAX_RESTARTS - int(server.metric("conveyor_shard_restarts_total"))):
+                os.kill(server.shard_pid(0), signal.SIGKILL)
+                # The step finds the shards gone, waits for the restarted ones, and replays the request.
+                body = {"inputs": "x", "parameters": {"max_new_tokens": 2}}
+                assert client.post("/generate", json=body).status_code == 200
+        long = {"inputs": "def forever():", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+        watcher = StreamWatcher(server, long)
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(watcher.run)
+            wait_for(lambda: watcher.received(3), 120, "the stream to start")
+            children = [c.pid for c in server.children()]
+            os.kill(server.shard_pid(0), signal.SIGKILL)
+            future.result(timeout=120)
+        last = watcher.events[-1]
+        assert last.get("error_type") == "unavailable" and last["error"]
+        assert len(watcher.events) < 1000
+        assert server.process.wait(timeout=120) != 0
+        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in children), 30, "the children to be gone")
+    finally:
+        server.stop()
 
 
 def test_two_ranks_one_killed_lose_no_request(tiny_model: Path) -> None:
