@@ -7,6 +7,7 @@ prompt alone.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 import sseclient
-from conftest import ORACLE_PROMPTS, Server, free_port, greedy_reference, start_server, wait_for
+from conftest import ORACLE_PROMPTS, Deployments, Server, free_port, greedy_reference, start_server, wait_for
 
 PROMPTS = ORACLE_PROMPTS
 
@@ -30,21 +31,38 @@ DEPLOYMENTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def own_deployments(request: pytest.FixtureRequest) -> Iterator[Deployments]:
+    """The deployments this module starts itself: those of the selected cases start together."""
+    items = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    selected = {i.callspec.params.get("deployment") for i in items if hasattr(i, "callspec")}
+    starts = {
+        name: functools.partial(
+            start_server,
+            request.getfixturevalue(model_fixture),
+            "--max-total-tokens",
+            "512",
+            "--master-port",
+            str(free_port()),
+            *flags,
+        )
+        for name, (model_fixture, flags) in DEPLOYMENTS.items()
+        if flags is not None and name in selected
+    }
+    deployments = Deployments(starts)
+    yield deployments
+    codes = deployments.stop()
+    assert codes == [0] * len(codes)
+
+
 @pytest.fixture(scope="module", params=list(DEPLOYMENTS))
-def deployment(request: pytest.FixtureRequest) -> Iterator[Server]:
-    model_fixture, flags = DEPLOYMENTS[request.param]
+def deployment(request: pytest.FixtureRequest) -> Server:
+    flags = DEPLOYMENTS[request.param][1]
     if flags is None:
-        yield request.getfixturevalue("server")
-        return
-    model_dir = request.getfixturevalue(model_fixture)
-    server = start_server(model_dir, "--max-total-tokens", "512", "--master-port", str(free_port()), *flags)
-    try:
-        with server.client() as client:
-            info = client.get("/info").json()
-        assert info["num_shard"] == (2 if "--num-shard" in flags else 1)
-        yield server
-    finally:
-        assert server.stop() == 0  # also when the check above fails: no deployment outlives its test
+        return request.getfixturevalue("server")
+    server = request.getfixturevalue("own_deployments").get(request.param)
+    assert server.info()["num_shard"] == (2 if "--num-shard" in flags else 1)
+    return server
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ORACLE_PROMPTS, Server, free_port, greedy_reference, start_server, wait_for
+from conftest import ORACLE_PROMPTS, Deployments, Server, free_port, greedy_reference, start_server, used, wait_for
 from test_lifecycle import StreamWatcher
 from test_oracle import Stream, run_staggered
 
@@ -132,15 +132,6 @@ def launch(model_dir: Path, *flags: str) -> Server:
 # ---------------------------------------------------------------------------------------------------- deployments
 
 
-@pytest.fixture(scope="module")
-def chunking(tiny_model: Path) -> Iterator[Server]:
-    """A 16-token step budget far below the longest prompt allowed: long prompts must be chunked. The prefix
-    cache is on by default, so the prefix tests share this deployment (and chunk their prompts too)."""
-    server = launch(tiny_model, "--max-total-tokens", "512", "--max-batch-prefill-tokens", "16")
-    yield server
-    assert server.stop() == 0
-
-
 # Launcher flags of each scheduling mode. The sequential deployment runs without the prefix cache too, for
 # test_without_prefix_caching_...: a start less, and the two do not meet (that test's requests come one after the
 # other anyway, and the mode test reads its decode steps as a difference).
@@ -148,21 +139,33 @@ MODES = {
     "sequential": ["--scheduling", "sequential", "--no-prefix-caching"],
     "static": ["--scheduling", "static", "--max-batch-size", "4", "--static-batch-timeout", "0.5"],
 }
+# A 16-token step budget far below the longest prompt allowed: long prompts must be chunked. The prefix cache is
+# on by default, so the prefix tests share this deployment (and chunk their prompts too).
+CHUNKING = ["--max-batch-prefill-tokens", "16"]
 
 
 @pytest.fixture(scope="module")
-def mode_server(tiny_model: Path) -> Iterator[Callable[[str], Server]]:
-    """The deployment of a scheduling mode (MODES), started at its first use and shared by the tests after."""
-    servers: dict[str, Server] = {}
-
-    def get(mode: str) -> Server:
-        if mode not in servers:
-            servers[mode] = launch(tiny_model, "--max-total-tokens", "512", *MODES[mode])
-        return servers[mode]
-
-    yield get
-    codes = [server.stop() for server in servers.values()]
+def deployments(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[Deployments]:
+    """The chunking deployment and one per scheduling mode; those the selected tests use start together."""
+    flags = {"chunking": CHUNKING, **MODES}
+    starts = {name: functools.partial(launch, tiny_model, "--max-total-tokens", "512", *f) for name, f in flags.items()}
+    fixtures = used(request, ["chunking", "mode_server"], module=True)
+    wanted = (["chunking"] if "chunking" in fixtures else []) + (list(MODES) if "mode_server" in fixtures else [])
+    deployments = Deployments(starts, wanted)
+    yield deployments
+    codes = deployments.stop()
     assert codes == [0] * len(codes)
+
+
+@pytest.fixture(scope="module")
+def chunking(deployments: Deployments) -> Server:
+    return deployments.get("chunking")
+
+
+@pytest.fixture(scope="module")
+def mode_server(deployments: Deployments) -> Callable[[str], Server]:
+    """The deployment of a scheduling mode (MODES)."""
+    return deployments.get
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ replays what was running, and every stream goes on where it stopped. The oracle 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -14,7 +15,17 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ORACLE_PROMPTS, Server, StreamWatcher, free_port, greedy_reference, start_server, wait_for
+from conftest import (
+    ORACLE_PROMPTS,
+    Deployments,
+    Server,
+    StreamWatcher,
+    free_port,
+    greedy_reference,
+    start_server,
+    used,
+    wait_for,
+)
 
 # 16 greedy streams, long enough to be mid-way when the shards die; at most 8 run at once, so 8 are queued.
 STREAMS = [(prompt, 24 + 2 * i) for i, (prompt, _) in enumerate(ORACLE_PROMPTS + ORACLE_PROMPTS[:2])]
@@ -26,6 +37,9 @@ SEEDED = {
 }
 # Group restarts the kill-then-hang deployment allows: it heals from both, and the next death is one too many.
 MAX_RESTARTS = 2
+# The request that kills the shard every time, and those running when it first does.
+CRASHER = "zebra quartz jukebox"
+CRASHER_OTHERS = STREAMS[:6]
 
 
 def _idle_and_whole(server: Server) -> bool:
@@ -62,23 +76,64 @@ def _serve_through(server: Server, fault: Callable[[], None], restarts: int) -> 
     wait_for(lambda: _idle_and_whole(server), 60, "every KV block to be free")
 
 
+def _crasher_token(model_dir: Path, crasher: str, others: list[tuple[str, int]]) -> int:
+    """A token of the crasher's prompt found in no other prompt nor in any of their greedy continuations
+    (replays send those back as input), so that only the crasher trips the failpoint."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    seen = set()
+    for prompt, n in others:
+        seen.update(tokenizer(prompt).input_ids, greedy_reference(model_dir, prompt, n))
+    return next(t for t in tokenizer(crasher).input_ids if t not in seen)
+
+
 @pytest.fixture(scope="module")
-def restarting(tiny_model: Path) -> Iterator[Callable[[], Server]]:
-    """A deployment that allows MAX_RESTARTS group restarts, shared by the kill-then-hang test (which spends them)
-    and the past-max-restarts test (which ends it): a start is 12-20 s on 2 cores. Started at first use, and again
-    for a test that finds it ended, so neither depends on the other's running first."""
-    servers: list[Server] = []
+def deployments(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[Deployments]:
+    """The module's deployments (a start is 12-20 s on 2 cores): those the selected tests use start together."""
+    wanted = used(request, ["restarting", "two_ranks", "crasher"], module=True)
     flags = ("--max-batch-size", MAX_BATCH, "--shard-step-timeout", "5", "--max-restarts", str(MAX_RESTARTS))
-
-    def get() -> Server:
-        if not servers or servers[-1].process.poll() is not None:
-            servers.append(start_server(tiny_model, *flags))
-        return servers[-1]
-
-    yield get
-    running = [server for server in servers if server.process.poll() is None]
-    codes = [server.stop() for server in running]  # a test that ended one checked its exit code
+    starts = {
+        "restarting": functools.partial(start_server, tiny_model, *flags),
+        "two_ranks": functools.partial(
+            start_server,
+            tiny_model,
+            "--num-shard",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--max-batch-size",
+            MAX_BATCH,
+        ),
+    }
+    if "crasher" in wanted:
+        token = _crasher_token(tiny_model, CRASHER, CRASHER_OTHERS)
+        # --max-request-retries 1, not the default 2: each replay costs a group restart, 5-15 s here.
+        env = {"CONVEYOR_FAILPOINT_EXIT_ON_TOKEN": str(token)}
+        starts["crasher"] = functools.partial(start_server, tiny_model, "--max-request-retries", "1", env=env)
+    deployments = Deployments(starts, wanted)
+    yield deployments
+    codes = deployments.stop()  # a test that ended one checked its exit code
     assert codes == [0] * len(codes)
+
+
+@pytest.fixture(scope="module")
+def restarting(deployments: Deployments) -> Callable[[], Server]:
+    """A deployment that allows MAX_RESTARTS group restarts, shared by the kill-then-hang test (which spends them)
+    and the past-max-restarts test (which ends it). Started again for a test that finds it ended, so neither
+    depends on the other's running first."""
+    return lambda: deployments.get("restarting")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(deployments: Deployments) -> Server:
+    return deployments.get("two_ranks")
+
+
+@pytest.fixture(scope="module")
+def crasher(deployments: Deployments) -> Server:
+    """The shard dies at every step that reads a token of CRASHER's prompt that the others never send."""
+    return deployments.get("crasher")
 
 
 def test_a_killed_then_a_hung_shard_lose_no_request(restarting: Callable[[], Server]) -> None:
@@ -133,55 +188,28 @@ def test_past_max_restarts_a_killed_shard_ends_the_stream_with_an_error_and_the_
         server.stop()
 
 
-def test_two_ranks_one_killed_lose_no_request(tiny_model: Path) -> None:
+def test_two_ranks_one_killed_lose_no_request(two_ranks: Server) -> None:
     """A tensor-parallel group cannot lose one rank: rank 1 dies, rank 0 is killed with it, both restart."""
-    server = start_server(
-        tiny_model, "--num-shard", "2", "--master-port", str(free_port()), "--max-batch-size", MAX_BATCH
-    )
-    try:
-        _serve_through(server, lambda: os.kill(server.shard_pid(1), signal.SIGKILL), restarts=1)
-    finally:
-        assert server.stop() == 0
+    _serve_through(two_ranks, lambda: os.kill(two_ranks.shard_pid(1), signal.SIGKILL), restarts=1)
 
 
-def _crasher_token(model_dir: Path, crasher: str, others: list[tuple[str, int]]) -> int:
-    """A token of the crasher's prompt found in no other prompt nor in any of their greedy continuations
-    (replays send those back as input), so that only the crasher trips the failpoint."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    seen = set()
-    for prompt, n in others:
-        seen.update(tokenizer(prompt).input_ids, greedy_reference(model_dir, prompt, n))
-    return next(t for t in tokenizer(crasher).input_ids if t not in seen)
-
-
-def test_a_request_that_kills_the_shard_every_time_fails_alone(tiny_model: Path) -> None:
-    """The shard dies at every step that reads the crasher's prompt. After --max-request-retries replays (1, not
-    the default 2: each costs a group restart, 5-15 s here) the crasher ends with an error event; the requests that
-    were in the failed steps with it, blamed once too, complete exactly."""
-    crasher = "zebra quartz jukebox"
-    others = STREAMS[:6]
-    token = _crasher_token(tiny_model, crasher, others)
-    server = start_server(
-        tiny_model, "--max-request-retries", "1", env={"CONVEYOR_FAILPOINT_EXIT_ON_TOKEN": str(token)}
-    )
-    try:
-        bodies = [{"inputs": p, "parameters": {"max_new_tokens": n}} for p, n in others]
-        watchers = [StreamWatcher(server, b) for b in bodies]
-        doomed = StreamWatcher(server, {"inputs": crasher, "parameters": {"max_new_tokens": 20}})
-        with ThreadPoolExecutor(len(watchers) + 1) as pool:
-            futures = [pool.submit(w.run) for w in watchers]
-            wait_for(lambda: all(w.received(1) for w in watchers), 120, "the other streams to start")
-            futures.append(pool.submit(doomed.run))
-            for future in futures:
-                future.result(timeout=300)
-        assert doomed.events[-1]["error_type"] == "generation"
-        assert "2 failed steps" in doomed.events[-1]["error"]
-        for watcher, (prompt, n) in zip(watchers, others):
-            assert watcher.token_ids() == greedy_reference(tiny_model, prompt, n), prompt
-        assert server.metric("conveyor_shard_restarts_total") == 2  # the first try and one replay
-        wait_for(lambda: server.health() == 200, 120, "the deployment to be healthy")
-        wait_for(lambda: _idle_and_whole(server), 60, "every KV block to be free")
-    finally:
-        assert server.stop() == 0
+def test_a_request_that_kills_the_shard_every_time_fails_alone(crasher: Server, tiny_model: Path) -> None:
+    """The shard dies at every step that reads the crasher's prompt. After --max-request-retries replays (1 here)
+    the crasher ends with an error event; the requests that were in the failed steps with it, blamed once too,
+    complete exactly."""
+    bodies = [{"inputs": p, "parameters": {"max_new_tokens": n}} for p, n in CRASHER_OTHERS]
+    watchers = [StreamWatcher(crasher, b) for b in bodies]
+    doomed = StreamWatcher(crasher, {"inputs": CRASHER, "parameters": {"max_new_tokens": 20}})
+    with ThreadPoolExecutor(len(watchers) + 1) as pool:
+        futures = [pool.submit(w.run) for w in watchers]
+        wait_for(lambda: all(w.received(1) for w in watchers), 120, "the other streams to start")
+        futures.append(pool.submit(doomed.run))
+        for future in futures:
+            future.result(timeout=300)
+    assert doomed.events[-1]["error_type"] == "generation"
+    assert "2 failed steps" in doomed.events[-1]["error"]
+    for watcher, (prompt, n) in zip(watchers, CRASHER_OTHERS):
+        assert watcher.token_ids() == greedy_reference(tiny_model, prompt, n), prompt
+    assert crasher.metric("conveyor_shard_restarts_total") == 2  # the first try and one replay
+    wait_for(lambda: crasher.health() == 200, 120, "the deployment to be healthy")
+    wait_for(lambda: _idle_and_whole(crasher), 60, "every KV block to be free")

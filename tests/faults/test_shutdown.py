@@ -10,8 +10,10 @@ tests/test_lifecycle.py checks the single-stream case against the reference toke
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -32,7 +34,7 @@ from clients import (
     scrape,
     wait_until,
 )
-from conftest import Server, free_port, start_server
+from conftest import Deployments, Server, free_port, start_server, used
 from conveyor.client import AsyncClient, ConveyorError
 from test_lifecycle import _socket_dir
 
@@ -78,8 +80,45 @@ async def wait_until_gone(server: Server, family: list[psutil.Process], socket_d
     assert not os.path.exists(socket_dir)
 
 
-async def test_sigterm_serves_running_waiting_and_queued_requests_and_refuses_new_ones(tiny_model: Path) -> None:
-    server = start_server(tiny_model, "--master-port", str(free_port()), "--max-batch-size", str(BATCH))
+@pytest.fixture(scope="module")
+def deployments(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[Deployments]:
+    """Each test ends its own deployment; those the selected tests use start together (a start is 12-20 s on 2
+    cores)."""
+    starts = {
+        "batch_of_3": functools.partial(
+            start_server, tiny_model, "--master-port", str(free_port()), "--max-batch-size", str(BATCH)
+        ),
+        # Two at a time, and a second to finish on SIGTERM.
+        "one_second": functools.partial(
+            start_server,
+            tiny_model,
+            "--master-port",
+            str(free_port()),
+            "--graceful-termination-timeout",
+            "1",
+            "--max-total-tokens",
+            "1024",
+            "--max-batch-size",
+            "2",
+        ),
+    }
+    deployments = Deployments(starts, used(request, starts, module=True))
+    yield deployments
+    deployments.stop()  # only those a failed test left running; each test checks its own exit code
+
+
+@pytest.fixture
+def batch_of_3(deployments: Deployments) -> Server:
+    return deployments.get("batch_of_3")
+
+
+@pytest.fixture
+def one_second(deployments: Deployments) -> Server:
+    return deployments.get("one_second")
+
+
+async def test_sigterm_serves_running_waiting_and_queued_requests_and_refuses_new_ones(batch_of_3: Server) -> None:
+    server = batch_of_3
     running = [
         Call(GENERATE_STREAM, True, tgi(LONG)),
         Call(COMPLETIONS, True, openai(LONG, True)),
@@ -115,20 +154,10 @@ async def test_sigterm_serves_running_waiting_and_queued_requests_and_refuses_ne
         server.stop()
 
 
-async def test_streams_outlasting_the_graceful_timeout_end_with_an_error_event(tiny_model: Path) -> None:
+async def test_streams_outlasting_the_graceful_timeout_end_with_an_error_event(one_second: Server) -> None:
     """Two at a time, six streams of 1,000 tokens cannot all finish within a second: those still running or
     queued when it is up end with an `unavailable` error event; a request waiting whole gets a JSON error."""
-    server = start_server(
-        tiny_model,
-        "--master-port",
-        str(free_port()),
-        "--graceful-termination-timeout",
-        "1",
-        "--max-total-tokens",
-        "1024",
-        "--max-batch-size",
-        "2",
-    )
+    server = one_second
     streams = [Call(GENERATE_STREAM, True, tgi(1000)), Call(COMPLETIONS, True, openai(1000, True))] * 3
     try:
         async with http_client(server.url, 16) as client:
