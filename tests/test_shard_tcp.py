@@ -101,6 +101,7 @@ def split(tiny_model: Path, tls: Tls) -> Iterator[Split]:
     router = _spawn(
         "router",
         *("--model-id", str(tiny_model), "--port", str(http_port), "--max-total-tokens", "512"),
+        *("--max-batch-prefill-tokens", "1024", "--max-batch-total-tokens", "8192"),
         *("--shard-address", f"tcp://127.0.0.1:{shard_port}", *tls.flags),
     )
     split = Split(shard_port, f"http://127.0.0.1:{http_port}", tls)
@@ -116,10 +117,12 @@ def split(tiny_model: Path, tls: Tls) -> Iterator[Split]:
 
     try:
         wait_for(ready, 180, "the router to reach the shard over TCP and answer /health")
-        yield split
-    finally:
-        assert router.stop() == 0
-        assert shard.stop() == 0
+    except BaseException:
+        router.stop(), shard.stop()
+        raise
+    yield split
+    assert router.stop() == 0, router.stderr()
+    assert shard.stop() == 0, shard.stderr()
 
 
 def test_the_router_serves_through_a_tcp_shard_with_tls_and_token(split: Split, tiny_model: Path) -> None:

@@ -1,8 +1,10 @@
 """One model across two nodes, as two hosts would run it: two launchers (`--nnodes 2`, one rank each) on
 loopback TCP with different ports, node 0's router reaching rank 1 over TCP with the shared token. The greedy
 oracle holds through it; losing node 1 whole (its launcher and its rank SIGKILLed, as when the host dies, then
-started again) and a hung rank on node 1 (the router's step deadline restarts the group through the epoch
-store) are shard crashes like any other: no request is lost, and every stream is exact.
+started again) is a shard crash like any other: no request is lost, and every stream is exact. (A hung rank
+across nodes, where the router restarts the group through the epoch store, was run here too and passed; it
+costs ~20 s of CI, and its parts are tested apart: the step deadline in test_crash_recovery, the epoch moving
+once per failure in test_shard_channels.)
 """
 
 from __future__ import annotations
@@ -54,12 +56,11 @@ def test_two_nodes_serve_exactly_and_survive_losing_node_1(tiny_model: Path) -> 
     master_port, port_0, port_1 = free_port(), free_port(), free_port()
     common = ["--nnodes", "2", "--master-port", str(master_port), "--max-batch-size", MAX_BATCH]
     node_1 = Node1(tiny_model, [*common, "--node-rank", "1", "--listen", f"tcp://127.0.0.1:{port_1}"])
-    stopped: list[int] = []
     try:
         node_0 = start_server(
             tiny_model,
             *common,
-            *("--node-rank", "0", "--listen", f"tcp://127.0.0.1:{port_0}", "--shard-step-timeout", "5"),
+            *("--node-rank", "0", "--listen", f"tcp://127.0.0.1:{port_0}"),
             env={"CONVEYOR_SHARD_TOKEN": TOKEN},
         )
         try:
@@ -67,19 +68,9 @@ def test_two_nodes_serve_exactly_and_survive_losing_node_1(tiny_model: Path) -> 
             assert info["num_shard"] == 2
             wait_for(lambda: len(psutil.Process(node_1.process.pid).children()) == 1, 60, "node 1's rank")
             _serve_through(node_0, node_1.lose, restarts=1)
-
-            def hang() -> None:
-                stopped.append(node_1.shard_pid())
-                os.kill(stopped[0], signal.SIGSTOP)
-
-            _serve_through(node_0, hang, restarts=2)
-            assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
             assert node_1.stop() == 0
         finally:
             assert node_0.stop() == 0
     finally:
-        if stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped[0], signal.SIGKILL)
         if node_1.process.poll() is None:
             node_1.process.kill()
