@@ -6,12 +6,13 @@ largest prefill the limits allow (which sizes the KV pool), and only then serve.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
 
 from conveyor.router.limits import ResolvedLimits, resolve_limits, warmup_request
-from conveyor.router.shard_client import ShardedClient
+from conveyor.router.shard_client import ShardedClient, ShardError
 from conveyor.v1 import shard_pb2 as pb
 
 from conveyor.config import Config
@@ -44,6 +45,23 @@ def shard_address(args: Config) -> str:
     if args.shard_uds_path:
         return f"unix://{args.shard_uds_path}-0"
     raise SystemExit("conveyor-router needs --shard-address (or --shard-uds-path)")
+
+
+async def first_connect(args: Config, tokenizer, security: Security, group: GroupStore | None = None) -> Connection:
+    """The first connection, tried until --startup-timeout: a router started on its own (another container,
+    another host) may come up before its shards do. The launcher starts it only once they answer."""
+    deadline = time.monotonic() + args.startup_timeout
+    while True:
+        try:
+            return await connect(args, tokenizer, security, group)
+        except ShardError as exc:  # shards not answering yet; wrong limits and the like fail at once
+            if time.monotonic() > deadline:
+                raise
+            log.info("shards not ready yet", extra={"error": str(exc)})
+            await asyncio.sleep(FIRST_CONNECT_SECONDS)
+
+
+FIRST_CONNECT_SECONDS = 0.5
 
 
 def _check_ranks(urls: list[str], infos: list[pb.InfoResponse]) -> None:

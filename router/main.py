@@ -20,7 +20,7 @@ from aiohttp import web
 from conveyor.launcher.demo_model import resolve_model
 from conveyor.router import grpc_server as grpc_front_door
 from conveyor.router.block_allocator import BlockAllocator
-from conveyor.router.connect import Connection, connect, shard_address
+from conveyor.router.connect import Connection, connect, first_connect, shard_address
 from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
@@ -45,7 +45,7 @@ async def run(args: Config) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_id)
     security = Security.from_config(args)
     group = GroupStore(args.master_addr, args.master_port, False, args.startup_timeout) if args.nnodes > 1 else None
-    connection = await connect(args, tokenizer, security, group)
+    connection = await first_connect(args, tokenizer, security, group)
     client, shard_info, limits = connection.client, connection.info, connection.limits
 
     metrics = Metrics()
