@@ -24,6 +24,7 @@ from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.metrics import Metrics
 from conveyor.router.queue import Queue
 from conveyor.router.sequence import Sequence, SequenceStatus
+from conveyor.router.settle import Settle
 from conveyor.router.shard_client import Metadata, ShardedClient, ShardError, StepResult
 from conveyor.router.step_planner import PlannerConfig, StepPlan, StepPlanner
 from conveyor.router.validation import Parameters
@@ -33,8 +34,6 @@ from conveyor import tracing
 
 log = logging.getLogger(__name__)
 
-SETTLE_QUIET_SECONDS = 0.01  # a burst has finished arriving when nobody new came for this long
-SETTLE_SECONDS = 0.1  # the longest an idle server waits for a burst to finish arriving
 RECONNECT_SECONDS = 0.2  # between two tries to reach restarted shards
 
 Reconnect = Callable[[], Awaitable[Connection]]
@@ -57,6 +56,7 @@ class Scheduler:
         self.reconnect = reconnect  # warmed-up shards again, after a failed step (None: nothing to recover)
         self.max_request_retries = max_request_retries
         self.queue = Queue()
+        self.settle = Settle()  # how long an idle server waits for a burst to finish arriving
         self.planner = StepPlanner(config, allocator, self.queue)
         self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
         self._batch: pb.CachedBatch | None = None  # the running batch on the shards
@@ -97,7 +97,7 @@ class Scheduler:
         """Runs for ever: plan a step, drop what it preempted, post it, apply its result."""
         while True:
             if not self.running:
-                await self._settle()
+                await self.settle.wait(lambda: len(self.queue))
             plan = self.planner.plan()
             if plan.preempted and not await self._drop_preempted(plan.preempted):
                 continue  # the shards were lost meanwhile: recovery put the plan's sequences back in the queue
@@ -106,20 +106,6 @@ class Scheduler:
                 continue
             await self._step(plan)
             self._update_gauges()
-
-    async def _settle(self) -> None:
-        """Requests that arrive together at an idle server join its first step together: the step waits until
-        nobody new has been queued for SETTLE_QUIET_SECONDS (at most SETTLE_SECONDS in all). Otherwise the first
-        arrivals start decoding at once and the rest of a burst is read in small chunks behind them, waiting
-        seconds for a first token. Counting event-loop turns instead was not enough: a client sending 32
-        requests takes several milliseconds to get them all through HTTP parsing and validation, and on a
-        2-core machine the first step then took 1 or 2 of them (measured: first tokens spread over 6 s)."""
-        start = last_arrival = time.monotonic()
-        queued = len(self.queue)
-        while (now := time.monotonic()) - last_arrival < SETTLE_QUIET_SECONDS and now - start < SETTLE_SECONDS:
-            await asyncio.sleep(SETTLE_QUIET_SECONDS / 10)
-            if len(self.queue) != queued:
-                queued, last_arrival = len(self.queue), time.monotonic()
 
     async def _idle(self) -> None:
         """Nothing to compute: wait for a request, or for a static batch's timeout."""

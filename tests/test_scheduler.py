@@ -1,14 +1,18 @@
-"""The batching loop's own waiting rule, without processes: a burst at an idle server is queued whole first."""
+"""The batching loop without processes: its waiting rule (a burst at an idle server is queued whole first, on a fake
+clock), its replay after a failed step, and what it sends the shards."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from time import monotonic
 from types import SimpleNamespace
 
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.metrics import Metrics
-from conveyor.router.scheduler import SETTLE_QUIET_SECONDS, Scheduler
+from conveyor.router.scheduler import Scheduler
 from conveyor.router.sequence import Sequence
+from conveyor.router.settle import LOOKS_PER_GAP, SETTLE_QUIET_SECONDS, SETTLE_SECONDS, Settle
 from conveyor.router.shard_client import ShardError
 from conveyor.router.step_planner import PlannerConfig
 from conveyor.router.validation import Parameters, ValidRequest
@@ -28,8 +32,44 @@ def scheduler() -> Scheduler:
     return Scheduler(None, PlannerConfig(max_batch_prefill_tokens=1000), BlockAllocator(64, 16), Metrics())
 
 
+class FakeTime:
+    """A clock that moves only when the rule under test sleeps: arrivals happen at their own time, whatever the
+    load on the machine, and each sleep also lets the event loop take one turn (for arrivals that need turns)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.arrivals: list[tuple[float, Callable[[], None]]] = []
+
+    def at(self, when: float, arrive: Callable[[], None]) -> None:
+        self.arrivals.append((when, arrive))
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        due = sorted((a for a in self.arrivals if a[0] <= self.now), key=lambda a: a[0])
+        self.arrivals = [a for a in self.arrivals if a[0] > self.now]
+        for _, arrive in due:
+            arrive()
+        await asyncio.sleep(0)
+
+    def settle(self) -> Settle:
+        return Settle(clock=self.clock, sleep=self.sleep)
+
+
+def on_fake_time() -> tuple[Scheduler, FakeTime]:
+    s, time = scheduler(), FakeTime()
+    s.settle = time.settle()
+    return s, time
+
+
+def queued(s: Scheduler) -> Callable[[], int]:
+    return lambda: len(s.queue)
+
+
 async def test_an_idle_server_waits_for_a_burst_that_is_still_arriving() -> None:
-    s = scheduler()
+    s, time = on_fake_time()
 
     async def arrive(n: int) -> None:
         for _ in range(n):  # a handler that parses and validates for a few turns, then queues
@@ -37,7 +77,7 @@ async def test_an_idle_server_waits_for_a_burst_that_is_still_arriving() -> None
         s.submit(sequence(n, 8))
 
     arrivals = [asyncio.create_task(arrive(n)) for n in range(10)]
-    await s._settle()
+    await s.settle.wait(queued(s))
     assert len(s.queue) == len(arrivals)
     plan = s.planner.plan()
     assert len(plan.admitted) == len(arrivals)  # one first step for the whole burst
@@ -45,37 +85,39 @@ async def test_an_idle_server_waits_for_a_burst_that_is_still_arriving() -> None
 
 
 async def test_arrivals_closer_than_the_quiet_gap_are_one_burst() -> None:
-    """Each arrival is due before the gap since the previous one has passed: when the loop runs late, the
-    arrival's timer (due first) still runs before the settle loop's next look."""
-    s = scheduler()
+    s, time = on_fake_time()
     s.submit(sequence(0, 8))
-
-    async def arrive(n: int) -> None:
-        await asyncio.sleep(n * SETTLE_QUIET_SECONDS / 4)
-        s.submit(sequence(n, 8))
-
-    arrivals = [asyncio.create_task(arrive(n)) for n in range(1, 6)]
-    await s._settle()
+    for n in range(1, 6):
+        time.at(n * SETTLE_QUIET_SECONDS / 4, lambda n=n: s.submit(sequence(n, 8)))
+    await s.settle.wait(queued(s))
     assert len(s.queue) == 6
-    await asyncio.gather(*arrivals)
+    look = SETTLE_QUIET_SECONDS / LOOKS_PER_GAP  # an arrival is seen at the first look after it
+    assert time.now <= 5 * SETTLE_QUIET_SECONDS / 4 + look + SETTLE_QUIET_SECONDS + 1e-9  # one gap after the last
+
+
+async def test_an_arrival_after_the_quiet_gap_waits_for_the_next_step() -> None:
+    s, time = on_fake_time()
+    s.submit(sequence(0, 8))
+    time.at(SETTLE_QUIET_SECONDS * 1.5, lambda: s.submit(sequence(1, 8)))
+    await s.settle.wait(queued(s))
+    assert len(s.queue) == 1
+    assert SETTLE_QUIET_SECONDS <= time.now < SETTLE_QUIET_SECONDS * 1.5
 
 
 async def test_a_trickle_that_never_stops_does_not_hold_the_first_step_forever() -> None:
-    s = scheduler()
-    stop = asyncio.Event()
+    s, time = on_fake_time()
+    gap = SETTLE_QUIET_SECONDS / 5
+    for n in range(1, 1000):  # far more than SETTLE_SECONDS can take
+        time.at(n * gap, lambda n=n: s.submit(sequence(n, 8)))
+    await s.settle.wait(queued(s))
+    assert SETTLE_SECONDS <= time.now < SETTLE_SECONDS + SETTLE_QUIET_SECONDS
+    assert len(s.queue) == round(time.now / gap)  # every arrival until the limit, none after
 
-    async def trickle() -> None:
-        n = 0
-        while not stop.is_set():
-            n += 1
-            s.submit(sequence(n, 8))
-            await asyncio.sleep(SETTLE_QUIET_SECONDS / 5)
 
-    feeder = asyncio.create_task(trickle())
-    await s._settle()  # returns (bounded by SETTLE_SECONDS) although requests keep coming
-    stop.set()
-    await feeder
-    assert len(s.queue) > 1
+def test_the_scheduler_settles_on_the_real_clock_by_default() -> None:
+    settle = scheduler().settle
+    assert (settle.quiet, settle.limit) == (SETTLE_QUIET_SECONDS, SETTLE_SECONDS)
+    assert settle.clock is monotonic and settle.sleep is asyncio.sleep
 
 
 def test_every_sampling_parameter_reaches_the_shard_under_its_name() -> None:
