@@ -20,6 +20,7 @@ from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 from conveyor.config import Config
+from conveyor.lifeline import launcher_env
 
 if TYPE_CHECKING:  # imported when needed: it imports torch, which a single-node launcher never needs
     from conveyor.group_store import GroupStore
@@ -28,6 +29,7 @@ from conveyor.shard_channels import RankAddress, Security, rank_address
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
+SHARD_STOP_SECONDS = 10.0  # a shard's gRPC server lets RPCs in flight finish for 5 s; then it is killed
 
 
 class ChildDied(RuntimeError):
@@ -51,14 +53,31 @@ class Child:
 
     def terminate(self, timeout: float) -> None:
         """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
+        self.ask_to_stop()
+        self.wait_or_kill(time.monotonic() + timeout)
+
+    def ask_to_stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+
+    def wait_or_kill(self, deadline: float) -> None:
+        """Waits until `deadline` (a time.monotonic() value) for it to exit, then SIGKILLs it."""
         try:
-            self.process.wait(timeout)
+            self.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def stop_together(children: list[Child], timeout: float) -> None:
+    """Asks every child to stop at once and gives them the same `timeout`: ranks stopped one after another took
+    4-10 s for two (each waits for its gRPC server's grace), and a rank whose peer is already gone may wait for it
+    in a collective."""
+    for child in children:
+        child.ask_to_stop()
+    deadline = time.monotonic() + timeout
+    for child in children:
+        child.wait_or_kill(deadline)
 
 
 class StartupTimeout(ChildDied):
@@ -102,8 +121,9 @@ class Deployment:
         return f"http://{self.config.hostname}:{self.config.port}"
 
     def _spawn(self, name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
-        # Own session: a terminal's Ctrl-C reaches the launcher only, which stops children in order.
-        process = subprocess.Popen([sys.executable, "-m", module, *args], env=env, start_new_session=True)
+        # Own session: a terminal's Ctrl-C reaches the launcher only, which stops children in order. A launcher
+        # that is SIGKILLed cannot: each child dies with it instead (conveyor/lifeline.py).
+        process = subprocess.Popen([sys.executable, "-m", module, *args], env=launcher_env(env), start_new_session=True)
         return Child(name, process)
 
     def start(self, timeout: float, should_stop: Callable[[], bool]) -> None:
@@ -227,8 +247,7 @@ class Deployment:
     def stop(self, timeout: float) -> None:
         if self.router is not None:
             self.router.terminate(timeout)
-        for shard in self.shards:
-            shard.terminate(10.0)
+        stop_together(self.shards, SHARD_STOP_SECONDS)
         self._remove_sockets()
 
     def _remove_sockets(self) -> None:

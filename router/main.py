@@ -30,7 +30,7 @@ from conveyor.router.scheduler import Reconnect, Scheduler
 from conveyor.router.step_planner import PlannerConfig, Scheduling
 from conveyor.router.validation import Validation
 
-from conveyor import config, tracing
+from conveyor import config, lifeline, tracing
 from conveyor import log as conveyor_log
 from conveyor.config import Config
 from conveyor.group_store import GroupStore
@@ -153,6 +153,8 @@ async def _drain(infer: Infer, timeout: float, until: Callable[[], bool] = lambd
 
 
 def main(argv: list[str] | None = None) -> None:
+    # SIGTERM: its requests in flight end with an error event (their shards died too) rather than cut off.
+    lifeline.die_with_launcher(signal.SIGTERM)
     args = config.parse(argv, "Conveyor router: HTTP front end, queue and batching loop.")
     args = replace(args, model_id=str(resolve_model(args.model_id, args.demo_size)))  # the tokenizer's
     if shard_address(args).startswith("tcp://") and not args.shard_token:

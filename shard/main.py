@@ -22,7 +22,7 @@ from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models.llama import MODEL_TYPES
 from conveyor.shard.server import serve
 
-from conveyor import config, tracing
+from conveyor import config, lifeline, tracing
 from conveyor import log as conveyor_log
 from conveyor.config import Config
 from conveyor.shard_channels import AddressError, Security, rank_address
@@ -78,6 +78,7 @@ async def run(args: Config, security: Security) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    lifeline.die_with_launcher(signal.SIGKILL)  # a hung forward would outlive anything gentler
     args = config.parse(
         argv, "Conveyor shard: one model rank behind gRPC (rank and world size from RANK, WORLD_SIZE, LOCAL_RANK)."
     )

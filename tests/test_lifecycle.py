@@ -81,7 +81,7 @@ def test_over_max_concurrent_requests_is_429_and_the_slots_come_back(capped: Cal
 
 def _socket_dir(server) -> str:
     """The directory of the shards' sockets, from the launcher's command line for its shard."""
-    (shard,) = [c for c in server.children() if "conveyor.shard.main" in " ".join(c.cmdline())]
+    shard = next(c for c in server.children() if "conveyor.shard.main" in " ".join(c.cmdline()))
     argv = shard.cmdline()
     return os.path.dirname(argv[argv.index("--shard-uds-path") + 1])
 

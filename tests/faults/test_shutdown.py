@@ -10,8 +10,10 @@ tests/test_lifecycle.py checks the single-stream case against the reference toke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,7 +68,11 @@ async def refused(client: httpx.AsyncClient, route: str) -> bool:
 async def wait_until_gone(server: Server, family: list[psutil.Process], socket_dir: str) -> None:
     """The launcher exited 0 and took every process it started (and theirs) and the shards' sockets with it."""
     assert await asyncio.to_thread(server.process.wait, 120) == 0
+    await wait_until_dead(family)
+    assert not os.path.exists(socket_dir)
 
+
+async def wait_until_dead(family: list[psutil.Process]) -> None:
     def alive(process: psutil.Process) -> bool:
         try:
             return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
@@ -77,7 +83,6 @@ async def wait_until_gone(server: Server, family: list[psutil.Process], socket_d
         return not any(alive(p) for p in family)
 
     await wait_until(gone, 30, "every child of the launcher to be gone")
-    assert not os.path.exists(socket_dir)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +106,9 @@ def deployments(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[De
             "--max-batch-size",
             "2",
         ),
+        "two_shards": functools.partial(
+            start_server, tiny_model, "--master-port", str(free_port()), "--num-shard", "2"
+        ),
     }
     deployments = Deployments(starts, used(request, starts, module=True))
     yield deployments
@@ -110,6 +118,11 @@ def deployments(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[De
 @pytest.fixture
 def batch_of_3(deployments: Deployments) -> Server:
     return deployments.get("batch_of_3")
+
+
+@pytest.fixture
+def two_shards(deployments: Deployments) -> Server:
+    return deployments.get("two_shards")
 
 
 @pytest.fixture
@@ -179,3 +192,27 @@ async def test_streams_outlasting_the_graceful_timeout_end_with_an_error_event(o
         await wait_until_gone(server, family, socket_dir)
     finally:
         server.stop()
+
+
+async def test_a_sigkilled_launcher_takes_its_children_with_it(two_shards: Server) -> None:
+    """A launcher killed by SIGKILL cannot stop its children (each is in a session of its own): they die with it
+    (conveyor/lifeline.py), with a stream in flight. Its socket directory stays behind: nobody is left to remove
+    it, so the test does."""
+    server = two_shards
+    family = psutil.Process(server.process.pid).children(recursive=True)
+    assert len(server.shard_pids()) == 2 and len(family) == 3, family
+    socket_dir = _socket_dir(server)
+    try:
+        async with http_client(server.url, 4) as client:
+            _, stream = launch(client, Call(GENERATE_STREAM, True, tgi(LONG)))
+            await wait_until(lambda: in_server(client, 1, 0), 60, "the stream to run")
+            server.process.kill()
+            await asyncio.to_thread(server.process.wait, 30)
+            await wait_until_dead(family)
+            await asyncio.wait_for(stream, 60)  # it ended (with an error event, or cut off), and did not hang
+    finally:
+        server.stop()
+        for process in family:  # if the test failed: leave no orphan to the tests after it
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
