@@ -21,11 +21,6 @@ from conveyor.shard_channels import Security
 
 log = logging.getLogger(__name__)
 
-# With no --shard-step-timeout, a step may take this many times the warmup (the largest prefill there is),
-# and never less than MIN_STEP_TIMEOUT seconds: generous, since a loaded machine stretches every step.
-STEP_TIMEOUT_WARMUPS = 10
-MIN_STEP_TIMEOUT = 60.0
-
 
 @dataclass
 class Connection:
@@ -88,17 +83,14 @@ async def connect(
         await client.clear_cache()
         infos = await client.infos()
         _check_ranks(client.urls, infos)
-        client.pids = [info.pid for info in infos]
+        client.pids, client.instances = [info.pid for info in infos], [info.instance for info in infos]
         limits = first.limits if first else resolve_limits(args, infos[0], tokenizer)
         log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})
-        start = time.monotonic()
         request = warmup_request(limits, tokenizer, again=first is not None)
-        capacity = await client.warmup(request, timeout=args.startup_timeout)
-        client.step_timeout = (
-            first.client.step_timeout
-            if first
-            else args.shard_step_timeout or max(MIN_STEP_TIMEOUT, STEP_TIMEOUT_WARMUPS * (time.monotonic() - start))
-        )
+        # The shards hold steps to the deadline too (their health says when one is past it): one deadline for all,
+        # the flag's, the first connection's, or the one the shards choose from their warmup.
+        request.step_timeout = first.client.step_timeout if first else args.shard_step_timeout or 0.0
+        capacity, client.step_timeout = await client.warmup(request, timeout=args.startup_timeout)
         return Connection(client, infos[0], limits.with_capacity(capacity))
     except BaseException:
         await client.close()

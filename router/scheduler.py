@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from conveyor import tracing
 log = logging.getLogger(__name__)
 
 RECONNECT_SECONDS = 0.2  # between two tries to reach restarted shards
+IDLE_CHECK_SECONDS = 1.0  # how often an idle router makes sure its shards are the ones it warmed up
 
 Reconnect = Callable[[], Awaitable[Connection]]
 
@@ -108,15 +110,32 @@ class Scheduler:
             self._update_gauges()
 
     async def _idle(self) -> None:
-        """Nothing to compute: wait for a request, or for a static batch's timeout."""
+        """Nothing to compute: wait for a request, or for a static batch's timeout. Every IDLE_CHECK_SECONDS of
+        that the shards are looked at, so that a group restarted meanwhile is found, reconnected and warmed up
+        before a request pays for it with a failed step and a replay."""
         self._update_gauges()
         deadline = self.planner.next_deadline()
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        until_deadline = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+            await asyncio.wait_for(self._wakeup.wait(), min(until_deadline, IDLE_CHECK_SECONDS))
         except asyncio.TimeoutError:
-            pass
+            if until_deadline > IDLE_CHECK_SECONDS:  # the check's turn, not the static batch's
+                await self._check_shards()
+            return
         self._wakeup.clear()
+
+    async def _check_shards(self) -> None:
+        """Reconnects if the shards do not answer, or answer as other processes than the ones warmed up."""
+        if self.reconnect is None:
+            return
+        try:
+            infos = await self.client.infos(timeout=self.client.step_timeout)
+            if [info.instance for info in infos] == self.client.instances:
+                return
+            error = ShardError("the shards were restarted while the router was idle")
+        except ShardError as exc:
+            error = exc
+        await self._recover(error)
 
     # --- one step -----------------------------------------------------------------------------------------
 
@@ -229,12 +248,12 @@ class Scheduler:
     # --- failure and recovery -----------------------------------------------------------------------------
 
     async def _recover(self, error: ShardError) -> None:
-        """A step failed (a rank died, hung or raised), so the shards' batch is lost. Every running sequence goes
-        back to the queue to be recomputed from its prompt and the tokens it has streamed, as after a preemption:
-        its stream goes on after a pause with no gap and no duplicate. The loop then waits until the shards
-        answer again (the launcher restarts a group that lost a rank; a hung group is killed here first), warms
-        them up, and resumes with an empty KV pool."""
-        log.error("generation step failed; recovering", extra={"error": str(error)})
+        """A step failed (a rank died, hung or raised), or an idle check found the shards gone or restarted, so
+        the shards' batch is lost. Every running sequence goes back to the queue to be recomputed from its prompt
+        and the tokens it has streamed, as after a preemption: its stream goes on after a pause with no gap and
+        no duplicate. The loop then waits until the shards answer again (the launcher restarts a group that lost
+        a rank; a hung group is killed here first), warms them up, and resumes with an empty KV pool."""
+        log.error("shards lost; recovering", extra={"error": str(error)})
         self.recovering, self._batch = True, None
         if error.timed_out:
             self.client.kill()

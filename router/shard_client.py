@@ -49,6 +49,7 @@ class ShardedClient:
         # Seconds a step (and a filter or clear) may take before the shards count as hung; None waits for ever.
         self.step_timeout: float | None = None
         self.pids: list[int] = []  # every rank's process id, when known: `kill` needs them
+        self.instances: list[str] = []  # every rank's instance id when warmed up: another means it was restarted
         # With several nodes, how to restart the whole group (move its epoch on): pids mean nothing across hosts.
         self.restart_group: Callable[[], object] | None = None
         self._channels = [(security or Security()).aio_channel(u) for u in urls]
@@ -103,9 +104,9 @@ class ShardedClient:
             for task in tasks:
                 task.cancel()
 
-    async def infos(self) -> list[pb.InfoResponse]:
-        """Every rank's Info (each names its own process id)."""
-        return await self._all("Info", lambda s: s.Info(pb.InfoRequest()))
+    async def infos(self, timeout: float | None = None) -> list[pb.InfoResponse]:
+        """Every rank's Info (each names its own process id and instance)."""
+        return await self._all("Info", lambda s: s.Info(pb.InfoRequest(), timeout=timeout))
 
     async def info(self) -> pb.InfoResponse:
         return (await self.infos())[0]
@@ -117,10 +118,11 @@ class ShardedClient:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self._all("ClearCache", lambda s: s.ClearCache(request, timeout=self.step_timeout))
 
-    async def warmup(self, request: pb.WarmupRequest, timeout: float | None = None) -> int:
-        """Returns the KV capacity in tokens the smallest rank supports."""
+    async def warmup(self, request: pb.WarmupRequest, timeout: float | None = None) -> tuple[int, float]:
+        """Returns the KV capacity in tokens the smallest rank supports, and the step deadline (the longest any
+        rank chose)."""
         responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=timeout))
-        return min(r.max_supported_total_tokens for r in responses)
+        return min(r.max_supported_total_tokens for r in responses), max(r.step_timeout for r in responses)
 
     async def prefill(
         self,

@@ -13,6 +13,9 @@ import asyncio
 import functools
 import logging
 import os
+import threading
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,15 +24,19 @@ import grpc
 from conveyor.shard.batch import Batch
 from conveyor.shard.engine import Engine, StepOutput
 from conveyor.shard.requests import BadRequest
+from conveyor.shard.watchdog import WATCH_SECONDS, StepWatch, step_timeout
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
 from conveyor.shard_channels import CHANNEL_OPTIONS, Security
 
 log = logging.getLogger(__name__)
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+SHARD_SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
 
 # A failpoint for the fault tests: with CONVEYOR_FAILPOINT_EXIT_ON_TOKEN=<token id> in its environment, a shard
 # dies at once (as on a segfault) at any step that reads a prompt containing that token: "the request that
@@ -38,6 +45,11 @@ FAILPOINT_TOKEN = (
     int(os.environ["CONVEYOR_FAILPOINT_EXIT_ON_TOKEN"]) if "CONVEYOR_FAILPOINT_EXIT_ON_TOKEN" in os.environ else None
 )
 FAILPOINT_EXIT_CODE = 70
+# With CONVEYOR_FAILPOINT_HANG_ON_TOKEN=<token id>, the forward of any step that reads a prompt containing that
+# token never returns, while the event loop goes on answering: "the stuck forward" (shard/watchdog.py).
+FAILPOINT_HANG_TOKEN = (
+    int(os.environ["CONVEYOR_FAILPOINT_HANG_ON_TOKEN"]) if "CONVEYOR_FAILPOINT_HANG_ON_TOKEN" in os.environ else None
+)
 
 
 def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -64,9 +76,13 @@ class ShardService(pb_grpc.ShardServicer):
         self.urls = urls
         self.cache: dict[int, Batch] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.watch = StepWatch()  # the steps in flight, against the deadline the warmup chose
+        self.instance = uuid.uuid4().hex  # this process's, in Info
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Runs `fn` on the forward thread as a step, which the watchdog holds to the step deadline."""
+        with self.watch.step():
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def _take(self, *batch_ids: int) -> list[Batch]:
         """Removes the batches from the cache (a step replaces them), or none if any id is unknown."""
@@ -87,7 +103,13 @@ class ShardService(pb_grpc.ShardServicer):
             log.error("failpoint: exiting", extra={"token": FAILPOINT_TOKEN})
             os._exit(FAILPOINT_EXIT_CODE)
 
+        hang = new is not None and FAILPOINT_HANG_TOKEN is not None
+        hang = hang and any(FAILPOINT_HANG_TOKEN in r.input_ids for r in new.requests)
+
         def step() -> StepOutput:
+            if hang:
+                log.error("failpoint: the forward hangs", extra={"token": FAILPOINT_HANG_TOKEN})
+                threading.Event().wait()
             batches = [Batch.concatenate(taken)] if taken else []
             if batches:
                 batches[0].update(updates)
@@ -117,11 +139,13 @@ class ShardService(pb_grpc.ShardServicer):
     @rpc
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         info = self.engine.info()
-        info.pid = os.getpid()
+        info.pid, info.instance = os.getpid(), self.instance
         return info
 
     @rpc
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+        if (stuck := self.watch.stuck()) is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, stuck)
         return pb.HealthResponse()
 
     @rpc
@@ -142,8 +166,11 @@ class ShardService(pb_grpc.ShardServicer):
         if not request.batch.requests:
             raise BadRequest("warmup needs a batch")
         self.cache.clear()
-        capacity = await self._run(self.engine.warmup, request)
-        return pb.WarmupResponse(max_supported_total_tokens=capacity)
+        start = time.monotonic()
+        loop = asyncio.get_running_loop()
+        capacity = await loop.run_in_executor(self.executor, self.engine.warmup, request)  # not a step: no deadline
+        self.watch.timeout = step_timeout(request.step_timeout, time.monotonic() - start)
+        return pb.WarmupResponse(max_supported_total_tokens=capacity, step_timeout=self.watch.timeout)
 
     @rpc
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
@@ -174,14 +201,47 @@ class ShardService(pb_grpc.ShardServicer):
 
 async def serve(engine: Engine, bind: str, urls: list[str], security: Security, stop: asyncio.Event) -> None:
     """Serves at `bind` until `stop` is set, then lets in-flight RPCs finish for a few seconds. `urls` are every
-    rank's addresses (ServiceDiscovery's answer). The standard health service says SERVING from the start: the
-    server starts only once the model is loaded and the group formed."""
+    rank's addresses (ServiceDiscovery's answer). The server starts only once the model is loaded and the group
+    formed; the standard health service then says SERVING, and NOT_SERVING while a step is past its deadline."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=security.interceptors())
-    pb_grpc.add_ShardServicer_to_server(ShardService(engine, urls), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    service = ShardService(engine, urls)
+    pb_grpc.add_ShardServicer_to_server(service, server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     security.add_port(server, bind)
     await server.start()
     log.info("shard serving", extra={"url": bind, "rank": engine.group.rank, "tls": security.cert is not None})
+    watchdog = asyncio.create_task(HealthReport(service.watch, health_service).run())
     await stop.wait()
+    watchdog.cancel()
     await server.stop(grace=5)
     log.info("shard stopped")
+
+
+class HealthReport:
+    """Keeps the standard health service's answer true, for the whole server ("") and the Shard service."""
+
+    def __init__(self, watch: StepWatch, health_service: health.aio.HealthServicer) -> None:
+        self.watch, self.health_service = watch, health_service
+        self.stuck: str | None = None  # why the shard was last reported NOT_SERVING
+
+    async def run(self) -> None:
+        await self._set(SERVING)
+        while True:
+            await asyncio.sleep(WATCH_SECONDS)
+            await self.update()
+
+    async def update(self) -> None:
+        stuck, was = self.watch.stuck(), self.stuck
+        self.stuck = stuck
+        if (stuck is None) == (was is None):
+            return
+        await self._set(SERVING if stuck is None else NOT_SERVING)
+        if stuck is not None:
+            log.error("health: not serving", extra={"reason": stuck})
+        else:
+            log.warning("health: serving again")
+
+    async def _set(self, status: int) -> None:
+        for name in ("", SHARD_SERVICE):
+            await self.health_service.set(name, status)

@@ -26,6 +26,7 @@ import yaml
 
 from conveyor import config
 from conveyor.config import SECRET, Config
+from conveyor.shard_channels import parse_tcp
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -240,8 +241,9 @@ def test_compose_ports_health_checks_and_grace_periods(compose: dict) -> None:
         if process.serves_http:
             assert f"127.0.0.1:{process.flags.port}/health" in check, f"{where}: health check {check!r}"
         else:
-            assert process.shard_ports and f"127.0.0.1:{process.shard_ports[0]}" in check and "grpc_health" in check, (
-                f"{where}: a shard's health check is the gRPC health service on its port: {check!r}"
+            probe = f"conveyor.shard.probe tcp://127.0.0.1:{process.shard_ports[0]} --kill-if-stuck"
+            assert process.shard_ports and probe in check, (
+                f"{where}: a shard's health check is the probe on its port, which restarts a stuck shard: {check!r}"
             )
         grace = duration(service.get("stop_grace_period"), COMPOSE_DEFAULT_GRACE)
         needed = process.flags.graceful_termination_timeout + STOP_MARGIN if process.serves_http else FLUSH_SECONDS
@@ -391,7 +393,14 @@ def all_processes() -> list[tuple[Pod, dict, Process]]:
 
 
 def probe_port(container: dict, probe: dict) -> int:
-    """The port of an httpGet, tcpSocket or grpc probe, a containerPort name resolved."""
+    """The port of an httpGet, tcpSocket or grpc probe, a containerPort name resolved, or of the shard an exec
+    probe (conveyor.shard.probe) checks."""
+    if "exec" in probe:
+        command = probe["exec"]["command"]
+        assert command[:3] == ["python", "-m", "conveyor.shard.probe"], f"exec probe {command}"
+        host, port = parse_tcp(command[3])
+        assert host == "127.0.0.1", f"exec probe {command}: the shard in this container"
+        return port
     action = next(probe[k] for k in ("httpGet", "tcpSocket", "grpc") if k in probe)
     port = action["port"]
     if isinstance(port, int):
@@ -445,8 +454,10 @@ def test_kubernetes_ports_and_probes_follow_the_flags() -> None:
                 # /health is 503 while shards restart and while draining: ready, yes; alive, no.
                 path = probe["httpGet"]["path"]
                 assert (path != "/health") if kind == "livenessProbe" else (path == "/health"), f"{where}: {kind}"
-            if "grpc" in probe:
+            if "grpc" in probe or "exec" in probe:
                 assert port in process.shard_ports, f"{where}: {kind} gRPC probe on {port}, not a shard port"
+            if "exec" in probe and kind == "livenessProbe":  # a shard loading or restarting is not dead
+                assert "--stuck-only" in probe["exec"]["command"], f"{where}: {kind} must fail on a stuck shard only"
         readiness = probes["readinessProbe"]
         assert readiness is not None, f"{where}: no readinessProbe"
         if process.serves_http:

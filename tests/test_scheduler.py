@@ -205,3 +205,40 @@ def _reconnected(s: Scheduler):
         return SimpleNamespace(client=s.client, num_blocks=s.allocator.num_blocks)
 
     return reconnect
+
+
+class _Shards:
+    """A client whose ranks answer Info as `answer` instances (None: they do not answer)."""
+
+    def __init__(self, instances: list[str]) -> None:
+        self.instances, self.answer, self.step_timeout = instances, instances, None
+        self.killed = False
+
+    async def infos(self, timeout: float | None = None) -> list[SimpleNamespace]:
+        if self.answer is None:
+            raise ShardError("shard 0 failed Info: failed to connect to all addresses")
+        return [SimpleNamespace(instance=i) for i in self.answer]
+
+    def kill(self) -> None:
+        self.killed = True
+
+    async def close(self) -> None:
+        pass
+
+
+def _restarts(s: Scheduler) -> float:
+    return s.metrics.shard_restarts._value.get()
+
+
+async def test_an_idle_check_reconnects_only_to_restarted_or_silent_shards() -> None:
+    s = scheduler()
+    s.client = _Shards(["a", "b"])
+    s.reconnect = _reconnected(s)
+    await s._check_shards()
+    assert _restarts(s) == 0  # the same processes: nothing to do
+    s.client.answer = ["a", "c"]  # rank 1 was restarted, and is not warmed up
+    await s._check_shards()
+    assert _restarts(s) == 1 and not s.recovering and not s.client.killed
+    s.client.answer = None  # down (its launcher restarts it): reconnect when it answers
+    await s._check_shards()
+    assert _restarts(s) == 2

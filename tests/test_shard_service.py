@@ -6,7 +6,9 @@ bad call must come back as a gRPC error while the shard keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -17,27 +19,39 @@ import pytest
 from conftest import greedy_reference, wait_for
 from conveyor.launcher.processes import shard_healthy
 from conveyor.router.shard_client import ShardedClient, ShardError
+from conveyor.shard.watchdog import MIN_STEP_TIMEOUT
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor.shard_channels import Security
 
 BLOCKS_PER_REQUEST = 8  # request n gets blocks [8n, 8n + 8), 128 tokens with 16-token blocks
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    uds = str(tmp_path_factory.mktemp("uds") / "shard")
+def start_shard(model: Path, uds: str, **env: str) -> subprocess.Popen:
+    """A shard on its own (rank 0 of 1) at unix://{uds}-0, once it answers Health."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.shard.main", "--model-id", str(tiny_model), "--shard-uds-path", uds],
-        env=dict(os.environ, RANK="0", WORLD_SIZE="1"),
+        [sys.executable, "-m", "conveyor.shard.main", "--model-id", str(model), "--shard-uds-path", uds],
+        env=dict(os.environ, RANK="0", WORLD_SIZE="1", **env),
     )
 
     def healthy() -> bool:
         assert process.poll() is None, "the shard exited while loading"
         return shard_healthy(f"unix://{uds}-0", Security())
 
-    wait_for(healthy, 120, "the shard to answer Health")
+    try:
+        wait_for(healthy, 120, "the shard to answer Health")
+    except BaseException:
+        process.kill()
+        raise
+    return process
+
+
+@pytest.fixture(scope="module")
+def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    uds = str(tmp_path_factory.mktemp("uds") / "shard")
+    process = start_shard(tiny_model, uds)
     yield f"unix://{uds}-0"
     process.terminate()
     assert process.wait(30) == 0
@@ -48,8 +62,9 @@ async def client(shard: str, tokenizer) -> AsyncIterator[ShardedClient]:
     client = await ShardedClient.connect(shard)
     await client.clear_cache()
     warmup = pb.WarmupRequest(batch=batch(0, request(tokenizer, 0, "warm up", 2)), max_batch_total_tokens=1024)
-    capacity = await client.warmup(warmup)
+    capacity, step_timeout = await client.warmup(warmup)
     assert capacity == 1024  # the KV pool the router asked for, in 16-token blocks
+    assert step_timeout == MIN_STEP_TIMEOUT  # none asked for: the shard's own choice, from a short warmup
     yield client
     await client.close()
 
@@ -140,3 +155,61 @@ async def test_a_failed_grpc_call_has_invalid_argument_status(shard: str) -> Non
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await pb_grpc.ShardStub(channel).FilterBatch(pb.FilterBatchRequest(batch_id=12345))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+HANG_PROMPT = "stuck forever"
+
+
+def health_status(url: str, service: str = "") -> int:
+    with Security().channel(url) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+
+
+def probe(url: str, *flags: str) -> int:
+    return subprocess.run([sys.executable, "-m", "conveyor.shard.probe", url, *flags], timeout=60).returncode
+
+
+async def test_a_stuck_forward_turns_health_not_serving_and_the_probe_kills_it(
+    tiny_model: Path, tokenizer, tmp_path: Path
+) -> None:
+    """The event loop answers while the forward thread is stuck (a failpoint hangs it): past the step deadline the
+    shard must stop saying SERVING, on both health services, so that a supervisor restarts it."""
+    hang_token = tokenizer(HANG_PROMPT).input_ids[-1]
+    uds = str(tmp_path / "shard")
+    process = start_shard(tiny_model, uds, CONVEYOR_FAILPOINT_HANG_ON_TOKEN=str(hang_token))
+    url = f"unix://{uds}-0"
+    client = await ShardedClient.connect(url)
+    try:
+        warmup = pb.WarmupRequest(batch=batch(0, request(tokenizer, 0, "warm up", 2)), step_timeout=1.0)
+        _, step_timeout = await client.warmup(warmup)
+        assert step_timeout == 1.0  # the deadline asked for
+        await client.health()
+        assert health_status(url) == health_status(url, "conveyor.v1.Shard") == health_pb2.HealthCheckResponse.SERVING
+        assert probe(url) == 0 and probe(url, "--stuck-only") == 0
+
+        stuck = asyncio.create_task(client.prefill(batch(1, request(tokenizer, 1, HANG_PROMPT, 4))))
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        # In a thread: the event loop must go on, to send the prefill.
+        await asyncio.to_thread(wait_for, lambda: health_status(url) == not_serving, 60, "health to turn NOT_SERVING")
+        assert health_status(url, "conveyor.v1.Shard") == not_serving
+        with pytest.raises(ShardError, match="past the step timeout of 1 s"):
+            await client.health()
+        assert not stuck.done()  # still stuck: only a restart helps
+
+        assert probe(url) == 1 and probe(url, "--stuck-only") == 1
+        assert process.poll() is None
+        assert probe(url, "--kill-if-stuck") == 1
+        assert process.wait(30) == -signal.SIGKILL
+        with pytest.raises(ShardError):
+            await stuck
+    finally:
+        process.kill()
+        process.wait()
+        await client.close()
+
+
+async def test_a_shard_that_does_not_answer_fails_the_probe_unless_stuck_only(tmp_path: Path) -> None:
+    """Still loading, or being restarted: not ready, but not stuck either (a liveness probe must not kill it)."""
+    nowhere = f"unix://{tmp_path / 'nobody'}"
+    assert probe(nowhere) == 1
+    assert probe(nowhere, "--stuck-only", "--kill-if-stuck") == 0

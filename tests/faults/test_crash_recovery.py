@@ -193,6 +193,25 @@ def test_two_ranks_one_killed_lose_no_request(two_ranks: Server) -> None:
     _serve_through(two_ranks, lambda: os.kill(two_ranks.shard_pid(1), signal.SIGKILL), restarts=1)
 
 
+def test_an_idle_router_reconnects_to_a_restarted_group_before_a_request_comes(two_ranks: Server) -> None:
+    """A group restarted while nothing runs (here a rank SIGKILLed; in a split deployment, a shard container
+    restarted) is found by the idle router, reconnected and warmed up: the next request runs no failed step and
+    is not replayed."""
+    server = two_ranks
+    wait_for(lambda: _idle_and_whole(server), 60, "the deployment to be idle")
+    restarts = server.metric("conveyor_shard_restarts_total")
+    replayed = server.metric("conveyor_requests_replayed_total")
+    os.kill(server.shard_pid(1), signal.SIGKILL)
+    wait_for(lambda: server.metric("conveyor_shard_restarts_total") == restarts + 1, 120, "the router to reconnect")
+    wait_for(lambda: server.health() == 200, 60, "/health to answer 200")
+    prompt, n = ORACLE_PROMPTS[0]
+    watcher = StreamWatcher(server, {"inputs": prompt, "parameters": {"max_new_tokens": n}})
+    watcher.run()
+    assert watcher.token_ids() == greedy_reference(server.model_dir, prompt, n)
+    assert server.metric("conveyor_requests_replayed_total") == replayed
+    assert server.metric("conveyor_shard_restarts_total") == restarts + 1
+
+
 def test_a_request_that_kills_the_shard_every_time_fails_alone(crasher: Server, tiny_model: Path) -> None:
     """The shard dies at every step that reads the crasher's prompt. After --max-request-retries replays (1 here)
     the crasher ends with an error event; the requests that were in the failed steps with it, blamed once too,

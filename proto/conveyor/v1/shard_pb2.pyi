@@ -21,7 +21,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("dtype", "device_type", "block_size", "engine", "model_type", "max_position_embeddings", "world_size", "pid", "rank")
+    __slots__ = ("dtype", "device_type", "block_size", "engine", "model_type", "max_position_embeddings", "world_size", "pid", "rank", "instance")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class InfoResponse(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     device_type: str
     block_size: int
@@ -40,7 +41,8 @@ class InfoResponse(_message.Message):
     world_size: int
     pid: int
     rank: int
-    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -257,15 +259,19 @@ class FilterBatchResponse(_message.Message):
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("batch", "max_batch_total_tokens")
+    __slots__ = ("batch", "max_batch_total_tokens", "step_timeout")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     max_batch_total_tokens: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_batch_total_tokens: _Optional[int] = ...) -> None: ...
+    step_timeout: float
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_batch_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("max_supported_total_tokens",)
+    __slots__ = ("max_supported_total_tokens", "step_timeout")
     MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     max_supported_total_tokens: int
-    def __init__(self, max_supported_total_tokens: _Optional[int] = ...) -> None: ...
+    step_timeout: float
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ...) -> None: ...
