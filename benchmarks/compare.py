@@ -19,12 +19,12 @@ its OpenAI completions route (greedy, output length fixed by max_tokens, EOS ign
 
 The bare-forward ceiling runs the throughput workload through the same model in-process, at the concurrency cap
 as batch size, with the linear layers on oneDNN (what the shard runs) and again on torch's F.linear (MKL), which
-shows what the packed-weight GEMM wins. With bfloat16 among --dtypes (the default only where the CPU has bf16
-instructions), Conveyor continuous, vLLM (all cores), transformers serve and the bare forward run again in it.
-The report prints each system's metrics, then the ratios against the targets. JSON for every run,
-a summary and the sweep plot go to --out. A system that cannot run (no --scheduling in the launcher, no
-`transformers serve` installed) is reported as skipped and the rest still runs; a failed one makes the exit
-status 1.
+shows what the packed-weight GEMM wins. With bfloat16 among --dtypes (the default only where oneDNN has bf16
+kernels for the CPU; CONVEYOR_CPU_BF16=0 leaves it out anywhere), Conveyor continuous, vLLM (all cores),
+transformers serve and the bare forward run again in it. The report prints each system's metrics, then the
+ratios against the targets. JSON for every run, a summary and the sweep plot go to --out. A system that cannot
+run (no --scheduling in the launcher, no `transformers serve` installed) is reported as skipped and the rest
+still runs; a failed one makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from conveyor.benchmarks.plot import plot_results
 from conveyor.benchmarks.progress import note
 from conveyor.benchmarks.serve import BenchmarkConfig, length_range, load_tokenizer, run
 from conveyor.benchmarks.workload import LengthSpec, Prompt, build_prompts
+
+from conveyor import cpu
 
 MODES = ("continuous", "static", "sequential")
 DTYPE_SUFFIX = {"float32": "", "bfloat16": BF16}
@@ -296,9 +298,8 @@ def write_outputs(args: argparse.Namespace, outcomes: list[Outcome], summary: di
 
 
 def default_dtypes() -> list[str]:
-    import torch
-
-    return ["float32", "bfloat16"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ["float32"]
+    """bfloat16 too where oneDNN has bf16 kernels (`CONVEYOR_CPU_BF16=0` leaves it out on any CPU)."""
+    return ["float32", "bfloat16"] if cpu.onednn_bf16() else ["float32"]
 
 
 def names(text: str) -> list[str]:
@@ -342,8 +343,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtypes",
         type=names,
         default=default_dtypes(),
-        help="float32, and bfloat16 (default only where the CPU has bf16 instructions: elsewhere "
-        "every bf16 matmul takes a slow fallback)",
+        help="float32, and bfloat16 (default only where oneDNN has bf16 kernels for the CPU, unless "
+        "CONVEYOR_CPU_BF16=0: elsewhere every bf16 matmul takes a slow fallback)",
     )
     p.add_argument(
         "--no-gemm-baseline",

@@ -15,6 +15,8 @@ from conveyor.benchmarks.bare import BareResult
 from conveyor.benchmarks.metrics import BenchmarkResult, RateResult, Summary
 from conveyor.benchmarks.report import number
 
+from conveyor import cpu
+
 if TYPE_CHECKING:
     from conveyor.benchmarks.compare import Workload
 
@@ -27,6 +29,13 @@ CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM = (
 )
 BARE, BARE_TORCH_GEMM = "bare forward", "bare forward, F.linear (MKL)"
 BF16 = "-bf16"
+MACHINE_UNITS = (  # (label, key of machine()): what sets the forward's speed
+    ("AVX-512", "avx512"),
+    ("avx512_bf16", "avx512_bf16"),
+    ("VNNI", "vnni"),
+    ("AMX", "amx"),
+    ("oneDNN bf16", "native_bf16"),
+)
 DECODE_STEP_GOAL_MS = {"": 82.0, BF16: 32.0}  # batch 32 on the small demo model, per the forward issue
 Ceilings = dict[str, BareResult | str]
 
@@ -306,30 +315,28 @@ def _throughput_rows(outcomes: list[Outcome], ceilings: Ceilings) -> list[tuple[
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on: a forward's speed is mostly the CPU's matmul units."""
-    import os
     import platform
 
     import torch
 
-    cpuinfo = _cpuinfo()
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    here = cpu.probe()
     return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "avx512": any(f.startswith("avx512") for f in flags),
-        "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "cpu": here.model,
+        "cores": here.cores,
+        "avx512": here.avx512,
+        "avx512_bf16": here.avx512_bf16,
+        "vnni": here.vnni,
+        "amx": here.amx,
+        "native_bf16": here.onednn_bf16,  # oneDNN runs bf16 matmuls (the bf16 systems are in the default run)
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
 
 
-def _cpuinfo() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read().splitlines()
-    except OSError:
-        return []
+def machine_line(m: dict[str, Any]) -> str:
+    """The report's line for `machine()`."""
+    units = ", ".join(f"{label} {m[key]}" for label, key in MACHINE_UNITS)
+    return f"machine: {m['cpu']}, {m['cores']} cores, {units}, torch {m['torch']}"
 
 
 def _sweep_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:
@@ -360,12 +367,7 @@ def print_report(
     summary: dict[str, Any],
     workloads: dict[str, Workload],
 ) -> None:
-    m = summary["machine"]
-    lines = [
-        f"model: {args.model_dir}",
-        f"machine: {m['cpu']}, {m['cores']} cores, AVX-512 {m['avx512']}, "
-        f"native bf16 {m['native_bf16']}, torch {m['torch']}",
-    ]
+    lines = [f"model: {args.model_dir}", machine_line(summary["machine"])]
     for name, w in summary["workloads"].items():
         lines.append(
             f"{name} workload: {w['prompts']} prompts, input {w['input_tokens']}, output "

@@ -230,7 +230,8 @@ def test_metrics_follow_vllm_definitions(tmp_path: Path) -> None:
 
 
 def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_path: Path) -> None:
-    """One Conveyor mode only (each costs a deployment, ~20 s of CI); tests/test_scheduling.py serves every mode."""
+    """One Conveyor mode only (each costs a deployment, ~20 s of CI); tests/test_scheduling.py serves every mode.
+    float32 only, on any CPU: which systems a default run adds where oneDNN has bf16 is tests/test_cpu.py's."""
     out = subprocess.run(
         [
             sys.executable,
@@ -243,6 +244,8 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
             "--skip-vllm",
             "--systems",
             "continuous",
+            "--dtypes",
+            "float32",
             "--out",
             str(tmp_path),
         ],

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from conveyor.shard.device import DeviceUnavailable, choose_device, to_device
 from conveyor.shard.layers.gemm import Gemm, onednn_packs
 
+from conveyor import cpu
+
 
 def test_auto_picks_the_cpu_on_this_machine():
     assert choose_device("auto", rank=0) == torch.device("cpu")
@@ -46,6 +48,22 @@ def test_packed_gemm_matches_f_linear(rows: int):
     assert torch.equal(gemm.dense(), weight)
     torch.testing.assert_close(gemm(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(gemm(x[None]), F.linear(x, weight)[None], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bf16_kernels", ["as this run has them", "switched off"])
+def test_bf16_gemm_is_correct_on_either_kernel(monkeypatch: pytest.MonkeyPatch, bf16_kernels: str):
+    """bf16 weights take oneDNN where it has bf16 kernels, F.linear elsewhere: switched off, a Xeon runs the
+    EPYC's path, so both are checked wherever oneDNN has them (on an EPYC, both cases take F.linear)."""
+    if bf16_kernels == "switched off":
+        monkeypatch.setenv(cpu.BF16_SWITCH, "0")
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(32, 64, generator=gen)
+    weight, bias, x = weight.bfloat16(), bias.bfloat16(), x.bfloat16()
+    gemm = Gemm(weight)
+    assert gemm.packed == cpu.onednn_bf16()
+    exact = F.linear(x.float(), weight.float(), bias.float())  # the same bf16 values, multiplied in float32
+    torch.testing.assert_close(gemm(x, bias).float(), exact, rtol=1e-2, atol=5e-2)
 
 
 def test_gemm_backend_switch(monkeypatch: pytest.MonkeyPatch):

@@ -1,0 +1,89 @@
+"""What this CPU offers, asked in one place, so that every choice that depends on it can be faked in a test.
+
+Conveyor lands on AMD EPYCs (AVX2, no bf16 kernels in oneDNN) and on Intel Xeons (AVX-512, avx512_bf16, VNNI,
+sometimes AMX). What differs between them: whether oneDNN runs bf16 matmuls (the GEMM packs bf16 weights, the
+benchmark adds its bf16 systems by default), the instruction sets the benchmark records beside its numbers, and
+how many cores a process may use. Everything that depends on them asks here and nowhere else: a test fakes a CPU
+kind by replacing `_torch_bf16` and `CPUINFO`, and `CONVEYOR_CPU_BF16=0` makes a CPU with bf16 kernels behave as
+one without, so that both branches run on a Xeon.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+BF16_SWITCH = "CONVEYOR_CPU_BF16"
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls on this CPU. Elsewhere torch's bf16 matmul takes a scalar fallback,
+    about 10x slower than float32, so bf16 stays correct but is not worth choosing by default.
+
+    `CONVEYOR_CPU_BF16=0` answers no on any CPU. `=1` insists on yes and fails where the CPU cannot, so that a job
+    meant to cover the bf16 kernels cannot pass on a machine without them unnoticed."""
+    switch = os.environ.get(BF16_SWITCH, "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{BF16_SWITCH} must be 0 or 1 (or unset: ask the CPU), not {switch!r}")
+    if switch == "0":
+        return False
+    supported = _torch_bf16()
+    if switch == "1" and not supported:
+        raise RuntimeError(f"{BF16_SWITCH}=1, but oneDNN has no bf16 kernels for this CPU")
+    return supported
+
+
+def _torch_bf16() -> bool:
+    """torch's own check, the one its oneDNN calls obey: AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT on x86. It says
+    yes on an AVX-512 Xeon without avx512_bf16 too, where oneDNN converts; `Cpu` tells those apart for the report."""
+    import torch
+
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: a container's cpuset, not the host's count that os.cpu_count() gives."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """The CPU as the benchmark records it: a forward's speed is mostly its matmul units."""
+
+    model: str
+    cores: int
+    flags: frozenset[str]
+    onednn_bf16: bool
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512f" in self.flags
+
+    @property
+    def avx512_bf16(self) -> bool:
+        """bf16 dot products in AVX-512 (Cooper Lake and later Xeons, AMD Zen 4)."""
+        return "avx512_bf16" in self.flags
+
+    @property
+    def vnni(self) -> bool:
+        return bool({"avx512_vnni", "avx_vnni"} & self.flags)
+
+    @property
+    def amx(self) -> bool:
+        """Tile matrix units (Sapphire Rapids and later Xeons); oneDNN uses them for bf16 when they are there."""
+        return "amx_bf16" in self.flags
+
+
+def probe() -> Cpu:
+    """This machine's CPU, from /proc/cpuinfo (empty elsewhere) and `onednn_bf16`."""
+    try:
+        lines = CPUINFO.read_text().splitlines()
+    except OSError:
+        lines = []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return Cpu(model, usable_cores(), frozenset(flags), onednn_bf16())
