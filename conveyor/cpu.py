@@ -11,6 +11,7 @@ one without, so that both branches run on a Xeon.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,15 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def threads_per_rank(local_ranks: int, cores: int, environ: Mapping[str, str] = os.environ) -> int | None:
+    """torch threads for each of `local_ranks` shard ranks sharing this machine, or None to keep torch's own count:
+    a rank alone has the cores to itself, and OMP_NUM_THREADS is the choice of someone who knows the pod's share
+    (the Kubernetes manifests set it; a count from the node's cores would override a container's CPU limit)."""
+    if local_ranks <= 1 or environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, cores // local_ranks)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from conveyor.launcher.demo_model import resolve_model
 from conveyor.shard.device import choose_device
-from conveyor.shard.distributed import initialize
+from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Engine
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models.llama import MODEL_TYPES
@@ -25,6 +25,7 @@ from conveyor.shard.server import serve
 from conveyor import config, lifeline, tracing
 from conveyor import log as conveyor_log
 from conveyor.config import Config
+from conveyor.cpu import threads_per_rank, usable_cores
 from conveyor.shard_channels import AddressError, Security, rank_address
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,15 @@ def load(args: Config) -> Engine:
         torch.cuda.set_device(device)
     log.info("device", extra={"device": str(device)})
     group = initialize(device, args.startup_timeout)
-    if group.world_size > 1 and device.type == "cpu":
-        # Ranks share the machine's cores; more threads than cores each would only thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+    # Ranks on one machine share its cores; more threads than cores each would only thrash.
+    if device.type == "cpu" and (threads := threads_per_rank(_local_world_size(group), usable_cores())) is not None:
+        torch.set_num_threads(threads)
     return Engine(args.model_id, args.dtype, device, group)
+
+
+def _local_world_size(group: ProcessGroup) -> int:
+    """The ranks on this node (the launcher and torchrun set LOCAL_WORLD_SIZE; without it, the whole group)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size))
 
 
 def _local_rank() -> int:

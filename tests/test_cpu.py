@@ -170,3 +170,19 @@ def test_gemm_choice_on_each_cpu_kind(monkeypatch: pytest.MonkeyPatch, tmp_path:
     else:
         with pytest.raises(ValueError, match="cannot pack a torch.bfloat16 weight"):
             gemm.kernel(bf16)
+
+
+# --- threads ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "local_ranks, cores, environ, expected",
+    [
+        (1, 64, {}, None),  # alone: torch's own count
+        (2, 64, {}, 32),
+        (3, 2, {}, 1),  # more ranks than cores: one thread each, never 0
+        (2, 64, {"OMP_NUM_THREADS": "2"}, None),  # a container's share, set by whoever knows it
+    ],
+)
+def test_threads_per_rank(local_ranks: int, cores: int, environ: dict[str, str], expected: int | None) -> None:
+    assert cpu.threads_per_rank(local_ranks, cores, environ) == expected
