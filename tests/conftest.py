@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny test model (built once per session) and live deployments started with the launcher."""
+"""Shared fixtures: the tiny test model (built once per session) and live deployments started with the launcher;
+and the loopback guard (tests/loopback.py), which holds the test process to loopback from collection on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import loopback
 import pytest
 import sseclient
 from conveyor.launcher import demo_model
@@ -42,6 +44,26 @@ ORACLE_PROMPTS = [
     ("async def main():\n    await asyncio.sleep(1)", 33),
     ("if __name__ == '__main__':", 11),
 ]
+
+
+_LOOPBACK_GUARD = pytest.MonkeyPatch()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    loopback.install(_LOOPBACK_GUARD)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _LOOPBACK_GUARD.undo()
+
+
+@pytest.fixture(autouse=True)
+def loopback_only() -> Iterator[None]:
+    """Fails the test that sent, or tried to send, traffic off loopback, even where a library swallowed the
+    refusal (a health poll that retries until its deadline, say)."""
+    first = len(loopback.refused)
+    yield
+    assert not loopback.refused[first:], f"traffic off loopback: {loopback.refused[first:]}"
 
 
 @dataclass(frozen=True)

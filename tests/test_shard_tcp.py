@@ -6,7 +6,6 @@ tests send traffic to loopback only); neither process starts on TCP without a to
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from typing import IO
 
 import grpc
 import httpx
+import loopback
 import psutil
 import pytest
 from conftest import ORACLE_PROMPTS, free_port, greedy_reference, wait_for
@@ -170,18 +170,12 @@ def test_plaintext_and_certificate_less_callers_get_no_connection(split: Split) 
     assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def _unmapped(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """gRPC listens on an IPv6 socket, which shows an IPv4 address as ::ffff:127.0.0.1."""
-    address = ipaddress.ip_address(ip)
-    return address.ipv4_mapped or address if isinstance(address, ipaddress.IPv6Address) else address
-
-
 def test_a_shard_told_to_listen_on_loopback_listens_on_loopback_only(split: Split) -> None:
     """Its listening sockets, as the kernel reports them: probing another address of this machine would send
     traffic off loopback, which tests never do. A wildcard bind (0.0.0.0, ::) would show here as such; gRPC's
     IPv6 socket shows its IPv4 address as ::ffff:127.0.0.1."""
     listening = {
-        (str(_unmapped(c.laddr.ip)), c.laddr.port)
+        (str(loopback.ip(c.laddr.ip)), c.laddr.port)
         for c in psutil.Process(split.shard_pid).net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN
     }
