@@ -265,6 +265,48 @@ def test_bad_parameters(validation: Validation, parameters: dict[str, Any], mess
     assert message in str(info.value)
 
 
+# Constraints that compile but meet a limit of llguidance's at their first token, in what they force from the
+# start (a shard would end the request after that token); and the message's fragment.
+PAST_LIMITS = [
+    ({"type": "regex", "value": "a{1000000}"}, "invalid regex: lexer error: too many expressions constructed"),
+    ({"type": "regex", "value": "(a{1000}){1000}"}, "invalid regex: lexer error"),
+    ({"type": "json", "value": {"type": "string", "pattern": "^a{1000000}$"}}, "invalid json schema: lexer error"),
+    (
+        {"type": "json", "value": {"type": "array", "items": {"const": "a"}, "minItems": 1000000}},
+        "invalid json schema: parser error: Too many items",
+    ),
+    ({"type": "grammar", "value": 'start: "a"{1000000}'}, "invalid grammar: parser error: Too many items"),
+    ({"type": "grammar", "value": "start: /a{1000000}/"}, "invalid grammar: lexer error"),
+    ({"type": "choice", "value": [f"option {i}" for i in range(10000)]}, "invalid choice: Parser Error: Current row"),
+]
+# Large, but generated step by step within the limits: they pass.
+LARGE_BUT_FINE = [
+    {"type": "regex", "value": "a{1000}"},
+    {"type": "regex", "value": "[ab]{1000000}"},
+    {"type": "regex", "value": "a{0,1000000}"},
+    {"type": "json", "value": {"type": "string", "minLength": 1000000}},
+    {"type": "json", "value": {"type": "array", "items": {"type": "integer"}, "maxItems": 1000000}},
+    {"type": "json", "value": {"type": "object", "properties": {"a": {"type": "string", "pattern": "a{1000000}"}}}},
+    {"type": "choice", "value": [f"option {i}" for i in range(1000)]},
+]
+
+
+@pytest.mark.parametrize(("grammar", "message"), PAST_LIMITS, ids=[g["type"] for g, _ in PAST_LIMITS])
+def test_a_constraint_past_llguidance_limits_at_its_first_token_is_refused(
+    validation: Validation, grammar: dict, message: str
+) -> None:
+    """llguidance compiles lazily; validation takes the first step too, so this is a 422 and not an answer of
+    one token."""
+    with pytest.raises(ValidationError) as info:
+        generate(validation, grammar=grammar)
+    assert message in str(info.value) and str(info.value).endswith("(at the first token)"), str(info.value)
+
+
+@pytest.mark.parametrize("grammar", LARGE_BUT_FINE, ids=[json.dumps(g)[:60] for g in LARGE_BUT_FINE])
+def test_a_large_constraint_within_the_limits_passes(validation: Validation, grammar: dict) -> None:
+    assert generate(validation, grammar=grammar).parameters.grammar is not None
+
+
 BAD_BODIES = [
     (None, "JSON object"),
     ([], "JSON object"),
