@@ -115,5 +115,8 @@ def test_structured_output(server: Server) -> None:
         with pytest.raises(ValidationError, match="regex") as error:
             client.generate("x", regex="(unclosed")
         assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(ValidationError, match="too many expressions constructed") as error:
+            client.generate("x", regex="a{1000000}")  # compiles, but past llguidance's limits at the first token
+        assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(ValueError, match="at most one constraint"):
             client.generate("x", regex="a", choice=["a"])  # refused by the client before sending

@@ -525,6 +525,31 @@ def test_a_bad_constraint_is_a_422_and_the_server_serves_on(server: Server, rout
     assert ids(plain) == greedy_reference(server.model_dir, "x", 12)
 
 
+PAST_LIMITS = "a{1000000}"  # compiles, but what it forces from the start is past llguidance's limits
+
+
+def test_a_constraint_past_llguidance_limits_is_a_422_not_a_one_token_answer(server: Server) -> None:
+    """llguidance compiles lazily: this regex compiles, and only its first token meets the limit, where the shard
+    ended the request after that token with finish reason `stop`. Validation takes that step first."""
+    anchored = {"type": "object", "properties": {"a": {"type": "string", "pattern": f"^{PAST_LIMITS}$"}}}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5}
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {**anchored, "required": ["a"]}}}
+    refused = [
+        ("/generate", request("x", regex_grammar(PAST_LIMITS), 5)),
+        ("/generate_stream", request("x", regex_grammar(PAST_LIMITS), 5)),
+        ("/v1/chat/completions", {**chat, "response_format": schema}),
+        ("/v1/chat/completions", {**chat, "guided_regex": PAST_LIMITS}),
+    ]
+    with server.client() as client:
+        for route, body in refused:
+            response = client.post(route, json=body)
+            assert response.status_code == 422, (route, response.text)
+            error = response.json()
+            message = error["error"]["message"] if route.startswith("/v1/") else error["error"]
+            assert error["error_type"] == "validation", (route, error)
+            assert "too many expressions constructed (at the first token)" in message, (route, error)
+
+
 # ---------------------------------------------------------------------------------------------------- 7. metrics
 
 
