@@ -6,8 +6,10 @@ there are before it reduces.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -83,9 +85,25 @@ def initialize(device: torch.device, timeout: float) -> ProcessGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         address = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT", "29500"))
+        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface(address)):
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
         if (epoch := os.environ.get("CONVEYOR_GROUP_EPOCH")) is None:
             dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
         else:
             store = GroupStore(address, port, host_it=False, timeout=timeout).rendezvous(int(epoch))
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     return ProcessGroup(rank, world_size)
+
+
+def loopback_interface(master_address: str) -> str | None:
+    """The loopback interface (lo), for gloo's connections between ranks that meet at a loopback address: they all
+    run on this machine. Left to itself, gloo binds whatever this machine's hostname resolves to: a name server is
+    asked where /etc/hosts does not name it, and ranks talk over the LAN address (ports open to the network)
+    where it does; tests and benchmarks send traffic to loopback only. None where ranks meet elsewhere (several
+    machines) or no loopback interface is found; GLOO_SOCKET_IFNAME, when set, is left as it is."""
+    try:
+        on_loopback = ipaddress.ip_address(master_address).is_loopback
+    except ValueError:
+        on_loopback = master_address == "localhost"
+    names = {name for _, name in socket.if_nameindex()} if on_loopback else set()
+    return next((name for name in ("lo", "lo0") if name in names), None)
