@@ -24,6 +24,10 @@ from types import SimpleNamespace
 from conveyor.benchmarks import shards
 from conveyor.benchmarks.shards import DeploymentFailed  # noqa: F401 - callers catch it from here
 
+# The peers serve local directories and send nothing off this machine (benchmarks, like tests, send traffic to
+# loopback only): no Hub lookups, and none of the usage statistics vLLM reports by default.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1"}
+
 
 def launcher_flags() -> set[str]:
     """The flags this checkout's launcher knows, so that newer ones are used only when present."""
@@ -120,7 +124,7 @@ def transformers_serve(
         "--log-level",
         "warning",
     ]
-    yield from _serve(command, "transformers-serve", port, timeout)
+    yield from _serve(command, "transformers-serve", port, timeout, dict(os.environ, **OFFLINE))
 
 
 VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"  # `make bench` builds it (see Makefile)
@@ -144,7 +148,7 @@ def vllm_problem() -> str | None:
 def vllm_env(binding: str) -> dict[str, str]:
     """`all`: the model's OpenMP threads bound to every core, none reserved for its front end (what the issue's
     measurement called "both cores bound"); `default`: vLLM's own choice (it reserves a core on small machines)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(os.environ, **OFFLINE, VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
     if binding == "all":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     return env
