@@ -21,6 +21,7 @@ from conveyor.shard.engine import Engine
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models.llama import MODEL_TYPES
 from conveyor.shard.server import serve
+from conveyor.shard.torch_thread import TorchThread
 
 from conveyor import config, lifeline, tracing
 from conveyor import log as conveyor_log
@@ -75,12 +76,13 @@ async def run(args: Config, security: Security) -> None:
         loop.add_signal_handler(sig, stop.set)
     check_supported(args.model_id)
     log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype})
-    engine = await asyncio.to_thread(load, args)
+    torch_thread = TorchThread()  # loads the model and runs every step: one OpenMP team (torch_thread.py)
+    engine = await torch_thread.run(load, args)
     address = rank_address(args, engine.group.rank, _local_rank())
     if address.bind.startswith("unix://") and os.path.exists(path := address.bind.removeprefix("unix://")):
         os.unlink(path)
     urls = await asyncio.to_thread(engine.group.gather, address.url)  # every rank's, for ServiceDiscovery
-    await serve(engine, address.bind, urls, security, stop)
+    await serve(engine, torch_thread, address.bind, urls, security, stop)
 
 
 def main(argv: list[str] | None = None) -> None:

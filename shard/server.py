@@ -3,8 +3,9 @@
 `Prefill` and `Decode` are the same step: the cached batches named (the running one, with this step's
 `updates`), joined by the new requests of a `Prefill`, run one `Engine.step`.
 
-Forwards run on one worker thread (torch releases the GIL), so the event loop keeps answering `Health`
-while a long prefill runs, and batches are only ever touched by that one thread.
+Forwards run on the shard's torch thread (`torch_thread.py`: the thread that loaded the model; torch releases the
+GIL), so the event loop keeps answering `Health` while a long prefill runs, and batches are only ever touched by
+that one thread.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 from conveyor.shard.batch import Batch
 from conveyor.shard.engine import Engine, StepOutput
 from conveyor.shard.requests import BadRequest
+from conveyor.shard.torch_thread import TorchThread
 from conveyor.shard.watchdog import WATCH_SECONDS, StepWatch, step_timeout
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
@@ -71,18 +72,18 @@ def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
 
 
 class ShardService(pb_grpc.ShardServicer):
-    def __init__(self, engine: Engine, urls: list[str]) -> None:
+    def __init__(self, engine: Engine, urls: list[str], torch_thread: TorchThread) -> None:
         self.engine = engine
         self.urls = urls
         self.cache: dict[int, Batch] = {}
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.torch_thread = torch_thread
         self.watch = StepWatch()  # the steps in flight, against the deadline the warmup chose
         self.instance = uuid.uuid4().hex  # this process's, in Info
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs `fn` on the forward thread as a step, which the watchdog holds to the step deadline."""
         with self.watch.step():
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            return await self.torch_thread.run(fn, *args)
 
     def _take(self, *batch_ids: int) -> list[Batch]:
         """Removes the batches from the cache (a step replaces them), or none if any id is unknown."""
@@ -167,8 +168,7 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest("warmup needs a batch")
         self.cache.clear()
         start = time.monotonic()
-        loop = asyncio.get_running_loop()
-        capacity = await loop.run_in_executor(self.executor, self.engine.warmup, request)  # not a step: no deadline
+        capacity = await self.torch_thread.run(self.engine.warmup, request)  # not a step: no deadline
         self.watch.timeout = step_timeout(request.step_timeout, time.monotonic() - start)
         return pb.WarmupResponse(max_supported_total_tokens=capacity, step_timeout=self.watch.timeout)
 
@@ -199,12 +199,14 @@ class ShardService(pb_grpc.ShardServicer):
         return pb.FilterBatchResponse(batch=self._keep(kept))
 
 
-async def serve(engine: Engine, bind: str, urls: list[str], security: Security, stop: asyncio.Event) -> None:
+async def serve(
+    engine: Engine, torch_thread: TorchThread, bind: str, urls: list[str], security: Security, stop: asyncio.Event
+) -> None:
     """Serves at `bind` until `stop` is set, then lets in-flight RPCs finish for a few seconds. `urls` are every
     rank's addresses (ServiceDiscovery's answer). The server starts only once the model is loaded and the group
     formed; the standard health service then says SERVING, and NOT_SERVING while a step is past its deadline."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=security.interceptors())
-    service = ShardService(engine, urls)
+    service = ShardService(engine, urls, torch_thread)
     pb_grpc.add_ShardServicer_to_server(service, server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
