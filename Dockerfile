@@ -30,6 +30,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     CONVEYOR_CACHE=/models \
     HF_HUB_OFFLINE=1
+# g++: the C++ kernels (shard/kernels) are built for the CPU the container runs on, at the first start, into
+# CONVEYOR_CACHE; without a compiler the shards serve with the torch attention path.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 1000 --user-group conveyor \
     && mkdir /models \
     && chown conveyor:conveyor /models

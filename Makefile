@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml
 	# Hugging Face's text-generation client, for compatibility tests; it pins huggingface_hub<1, which
 	# transformers 5 cannot use, and needs nothing from it that the installed one lacks.
 	$(BIN)/pip install --quiet --no-deps text-generation==0.7.0
+	# The C++ kernels, built for this CPU now rather than by the first shard (shards fall back without them).
+	$(BIN)/python -m conveyor.shard.kernels.build || echo "no C++ kernels: shards use the torch attention path"
 	touch $(STAMP)
 
 serve: $(STAMP)

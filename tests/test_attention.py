@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-from conveyor.shard.layers.attention import AttentionMetadata, KVCache, paged_attention
+from conveyor.shard.kernels import build as kernels
+from conveyor.shard.layers.attention import AttentionMetadata, DecodeGroup, KVCache, paged_attention
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 
@@ -18,7 +20,15 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
     return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
 
 
-def test_decode_rows_and_chunks_of_several_lengths_match_plain_attention() -> None:
+@pytest.fixture(scope="module")
+def kernel_built() -> bool:
+    return kernels.load()
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
+def test_decode_rows_and_chunks_of_several_lengths_match_plain_attention(use_kernel: bool, kernel_built: bool) -> None:
+    if use_kernel and not kernel_built:
+        pytest.skip("the C++ kernels did not build here (test_paged_kernel covers the fallback)")
     torch.manual_seed(0)
     # (context after this forward, new tokens): decode rows, a long chunk, a whole short prompt, a mid chunk.
     rows = [(40, 1), (100, 8), (5, 5), (9, 1), (30, 12), (2, 2)]
@@ -37,8 +47,10 @@ def test_decode_rows_and_chunks_of_several_lengths_match_plain_attention() -> No
         cache.keys[0].view(-1, KV_HEADS, DIM)[slots] = k[:old]
         cache.values[0].view(-1, KV_HEADS, DIM)[slots] = v[:old]
     queries = [torch.randn(new, HEADS, DIM) for _, new in rows]
-    meta = AttentionMetadata.build(tables, [c for c, _ in rows], [n for _, n in rows], BLOCK, torch.device("cpu"))
+    lens = [c for c, _ in rows], [n for _, n in rows]
+    meta = AttentionMetadata.build(tables, *lens, BLOCK, torch.device("cpu"), use_kernel=use_kernel)
     assert len(meta.groups) > 1  # decode rows apart from chunks, long contexts apart from short ones
+    assert isinstance(meta.groups[0], DecodeGroup) == use_kernel
 
     out = paged_attention(
         torch.cat(queries),

@@ -6,6 +6,10 @@ writes its new tokens' K/V to their slots, gathers each sequence's context from 
 [B, C] view (one indexing operation, no loop over tokens), and runs `scaled_dot_product_attention` with a mask
 that is causal within each sequence and hides the padding. Prefill rows (many new tokens) and decode rows (one)
 go through the same code.
+
+Decode rows have a faster path on CPU: `shard/kernels/paged_attention.cpp` reads their K/V in place through the
+block tables, with no gathered copy and no mask (`DecodeGroup`). The gather + SDPA path stays the reference, and
+serves everything where the kernel is off or did not build.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from conveyor.shard.device import to_device
+from conveyor.shard.kernels import build as kernels
 
 
 @dataclass
@@ -68,11 +73,35 @@ class AttentionGroup:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows for the paged kernel, which reads their contexts through the block tables themselves."""
+
+    block_tables: torch.Tensor  # [B, W] int32, padded with block 0
+    context_lens: torch.Tensor  # [B] int32, the new token included
+    token_index: torch.Tensor  # [B] flat index of each row's one new token
+    window: int  # sliding window, 0 for none
+
+    @classmethod
+    def build(
+        cls, block_tables: list[list[int]], context_lens: list[int], starts: list[int], window: int | None
+    ) -> DecodeGroup:
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        return cls(tables, lens, torch.tensor(starts, dtype=torch.long), window or 0)
+
+
+def decode_kernel(device: torch.device) -> bool:
+    """Whether decode rows on `device` take the paged kernel (CPU, where it built and is not switched off)."""
+    return device.type == "cpu" and kernels.load()
+
+
+@dataclass
 class AttentionMetadata:
     """Index tensors for one forward, built once and shared by every layer."""
 
     slots: torch.Tensor  # [T] where each new token's K/V goes
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup | DecodeGroup]
 
     @classmethod
     def build(
@@ -83,8 +112,10 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         sliding_window: int | None = None,
+        use_kernel: bool | None = None,
     ) -> AttentionMetadata:
-        """`context_lens` count each sequence's tokens after this forward; the last `query_lens` of them are new."""
+        """`context_lens` count each sequence's tokens after this forward; the last `query_lens` of them are new.
+        Decode rows take the paged kernel if `use_kernel` (by default: `decode_kernel(device)`)."""
         starts = [0]
         for q in query_lens[:-1]:
             starts.append(starts[-1] + q)
@@ -93,7 +124,14 @@ class AttentionMetadata:
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx))
         # Built on the host, then moved (from pinned memory on a GPU) in one go per tensor.
         host = torch.device("cpu")
-        groups = [
+        partition = _partition(context_lens, query_lens)
+        groups: list[AttentionGroup | DecodeGroup] = []
+        if partition and all(query_lens[r] == 1 for r in partition[0]):
+            if decode_kernel(device) if use_kernel is None else use_kernel:
+                rows = partition.pop(0)
+                tables, lens = [block_tables[r] for r in rows], [context_lens[r] for r in rows]
+                groups.append(DecodeGroup.build(tables, lens, [starts[r] for r in rows], sliding_window))
+        groups += [
             _group(
                 [block_tables[r] for r in rows],
                 [context_lens[r] for r in rows],
@@ -103,9 +141,13 @@ class AttentionMetadata:
                 host,
                 sliding_window,
             )
-            for rows in _partition(context_lens, query_lens)
+            for rows in partition
         ]
-        return cls(to_device(torch.tensor(slots, dtype=torch.long), device), [g.to(device) for g in groups])
+        return cls(to_device(torch.tensor(slots, dtype=torch.long), device), [_on(g, device) for g in groups])
+
+
+def _on(group: AttentionGroup | DecodeGroup, device: torch.device) -> AttentionGroup | DecodeGroup:
+    return group.to(device) if isinstance(group, AttentionGroup) else group  # the kernel runs on the CPU only
 
 
 def _partition(context_lens: list[int], query_lens: list[int]) -> list[list[int]]:
@@ -172,17 +214,27 @@ def paged_attention(
     flat_values.index_copy_(0, meta.slots, v)
 
     if len(meta.groups) == 1:
-        return _attend(q, flat_keys, flat_values, meta.groups[0], scale).reshape(q.shape[0], -1)
+        return _attend(q, flat_keys, flat_values, meta.groups[0], scale, key_cache, value_cache).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     for group in meta.groups:
-        out[group.token_index] = _attend(q, flat_keys, flat_values, group, scale)
+        out[group.token_index] = _attend(q, flat_keys, flat_values, group, scale, key_cache, value_cache)
     return out.reshape(q.shape[0], -1)
 
 
 def _attend(
-    q: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor, group: AttentionGroup, scale: float
+    q: torch.Tensor,
+    flat_keys: torch.Tensor,
+    flat_values: torch.Tensor,
+    group: AttentionGroup | DecodeGroup,
+    scale: float,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
 ) -> torch.Tensor:
     """The group's tokens' attention outputs [T_g, Hq, D], in `token_index` order."""
+    if isinstance(group, DecodeGroup):
+        return torch.ops.conveyor.paged_decode_attention(
+            q[group.token_index], key_cache, value_cache, group.block_tables, group.context_lens, scale, group.window
+        )
     # index_select on the flattened slots: the same rows as advanced indexing, ~25% faster on CPU.
     shape = (*group.context_slots.shape, *flat_keys.shape[1:])
     slots = group.context_slots.view(-1)

@@ -1,0 +1,178 @@
+// Decode attention that reads each sequence's K/V where it lies in the paged pool, through its block table.
+//
+// The torch path (shard/layers/attention.py) gathers every sequence's context into a padded copy and runs SDPA
+// with a mask; at batch 32 that copy and the masked kernel were about a quarter of a decode step on CPU. Here one
+// task per (sequence, KV head) scores its context once for all the query heads that share that KV head (GQA),
+// softmaxes in float32 and sums the values, reading the pool in place. The torch path stays the reference: the
+// tests hold this kernel to it on random block tables, in float32 and bfloat16.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// A float row as it is; another type's converted into `buffer`.
+inline const float* as_float(const float* row, float*, int64_t) { return row; }
+
+template <typename scalar_t>
+inline const float* as_float(const scalar_t* row, float* buffer, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]);
+  return buffer;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Calls visit(t, slot) for the context's positions first..length-1 (t counted from 0), a block at a time.
+template <typename Visit>
+inline void for_each_slot(const int32_t* table, int64_t block_size, int64_t first, int64_t length, Visit visit) {
+  for (int64_t block = first / block_size; block * block_size < length; ++block) {
+    const int64_t begin = std::max(first, block * block_size), end = std::min(length, (block + 1) * block_size);
+    const int64_t base = static_cast<int64_t>(table[block]) * block_size - block * block_size;
+    for (int64_t p = begin; p < end; ++p) visit(p - first, base + p);
+  }
+}
+
+// exp(x) for x <= 0, as Cephes computes expf (a degree-6 polynomial on x - n ln 2, times 2^n; ~1 ulp), written
+// so that the compiler vectorizes it: libm's expf is a call per element, and was the kernel's largest cost.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);  // below, 2^n leaves the normal floats; exp is < 1.7e-38 there anyway
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// Softmax of each of `group` rows of `count` scores, in place.
+inline void softmax(float* scores, int64_t group, int64_t count) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * count;
+    float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < count; ++t) top = std::max(top, s[t]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < count; ++t) {
+      s[t] = exp_nonpositive(s[t] - top);
+      total += s[t];
+    }
+    const float inverse = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < count; ++t) s[t] *= inverse;
+  }
+}
+
+template <typename scalar_t>
+void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
+            at::Tensor& out) {
+  const int64_t batch = query.size(0), q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
+  const int64_t group = q_heads / kv_heads, table_width = block_tables.size(1);
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* keys = key_cache.data_ptr<scalar_t>();
+  const scalar_t* values = value_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lengths = context_lens.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t token_stride = kv_heads * head_dim;  // between neighbouring slots of the pool
+  const float scale_f = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t length = lengths[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      const int64_t count = length - first;
+      const int32_t* table = tables + b * table_width;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = as_float(q + (b * q_heads + h * group + g) * head_dim, row.data(), head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = qg[d] * scale_f;
+      }
+      scores.resize(group * count);
+      for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) {
+        const float* k = as_float(keys + slot * token_stride + h * head_dim, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(qf.data() + g * head_dim, k, head_dim);
+      });
+      softmax(scores.data(), group, count);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) {
+        const float* v = as_float(values + slot * token_stride + h * head_dim, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * count + t];
+          float* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
+        }
+      });
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* dst = o + (b * q_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+// query [B, Hq, D]; key_cache/value_cache [blocks, block_size, Hkv, D]; block_tables [B, W] int32;
+// context_lens [B] int32 (tokens in the cache, the new one included); window 0 for none. Returns [B, Hq, D].
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window) {
+  TORCH_CHECK(query.device().is_cpu(), "paged_decode_attention runs on CPU");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, Hq, D] and a cache [N, block, Hkv, D]");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous tables");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache share a dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads are a multiple of KV heads");
+  TORCH_CHECK(query.size(2) == key_cache.size(3), "query and cache share a head size");
+  auto out = at::empty_like(query);
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      decode<float>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      break;
+    case at::kBFloat16:
+      decode<c10::BFloat16>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      break;
+    case at::kHalf:
+      decode<c10::Half>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(conveyor, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int window) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
