@@ -12,7 +12,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING = ("continuous", "static", "sequential")
 DEMO_SIZES = ("tiny", "small")
@@ -30,7 +30,11 @@ class Config:
     demo_size: str = flag("small", "size of the built-in demo model", choices=DEMO_SIZES)
     # Shards
     num_shard: int = flag(1, "tensor-parallel ranks, one process each")
-    dtype: str = flag("float32", "weights and KV cache", choices=DTYPES)
+    dtype: str = flag(
+        "auto",
+        "weights and KV cache; auto: the checkpoint's dtype where the device computes it natively, else float32",
+        choices=DTYPES,
+    )
     device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)
     shard_uds_path: str | None = flag(
         None, "socket prefix for the shards; rank r listens on PREFIX-r (default: a private temp path)"

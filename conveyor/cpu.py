@@ -36,6 +36,16 @@ def onednn_bf16() -> bool:
     return supported
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (avx512_bf16 or AMX) and oneDNN runs it: where `--dtype auto`
+    keeps a bf16 checkpoint in bf16. An AVX-512 CPU without those converts in oneDNN, which is correct but no
+    faster than float32. `CONVEYOR_CPU_BF16=0` answers no here too."""
+    if not onednn_bf16():
+        return False
+    found = probe()
+    return found.avx512_bf16 or found.amx
+
+
 def _torch_bf16() -> bool:
     """torch's own check, the one its oneDNN calls obey: AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT on x86. It says
     yes on an AVX-512 Xeon without avx512_bf16 too, where oneDNN converts; `Cpu` tells those apart for the report."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.config import DEVICES as CHOICES
+from conveyor.config import DTYPES
 
 
 class DeviceUnavailable(ValueError):
@@ -33,3 +34,36 @@ def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return values
     return values.pin_memory().to(device, non_blocking=True)
+
+
+def choose_dtype(requested: str, checkpoint: str | None, device: torch.device, bf16_native: bool) -> str:
+    """The dtype a shard computes in. `auto` keeps the checkpoint's own dtype where the device computes it
+    natively, as TGI and vLLM choose: bf16 on GPUs with bf16 (else float16) and on CPUs with avx512_bf16 or AMX
+    (`bf16_native`); float16 on GPUs, and as bf16 on such CPUs; float32 otherwise, and for float32 checkpoints
+    or checkpoints that name none. Any other choice is taken as asked."""
+    if requested not in DTYPES:
+        raise ValueError(f"--dtype must be one of {DTYPES}, not {requested!r}")
+    if requested != "auto":
+        return requested
+    if checkpoint not in ("bfloat16", "float16"):
+        return "float32"
+    if device.type == "cuda":
+        return checkpoint if checkpoint == "float16" or bf16_native else "float16"
+    return "bfloat16" if bf16_native else "float32"
+
+
+def checkpoint_dtype(config: object) -> str | None:
+    """The dtype a Hugging Face config says its weights are in (`dtype`, or `torch_dtype` before transformers 5)."""
+    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if found is None:
+        return None
+    return str(found).removeprefix("torch.")
+
+
+def device_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bf16 natively (see `choose_dtype`)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    from conveyor import cpu
+
+    return cpu.native_bf16()

@@ -45,7 +45,7 @@ class Engine:
         hf_logging.disable_progress_bar()
         self.device = device
         self.dtype_name = dtype
-        self.dtype: torch.dtype = getattr(torch, dtype)  # one of config.DTYPES, which are torch's names
+        self.dtype: torch.dtype = getattr(torch, dtype)  # as shard.device.choose_dtype resolved it: a torch name
         self.group = group
         self.block_size = BLOCK_SIZE
         self.config = AutoConfig.from_pretrained(model_dir)

@@ -186,3 +186,32 @@ def test_gemm_choice_on_each_cpu_kind(monkeypatch: pytest.MonkeyPatch, tmp_path:
 )
 def test_threads_per_rank(local_ranks: int, cores: int, environ: dict[str, str], expected: int | None) -> None:
     assert cpu.threads_per_rank(local_ranks, cores, environ) == expected
+
+
+# --- --dtype auto -------------------------------------------------------------------------------------------------
+
+XEON_AVX512_ONLY = Kind("xeon-avx512-no-bf16", "Intel(R) Xeon(R) Gold 6148 CPU", AVX512_FLAGS, True)
+
+
+@pytest.mark.parametrize(
+    "kind, bf16_checkpoint_runs_in",
+    [
+        pytest.param(AMD_EPYC, "float32", id=AMD_EPYC.name),
+        pytest.param(XEON_AVX512_ONLY, "float32", id=XEON_AVX512_ONLY.name),  # oneDNN converts: no faster
+        pytest.param(XEON_BF16, "bfloat16", id=XEON_BF16.name),
+        pytest.param(XEON_AMX, "bfloat16", id=XEON_AMX.name),
+    ],
+)
+def test_dtype_auto_on_each_cpu_kind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind, bf16_checkpoint_runs_in: str
+) -> None:
+    from conveyor.shard.device import choose_dtype, device_bf16
+
+    fake(monkeypatch, tmp_path, kind)
+    here = torch.device("cpu")
+    assert choose_dtype("auto", "bfloat16", here, device_bf16(here)) == bf16_checkpoint_runs_in
+    assert choose_dtype("auto", "float16", here, device_bf16(here)) == bf16_checkpoint_runs_in
+    assert choose_dtype("auto", "float32", here, device_bf16(here)) == "float32"
+    assert choose_dtype("bfloat16", "float32", here, device_bf16(here)) == "bfloat16"  # asked for: taken
+    monkeypatch.setenv(cpu.BF16_SWITCH, "0")
+    assert choose_dtype("auto", "bfloat16", here, device_bf16(here)) == "float32"

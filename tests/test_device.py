@@ -96,3 +96,36 @@ def test_the_kv_pool_on_cpu_sees_a_containers_memory_limit(tmp_path) -> None:
     (v1 / "memory" / "memory.limit_in_bytes").write_text(str(512 << 20))
     (v1 / "memory" / "memory.usage_in_bytes").write_text(str(128 << 20))
     assert available_ram(v1, meminfo) == 384 << 20
+
+
+@pytest.mark.parametrize(
+    "checkpoint, device, bf16_native, expected",
+    [
+        (None, "cpu", True, "float32"),  # a checkpoint that names no dtype
+        ("float32", "cpu", True, "float32"),
+        ("bfloat16", "cpu", True, "bfloat16"),
+        ("bfloat16", "cpu", False, "float32"),
+        ("float16", "cpu", False, "float32"),
+        ("bfloat16", "cuda", True, "bfloat16"),
+        ("bfloat16", "cuda", False, "float16"),  # a GPU without bf16
+        ("float16", "cuda", True, "float16"),
+        ("float32", "cuda", True, "float32"),
+    ],
+)
+def test_dtype_auto_per_device_and_checkpoint(checkpoint, device: str, bf16_native: bool, expected: str):
+    from conveyor.shard.device import choose_dtype
+
+    assert choose_dtype("auto", checkpoint, torch.device(device), bf16_native) == expected
+    assert choose_dtype("float16", checkpoint, torch.device(device), bf16_native) == "float16"
+    with pytest.raises(ValueError, match="--dtype"):
+        choose_dtype("fp8", checkpoint, torch.device(device), bf16_native)
+
+
+def test_checkpoint_dtype_reads_either_config_name():
+    from types import SimpleNamespace
+
+    from conveyor.shard.device import checkpoint_dtype
+
+    assert checkpoint_dtype(SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"
+    assert checkpoint_dtype(SimpleNamespace(dtype=None, torch_dtype="float16")) == "float16"
+    assert checkpoint_dtype(SimpleNamespace()) is None
