@@ -15,8 +15,9 @@ from conveyor import cpu
 
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """`load` asked anew, building into an empty cache folder."""
+    """`load` asked anew, building into an empty cache folder, as in a process that has not loaded the kernels."""
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_loaded", lambda: False)
     kernels.load.cache_clear()
     yield
     kernels.load.cache_clear()

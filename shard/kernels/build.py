@@ -53,6 +53,8 @@ def load() -> bool:
     chosen = backend()
     if chosen == "torch":
         return False
+    if _loaded():
+        return True  # a library registers its ops once per process: never load a second build of it
     try:
         _build()
         return True
@@ -61,6 +63,10 @@ def load() -> bool:
             raise KernelUnavailable(f"CONVEYOR_ATTENTION=kernel, but the kernels did not build: {exc}") from exc
         log.warning("kernels unavailable: the torch attention path serves", extra={"reason": str(exc)[:500]})
         return False
+
+
+def _loaded() -> bool:
+    return hasattr(torch.ops.conveyor, "paged_decode_attention")
 
 
 def _build() -> None:
