@@ -37,6 +37,8 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,23 +219,39 @@ def transformers_kv(args: argparse.Namespace, workloads: dict[str, Workload]) ->
     return 2 * per_seq * args.max_concurrency + 8, args.tserve_block_size
 
 
-def run_transformers(args: argparse.Namespace, workloads: dict[str, Workload], dtype: str = "float32") -> Outcome:
-    system = TRANSFORMERS + DTYPE_SUFFIX[dtype]
-    if args.skip_transformers:
-        return Outcome(system, "skipped", "--skip-transformers")
-    if (problem := deploy.transformers_serve_problem()) is not None:
-        return Outcome(system, "skipped", f"transformers serve cannot run here: {problem}")
-    blocks, block_size = transformers_kv(args, workloads)
+def run_peer(
+    args: argparse.Namespace,
+    workloads: dict[str, Workload],
+    system: str,
+    skipped: str | None,
+    problem: Callable[[], str | None],
+    serve: Callable[[], AbstractContextManager[str]],
+    extra_fields: bool = True,
+) -> Outcome:
+    """A peer: skipped with the reason (`skipped`, the flag that said so, or what `problem` finds missing), or
+    started by `serve`, measured and stopped. Each serves the model under its directory's path."""
+    if skipped:
+        return Outcome(system, "skipped", skipped)
+    if (missing := problem()) is not None:
+        return Outcome(system, "skipped", f"{system} cannot run here: {missing}")
     try:
-        with deploy.transformers_serve(
-            args.model_dir, blocks, block_size, args.tserve_max_batch_tokens, args.startup_timeout, dtype
-        ) as url:
-            # It serves only the pinned model, under the name it was given; it answers 422 to ignore_eos.
-            return Outcome(
-                system, "ok", None, measure(args, system, url, workloads, str(args.model_dir), extra_fields=False)
-            )
+        with serve() as url:
+            return Outcome(system, "ok", None, measure(args, system, url, workloads, str(args.model_dir), extra_fields))
     except Exception as exc:  # noqa: BLE001 - as for Conveyor's modes
         return failed(system, exc)
+
+
+def run_transformers(args: argparse.Namespace, workloads: dict[str, Workload], dtype: str = "float32") -> Outcome:
+    def serve() -> AbstractContextManager[str]:
+        blocks, block_size = transformers_kv(args, workloads)
+        batch_tokens, timeout = args.tserve_max_batch_tokens, args.startup_timeout
+        return deploy.transformers_serve(args.model_dir, blocks, block_size, batch_tokens, timeout, dtype)
+
+    skipped = "--skip-transformers" if args.skip_transformers else None
+    system = TRANSFORMERS + DTYPE_SUFFIX[dtype]
+    problem = deploy.transformers_serve_problem
+    # It serves only the pinned model, under the name it was given; it answers 422 to ignore_eos.
+    return run_peer(args, workloads, system, skipped, problem, serve, extra_fields=False)
 
 
 def vllm_name(binding: str, dtype: str) -> str:
@@ -241,32 +259,28 @@ def vllm_name(binding: str, dtype: str) -> str:
 
 
 def run_vllm(args: argparse.Namespace, workloads: dict[str, Workload], binding: str, dtype: str = "float32") -> Outcome:
-    system = vllm_name(binding, dtype)
-    if args.skip_vllm:
-        return Outcome(system, "skipped", "--skip-vllm")
-    if (problem := deploy.vllm_problem()) is not None:
-        return Outcome(system, "skipped", f"vLLM's CPU build cannot run here: {problem}")
-    try:
-        with deploy.vllm_serve(args.model_dir, dtype, binding, args.startup_timeout) as url:
-            return Outcome(system, "ok", None, measure(args, system, url, workloads, str(args.model_dir), True))
-    except Exception as exc:  # noqa: BLE001 - as for Conveyor's modes
-        return failed(system, exc)
+    return run_peer(
+        args,
+        workloads,
+        vllm_name(binding, dtype),
+        "--skip-vllm" if args.skip_vllm else None,
+        deploy.vllm_problem,
+        lambda: deploy.vllm_serve(args.model_dir, dtype, binding, args.startup_timeout),
+    )
 
 
 def run_llamacpp(args: argparse.Namespace, workloads: dict[str, Workload], dtype: str = "float32") -> Outcome:
+    """llama.cpp with a slot per concurrent request, each slot as long as the longest request it will serve."""
     system = LLAMACPP + DTYPE_SUFFIX[dtype]
-    if args.skip_llamacpp:
-        return Outcome(system, "skipped", "--skip-llamacpp")
-    if (problem := deploy.llamacpp_problem()) is not None:
-        return Outcome(system, "skipped", f"llama.cpp cannot run here: {problem}")
-    longest = max(p.prompt_len + p.output_len for name in plan(args, system) for p in workloads[name].prompts)
-    try:
-        with deploy.llamacpp_serve(
-            args.model_dir, dtype, args.max_concurrency, longest + 64, args.startup_timeout
-        ) as url:
-            return Outcome(system, "ok", None, measure(args, system, url, workloads, str(args.model_dir), True))
-    except Exception as exc:  # noqa: BLE001 - as for Conveyor's modes
-        return failed(system, exc)
+
+    def serve() -> AbstractContextManager[str]:
+        longest = max(p.prompt_len + p.output_len for name in plan(args, system) for p in workloads[name].prompts)
+        slots, timeout = args.max_concurrency, args.startup_timeout
+        return deploy.llamacpp_serve(args.model_dir, dtype, slots, longest + 64, timeout)
+
+    return run_peer(
+        args, workloads, system, "--skip-llamacpp" if args.skip_llamacpp else None, deploy.llamacpp_problem, serve
+    )
 
 
 def run_bare(
