@@ -262,6 +262,8 @@ def llamacpp_serve(model_dir: Path, dtype: str, slots: int, context: int, timeou
         str(slots * context),
         "--threads",
         str(os.cpu_count() or 1),
+        "--threads-http",  # one per open stream: its default (the core count) drops connections past it
+        str(slots + 8),
         "--cont-batching",
     ]
     yield from _serve(command, f"llama.cpp-{GGUF_TYPES[dtype]}", port, timeout, _offline_env())

@@ -174,7 +174,10 @@ async def run(config: BenchmarkConfig, prompts: list[Prompt] | None = None) -> B
         note("  note: --no-extra-fields: ignore_eos is not sent, so outputs may end early at EOS")
     base_url = config.base_url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=config.request_timeout)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # A connection per request: a server may close a kept-alive connection between two requests (llama.cpp's
+    # HTTP server does after a few), and the pooled connection's next request then fails before it is sent.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = config.model or await default_model(session, base_url)
         label = config.label or model
         limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
