@@ -21,21 +21,29 @@
 
 namespace {
 
-// A float row as it is; another type's converted into `buffer`.
-inline const float* as_float(const float* row, float*, int64_t) { return row; }
-
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* row, float* buffer, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]);
-  return buffer;
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {  // the top half of a float: a shift the compiler vectorizes
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// q . row, the row widened to float as it is read (no copy through a buffer).
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* row, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) sum += q[i] * widen(row[i]);
   return sum;
+}
+
+// acc += w * row, widened likewise.
+template <typename scalar_t>
+inline void add_scaled(float* acc, float w, const scalar_t* row, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * widen(row[i]);
 }
 
 // Calls visit(t, slot) for the context's positions first..length-1 (t counted from 0), a block at a time.
@@ -86,11 +94,13 @@ inline void softmax(float* scores, int64_t group, int64_t count) {
   }
 }
 
-template <typename scalar_t>
+// kDim: the head size when the compiler knows it (64, 128: its loops unroll, and a dot product's reduction is
+// no longer a loop with a remainder), 0 for any other size, read at run time.
+template <typename scalar_t, int64_t kDim>
 void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
             at::Tensor& out) {
-  const int64_t batch = query.size(0), q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t batch = query.size(0), q_heads = query.size(1), head_dim = kDim ? kDim : query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = q_heads / kv_heads, table_width = block_tables.size(1);
   const scalar_t* q = query.data_ptr<scalar_t>();
@@ -103,7 +113,7 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   const float scale_f = static_cast<float>(scale);
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t length = lengths[b];
@@ -111,24 +121,19 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       const int64_t count = length - first;
       const int32_t* table = tables + b * table_width;
       for (int64_t g = 0; g < group; ++g) {
-        const float* qg = as_float(q + (b * q_heads + h * group + g) * head_dim, row.data(), head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = qg[d] * scale_f;
+        const scalar_t* qg = q + (b * q_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = widen(qg[d]) * scale_f;
       }
       scores.resize(group * count);
       for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) {
-        const float* k = as_float(keys + slot * token_stride + h * head_dim, row.data(), head_dim);
+        const scalar_t* k = keys + slot * token_stride + h * head_dim;
         for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(qf.data() + g * head_dim, k, head_dim);
       });
       softmax(scores.data(), group, count);
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) {
-        const float* v = as_float(values + slot * token_stride + h * head_dim, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * count + t];
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
-        }
+        const scalar_t* v = values + slot * token_stride + h * head_dim;
+        for (int64_t g = 0; g < group; ++g) add_scaled(acc.data() + g * head_dim, scores[g * count + t], v, head_dim);
       });
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = o + (b * q_heads + h * group + g) * head_dim;
@@ -136,6 +141,20 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       }
     }
   });
+}
+
+template <typename scalar_t>
+void by_head_size(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
+                  at::Tensor& out) {
+  switch (query.size(2)) {
+    case 64:
+      return decode<scalar_t, 64>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+    case 128:
+      return decode<scalar_t, 128>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+    default:
+      return decode<scalar_t, 0>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+  }
 }
 
 // query [B, Hq, D]; key_cache/value_cache [blocks, block_size, Hkv, D]; block_tables [B, W] int32;
@@ -154,13 +173,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   auto out = at::empty_like(query);
   switch (query.scalar_type()) {
     case at::kFloat:
-      decode<float>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      by_head_size<float>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
       break;
     case at::kBFloat16:
-      decode<c10::BFloat16>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      by_head_size<c10::BFloat16>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
       break;
     case at::kHalf:
-      decode<c10::Half>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      by_head_size<c10::Half>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
