@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from conveyor.shard.batch import Batch
-from conveyor.shard.device import to_device
+from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.generations import Generations
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache
@@ -44,11 +44,12 @@ class Engine:
 
         hf_logging.disable_progress_bar()
         self.device = device
-        self.dtype_name = dtype
-        self.dtype: torch.dtype = getattr(torch, dtype)  # as shard.device.choose_dtype resolved it: a torch name
         self.group = group
         self.block_size = BLOCK_SIZE
         self.config = AutoConfig.from_pretrained(model_dir)
+        self.dtype_name = _resolve_dtype(dtype, self.config, device)
+        self.dtype: torch.dtype = getattr(torch, self.dtype_name)
+        log.info("dtype", extra={"asked": dtype, "dtype": self.dtype_name})
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config, self.tokenizer, GenerationConfig)
         self.vocab_size = self.config.vocab_size
@@ -224,6 +225,13 @@ class Engine:
         ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
         keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
         return self.model(ids, positions, self.cache, meta, to_device(keep, device))
+
+
+def _resolve_dtype(asked: str, config, device: torch.device) -> str:
+    """`--dtype`, with auto worked out from the checkpoint and the device (every rank reaches the same answer)."""
+    if asked != "auto":
+        return asked
+    return choose_dtype("auto", checkpoint_dtype(config), device, device_bf16(device))
 
 
 def _eos_token_ids(model_dir, config, tokenizer, generation_config_cls) -> frozenset[int]:

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 from conveyor.launcher.demo_model import resolve_model
-from conveyor.shard.device import checkpoint_dtype, choose_device, choose_dtype, device_bf16
+from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Engine
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
@@ -56,20 +56,7 @@ def load(args: Config) -> Engine:
     # Ranks on one machine share its cores; more threads than cores each would only thrash.
     if device.type == "cpu" and (threads := threads_per_rank(_local_world_size(group), usable_cores())) is not None:
         torch.set_num_threads(threads)
-    dtype = resolve_dtype(args, device)
-    log.info("dtype", extra={"asked": args.dtype, "dtype": dtype})
-    return Engine(args.model_id, dtype, device, group)
-
-
-def resolve_dtype(args: Config, device: torch.device) -> str:
-    """`--dtype`, with auto worked out from the checkpoint and the device (every rank reaches the same answer)."""
-    from transformers import AutoConfig
-
-    if args.dtype != "auto":
-        return args.dtype
-    return choose_dtype(
-        "auto", checkpoint_dtype(AutoConfig.from_pretrained(args.model_id)), device, device_bf16(device)
-    )
+    return Engine(args.model_id, args.dtype, device, group)
 
 
 def _local_world_size(group: ProcessGroup) -> int:
