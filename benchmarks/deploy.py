@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 from conveyor.benchmarks import shards
 from conveyor.benchmarks.shards import DeploymentFailed  # noqa: F401 - callers catch it from here
+from conveyor.launcher.demo_model import cache_root
 
 # The peers serve local directories and send nothing off this machine (benchmarks, like tests, send traffic to
 # loopback only): no Hub lookups, and none of the usage statistics vLLM reports by default.
@@ -219,7 +220,7 @@ def llamacpp_problem() -> str | None:
 
 def gguf(model_dir: Path, dtype: str) -> Path:
     """The model as GGUF in `dtype`, converted by llama.cpp's own converter once and kept beside the demo model."""
-    cache = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor")) / "gguf"
+    cache = cache_root() / "gguf"
     stamp = f"{model_dir.resolve()}:{(model_dir / 'config.json').stat().st_mtime_ns}"
     out = cache / f"{model_dir.name}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}-{GGUF_TYPES[dtype]}.gguf"
     if out.exists():

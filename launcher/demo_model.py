@@ -188,11 +188,15 @@ def ensure(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama"
 DEMO_MODEL = "demo"
 
 
+def cache_root() -> Path:
+    """Where Conveyor keeps what it builds on a machine (the demo models, the C++ kernels): CONVEYOR_CACHE."""
+    return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
+
+
 def resolve_model(model_id: str, demo_size: str) -> Path:
     """A model directory; 'demo' is built into the cache folder the first time it is asked for."""
     if model_id == DEMO_MODEL:
-        cache = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
-        target = cache / f"demo-{demo_size}"
+        target = cache_root() / f"demo-{demo_size}"
         if not (target / "conveyor_demo.json").exists():
             print(f"building the {demo_size} demo model into {target} (first use only)...", file=sys.stderr)
         return ensure(target, demo_size)

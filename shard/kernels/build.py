@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from conveyor.launcher.demo_model import cache_root
 
 from conveyor import cpu
 
@@ -40,10 +41,9 @@ def backend() -> str:
 
 def build_folder() -> Path:
     """Where this machine's build lives: CONVEYOR_CACHE (as the demo model) / kernels / torch version and CPU."""
-    cache = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
     found = cpu.probe()
     key = "\n".join([torch.__version__, found.model, *sorted(found.flags), *(s.read_text() for s in SOURCES)])
-    return cache / "kernels" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 @functools.cache
