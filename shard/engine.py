@@ -19,6 +19,7 @@ from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, t
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.generations import Generations
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache
+from conveyor.shard.layers.gemm import plain_copy_fits
 from conveyor.shard.masks import Masks
 from conveyor.shard.models.llama import LlamaForCausalLM
 from conveyor.shard.requests import BadRequest, RequestState
@@ -57,7 +58,10 @@ class Engine:
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.masks = Masks(self.eos_token_ids)
         self._mask_ns = 0  # this step's
-        self.model = LlamaForCausalLM(self.config, Weights(model_dir, group, self.dtype, device)).eval()
+        weights = Weights(model_dir, group, self.dtype, device)
+        weights.plain_copies = device.type == "cpu" and plain_copy_fits(weights.nbytes(), _available(device))
+        log.info("weights", extra={"bytes": weights.nbytes(), "plain_copies": weights.plain_copies})
+        self.model = LlamaForCausalLM(self.config, weights).eval()
         shape = self.model.shape
         self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
         self.cache: KVCache | None = None
@@ -251,8 +255,15 @@ def _free_memory(device: torch.device) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free * GPU_MEMORY_FRACTION
+    return _available(device) * CPU_MEMORY_FRACTION
+
+
+def _available(device: torch.device) -> float:
+    """This rank's part of the memory free now: the GPU's, or the machine's split between the ranks on it."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     ranks_here = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
-    return available_ram() * CPU_MEMORY_FRACTION / max(1, int(ranks_here))
+    return available_ram() / max(1, int(ranks_here))
 
 
 def available_ram(cgroup: Path = Path("/sys/fs/cgroup"), meminfo: Path = Path("/proc/meminfo")) -> float:

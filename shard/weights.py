@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -21,6 +22,9 @@ class Weights:
         self.device = device
         self._files = {name: Path(model_dir) / file for name, file in _weight_map(Path(model_dir)).items()}
         self._handles: dict[Path, object] = {}
+        # Whether a layer whose weight is packed for oneDNN may keep a plain copy for the small-rows kernel
+        # (`layers/gemm.py`): the engine decides it for the whole model, from `nbytes` and the memory there is.
+        self.plain_copies = True
 
     def __contains__(self, name: str) -> bool:
         return name in self._files
@@ -35,6 +39,15 @@ class Weights:
 
     def _finish(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(dtype=self.dtype, device=self.device).contiguous()
+
+    def nbytes(self) -> int:
+        """About what this rank's weights take once loaded (in `dtype`, split across the ranks), from the
+        checkpoint's headers alone."""
+        count = 0
+        for name in self._files:
+            shape = self._handle(name).get_slice(name).get_shape()
+            count += math.prod(shape)
+        return count * self.dtype.itemsize // self.group.world_size
 
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor (norms, biases of row-parallel layers): every rank holds it."""

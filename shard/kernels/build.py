@@ -3,8 +3,8 @@
 The kernels are compiled for the CPU they run on (`-march=native`), so the build folder is named for the torch
 version and the CPU (model and flags): an image or cache folder moved to another CPU kind builds anew there
 instead of running instructions that CPU lacks. Concurrent builds (several shards starting at once) wait on
-cpp_extension's lock in that folder. Where nothing can be built (no compiler, no headers) or
-`CONVEYOR_ATTENTION=torch`, every caller gets None and keeps the torch path, which stays the reference.
+cpp_extension's lock in that folder. Where nothing can be built (no compiler, no headers) every caller keeps its
+torch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from conveyor import cpu
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_gemm.cpp")]
 BACKENDS = ("auto", "kernel", "torch")
 
 
@@ -49,10 +49,9 @@ def build_folder() -> Path:
 @functools.cache
 def load() -> bool:
     """Builds (first use on this machine) and loads the kernels into `torch.ops.conveyor`; False where that fails,
-    or raises where CONVEYOR_ATTENTION=kernel insists."""
+    or raises where CONVEYOR_ATTENTION=kernel insists. Each caller has its own switch (CONVEYOR_ATTENTION for the
+    decode attention, CONVEYOR_GEMM for the small-rows GEMM) and asks only when it is on."""
     chosen = backend()
-    if chosen == "torch":
-        return False
     if _loaded():
         return True  # a library registers its ops once per process: never load a second build of it
     try:

@@ -35,14 +35,14 @@ class VocabParallelEmbedding(torch.nn.Module):
 class ParallelLMHead(torch.nn.Module):
     """Column-parallel over the vocabulary: each rank scores its slice, an all-gather joins the logits."""
 
-    def __init__(self, weight: torch.Tensor, group: ProcessGroup) -> None:
+    def __init__(self, weight: torch.Tensor, group: ProcessGroup, plain_copy: bool = True) -> None:
         super().__init__()
-        self.gemm = Gemm(weight)
+        self.gemm = Gemm(weight, plain_copy)
         self.group = group
 
     @classmethod
     def load(cls, weights: Weights, name: str) -> ParallelLMHead:
-        return cls(weights.get_sharded(name, dim=0), weights.group)
+        return cls(weights.get_sharded(name, dim=0), weights.group, weights.plain_copies)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(self.gemm(hidden), dim=-1)

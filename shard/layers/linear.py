@@ -15,9 +15,9 @@ from conveyor.shard.weights import Weights
 
 
 class ColumnParallelLinear(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plain_copy: bool = True) -> None:
         super().__init__()
-        self.gemm = Gemm(weight)
+        self.gemm = Gemm(weight, plain_copy)
         self.bias = bias
 
     @classmethod
@@ -25,23 +25,25 @@ class ColumnParallelLinear(torch.nn.Module):
         """This rank's slice of each `prefix`.weight, stacked in order into one fused projection."""
         weight = torch.cat([weights.get_sharded(f"{p}.weight", dim=0) for p in prefixes])
         b = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes]) if bias else None
-        return cls(weight, b)
+        return cls(weight, b, weights.plain_copies)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.bias)
 
 
 class RowParallelLinear(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup, plain_copy: bool = True
+    ) -> None:
         super().__init__()
-        self.gemm = Gemm(weight)
+        self.gemm = Gemm(weight, plain_copy)
         self.bias = bias
         self.group = group
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, bias: bool) -> RowParallelLinear:
         weight = weights.get_sharded(f"{prefix}.weight", dim=1)
-        return cls(weight, weights.get(f"{prefix}.bias") if bias else None, weights.group)
+        return cls(weight, weights.get(f"{prefix}.bias") if bias else None, weights.group, weights.plain_copies)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.group.all_reduce(self.gemm(x))

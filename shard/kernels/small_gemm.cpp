@@ -1,0 +1,109 @@
+// x @ W.T (+ b) for a few rows of x: the shape of every linear layer in a decode step with one or two requests.
+//
+// At one row a linear layer is a matrix-vector product, bound by reading the weight once from memory. oneDNN's
+// kernels for a packed weight are built for many rows; at one row they read the weights at about half this
+// machine's bandwidth (an AMD EPYC Zen 4: ~20 GB/s against ~40 for a plain sum). Here each task streams whole
+// rows of the plain [out, in] weight, widened to float as they are read, and dots them with every row of x while
+// the weight row is still in L1: the weight is read from memory once whatever the row count, and the work per
+// weight row grows with it, so this wins only for the first few rows (the caller picks the limit by measurement).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {  // the top half of a float: a shift the compiler vectorizes
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// out[m, o] = x[m, :] . w[o, :] (+ bias[o]) for o in [begin, end), kRows rows of x (float, [kRows, in]); each
+// weight element is widened once and used for every row.
+template <typename scalar_t, int kRows>
+void rows(const float* x, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in, int64_t out_features,
+          int64_t begin, int64_t end) {
+  const float* x0 = x;
+  const float* x1 = x + (kRows > 1 ? in : 0);
+  const float* x2 = x + (kRows > 2 ? 2 * in : 0);
+  const float* x3 = x + (kRows > 3 ? 3 * in : 0);
+  for (int64_t o = begin; o < end; ++o) {
+    const scalar_t* row = w + o * in;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t k = 0; k < in; ++k) {
+      const float wk = widen(row[k]);
+      s0 += x0[k] * wk;
+      if constexpr (kRows > 1) s1 += x1[k] * wk;
+      if constexpr (kRows > 2) s2 += x2[k] * wk;
+      if constexpr (kRows > 3) s3 += x3[k] * wk;
+    }
+    const float b = bias ? widen(bias[o]) : 0.f;
+    const float sums[4] = {s0, s1, s2, s3};
+    for (int m = 0; m < kRows; ++m) out[m * out_features + o] = static_cast<scalar_t>(sums[m] + b);
+  }
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
+  const scalar_t* xs = x.data_ptr<scalar_t>();
+  std::vector<float> xf(count * in);  // x widened once: a few KB, read again for every weight row
+  for (int64_t i = 0; i < count * in; ++i) xf[i] = widen(xs[i]);
+  const scalar_t* w = weight.data_ptr<scalar_t>();
+  const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    switch (count) {
+      case 1: return rows<scalar_t, 1>(xf.data(), w, b, o, in, out_features, begin, end);
+      case 2: return rows<scalar_t, 2>(xf.data(), w, b, o, in, out_features, begin, end);
+      case 3: return rows<scalar_t, 3>(xf.data(), w, b, o, in, out_features, begin, end);
+      default: return rows<scalar_t, 4>(xf.data(), w, b, o, in, out_features, begin, end);
+    }
+  });
+}
+
+// x [M, in] with 1 <= M <= 4, weight [out, in], bias [out] or none, all one dtype and contiguous. Returns [M, out].
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_gemm runs on CPU");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, in] and weight [out, in]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "small_gemm takes 1 to 4 rows, not ", x.size(0));
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight share a dtype");
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0), "bias [out]");
+    TORCH_CHECK(bias->scalar_type() == weight.scalar_type(), "bias shares the weight's dtype");
+  }
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      run<float>(x, weight, bias, out);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(x, weight, bias, out);
+      break;
+    case at::kHalf:
+      run<c10::Half>(x, weight, bias, out);
+      break;
+    default:
+      TORCH_CHECK(false, "small_gemm: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("small_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("small_gemm", c10::DispatchKey::CPU, &small_gemm);
+}
