@@ -458,7 +458,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from conveyor.launcher.demo_model import resolve_model
+    from conveyor.launcher.model_source import resolve_model
 
     started = time.monotonic()
     args.model_dir = resolve_model(args.model_id, args.demo_size)

@@ -547,7 +547,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from conveyor.launcher.demo_model import resolve_model
+    from conveyor.launcher.model_source import resolve_model
 
     args = parse_args(argv)
     model_dir = resolve_model(args.model_id, args.demo_size)

@@ -26,7 +26,15 @@ def flag(default: Any, help: str, **argparse_options: Any) -> Any:
 
 @dataclass(frozen=True)
 class Config:
-    model_id: str = flag("demo", "a local model directory, or 'demo' (built on first use)")
+    model_id: str = flag(
+        "demo",
+        "a local model directory, a Hugging Face Hub id (org/name, downloaded once into HF_HOME's cache), or "
+        "'demo' (built on first use)",
+    )
+    revision: str | None = flag(None, "the Hub revision of --model-id: a branch, tag or commit (default: main)")
+    served_model_name: str | None = flag(
+        None, "the model's name in /info and the OpenAI API (default: --model-id as given)"
+    )
     demo_size: str = flag("small", "size of the built-in demo model", choices=DEMO_SIZES)
     # Shards
     num_shard: int = flag(1, "tensor-parallel ranks, one process each")

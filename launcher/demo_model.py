@@ -193,19 +193,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
 
 
-def resolve_model(model_id: str, demo_size: str) -> Path:
-    """A model directory; 'demo' is built into the cache folder the first time it is asked for."""
-    if model_id == DEMO_MODEL:
-        target = cache_root() / f"demo-{demo_size}"
-        if not (target / "conveyor_demo.json").exists():
-            print(f"building the {demo_size} demo model into {target} (first use only)...", file=sys.stderr)
-        return ensure(target, demo_size)
-    path = Path(model_id)
-    if not (path / "config.json").exists():
-        raise SystemExit(f"--model-id {model_id!r}: no config.json there (Conveyor loads local model directories)")
-    return path
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a random-weight Llama demo model, offline.")
     parser.add_argument("out_dir", type=Path)

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from conveyor.launcher.demo_model import resolve_model
+from conveyor.launcher.model_source import resolve_model
 from conveyor.launcher.processes import ChildDied, Deployment
 
 from conveyor import config
@@ -54,7 +54,9 @@ def check_nodes(args: Config) -> Config:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = config.parse(argv, "Conveyor launcher: serve a model directory (or the built-in demo model) over HTTP.")
+    args = config.parse(
+        argv, "Conveyor launcher: serve a model directory, a Hub model or the built-in demo model over HTTP."
+    )
     conveyor_log.setup("launcher", args.log_level)
     args = check_nodes(args)
     # The children read secrets from the environment, which keeps them out of `ps`.
@@ -62,12 +64,16 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, name):
             os.environ[variable] = getattr(args, name)
     # What every shard and the router get: the same configuration, with the model and the sockets decided.
-    model_dir = resolve_model(args.model_id, args.demo_size)
+    # A Hub id is downloaded here, once, before any shard starts; the children get the local snapshot.
+    model_dir = resolve_model(args.model_id, args.demo_size, args.revision)
     # By default the sockets live in a fresh private directory (mode 0700): a predictable path in a shared /tmp
     # would let another local user take the name first, or talk to the shards.
     private_dir = None if args.shard_uds_path else tempfile.mkdtemp(prefix="conveyor-")
     uds_path = args.shard_uds_path or os.path.join(private_dir, "shard")
-    deployment = Deployment(replace(args, model_id=str(model_dir), shard_uds_path=uds_path))
+    name = args.served_model_name or args.model_id
+    deployment = Deployment(
+        replace(args, model_id=str(model_dir), served_model_name=name, revision=None, shard_uds_path=uds_path)
+    )
     try:
         _serve(deployment, args, model_dir)
     finally:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from aiohttp import web
-from conveyor.launcher.demo_model import resolve_model
+from conveyor.launcher.model_source import resolve_model
 from conveyor.router import grpc_server as grpc_front_door
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.connect import Connection, connect, first_connect, shard_address
@@ -57,7 +57,7 @@ async def run(args: Config) -> None:
         infer,
         Validation(tokenizer, limits.validation, on_compile=metrics.grammar_compile.observe),
         ServerInfo(
-            model_id=args.model_id,
+            model_id=args.served_model_name or args.model_id,
             model_dtype=shard_info.dtype,
             engine=shard_info.engine,
             limits=limits.validation,
@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM: its requests in flight end with an error event (their shards died too) rather than cut off.
     lifeline.die_with_launcher(signal.SIGTERM)
     args = config.parse(argv, "Conveyor router: HTTP front end, queue and batching loop.")
-    args = replace(args, model_id=str(resolve_model(args.model_id, args.demo_size)))  # the tokenizer's
+    name = args.served_model_name or args.model_id
+    model_dir = resolve_model(args.model_id, args.demo_size, args.revision)  # the tokenizer's
+    args = replace(args, model_id=str(model_dir), served_model_name=name)
     if shard_address(args).startswith("tcp://") and not args.shard_token:
         raise SystemExit(
             "shards on TCP need the deployment's shared token: set CONVEYOR_SHARD_TOKEN (or --shard-token)"

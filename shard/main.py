@@ -14,7 +14,7 @@ import signal
 from dataclasses import replace
 
 import torch
-from conveyor.launcher.demo_model import resolve_model
+from conveyor.launcher.model_source import resolve_model
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Engine
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         rank_address(args, 0, 0)
     except (AddressError, OSError) as exc:
         raise SystemExit(f"conveyor-shard: {exc}") from None
-    args = replace(args, model_id=str(resolve_model(args.model_id, args.demo_size)))
+    args = replace(args, model_id=str(resolve_model(args.model_id, args.demo_size, args.revision)))
     conveyor_log.setup(f"shard-{os.environ.get('RANK', '0')}", args.log_level)
     tracing.setup("conveyor-shard", args.otlp_endpoint)
     try:
