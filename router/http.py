@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -54,6 +54,7 @@ class ServerInfo:
     max_batch_total_tokens: int
     max_batch_size: int | None
     num_shard: int
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +70,7 @@ class ServerInfo:
             "max_batch_total_tokens": self.max_batch_total_tokens,
             "max_batch_size": self.max_batch_size,
             "num_shard": self.num_shard,
+            "generation_defaults": self.generation_defaults,
             "router": "conveyor",
             "version": __version__,
         }

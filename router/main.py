@@ -53,9 +53,11 @@ async def run(args: Config) -> None:
         args, connection, metrics, reconnect=lambda: connect(args, tokenizer, security, group, connection)
     )
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
+    observe = metrics.grammar_compile.observe
+    validation = Validation(tokenizer, limits.validation, on_compile=observe, model_dir=args.model_id)
     server = HttpServer(
         infer,
-        Validation(tokenizer, limits.validation, on_compile=metrics.grammar_compile.observe),
+        validation,
         ServerInfo(
             model_id=args.served_model_name or args.model_id,
             model_dtype=shard_info.dtype,
@@ -66,6 +68,7 @@ async def run(args: Config) -> None:
             max_batch_total_tokens=limits.max_batch_total_tokens,
             max_batch_size=args.max_batch_size,
             num_shard=len(client.urls),
+            generation_defaults=validation.defaults.to_json(),
         ),
         api_key=args.api_key,
         payload_limit=args.payload_limit,

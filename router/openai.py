@@ -134,9 +134,10 @@ def _stream_options(body: dict, stream: bool) -> dict:
 
 
 def sampling_parameters(body: dict, logprobs: int) -> dict[str, Any]:
-    """OpenAI's fields under TGI's names. Temperature 0 means greedy; unset means sampling at 1, as OpenAI does."""
-    temperature = _get(body, "temperature", (int, float), 1.0)
-    if not 0 <= temperature <= MAX_TEMPERATURE:
+    """OpenAI's fields under TGI's names. Temperature 0 means greedy; unset means sampling, at the model's default
+    temperature (generation_config.json) or else 1, as OpenAI and vLLM do."""
+    temperature = _get(body, "temperature", (int, float))
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
         raise ValidationError(f"`temperature` must be >= 0 and <= {MAX_TEMPERATURE:g}. Given: {temperature:g}")
     stop = _get(body, "stop", (str, list), [])
     parameters: dict[str, Any] = {
@@ -155,6 +156,7 @@ def sampling_parameters(body: dict, logprobs: int) -> dict[str, Any]:
         if top_p is not None and not 0 < top_p <= 1:  # checked although unused, as it would be when sampling
             raise ValidationError("`top_p` must be > 0.0 and <= 1.0")
         parameters["top_p"] = None  # greedy: warpers would turn sampling back on
+        parameters["do_sample"] = False  # and so would the model's default warpers
     else:
         parameters.update(temperature=temperature, do_sample=True)
     return {k: v for k, v in parameters.items() if v is not None}

@@ -421,6 +421,10 @@ def _tgi_schemas(limits: Limits) -> dict[str, Any]:
                 "max_concurrent_requests": {"type": "integer"},
                 "max_batch_total_tokens": {"type": "integer"},
                 "num_shard": {"type": "integer"},
+                "generation_defaults": {
+                    "type": "object",
+                    "description": "The model's generation_config.json sampling, for parameters a request leaves unset",
+                },
                 "version": {"type": "string"},
                 "kv_blocks_free": {"type": "integer"},
                 "kv_blocks_total": {"type": "integer"},

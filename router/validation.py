@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from conveyor.router.generation_defaults import GenerationDefaults
+
 from conveyor import tracing
 from conveyor.grammar import Constraint, GrammarCache, GrammarError
 
@@ -395,9 +397,17 @@ def _with_seed(parameters: Parameters) -> Parameters:
 
 
 class Validation:
-    def __init__(self, tokenizer: Any, limits: Limits, on_compile: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        limits: Limits,
+        on_compile: Callable[[float], None] | None = None,
+        model_dir: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        # The model's generation_config.json sampling, for what a request leaves unset (none without a model_dir).
+        self.defaults = GenerationDefaults.read(model_dir, self.check_parameter) if model_dir else GenerationDefaults()
         self.grammars = GrammarCache(tokenizer, None)
         self.on_compile = on_compile  # told the seconds each new grammar took to compile (a metric)
         self._workers = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
@@ -430,7 +440,7 @@ class Validation:
             raise ValidationError("`inputs` cannot be empty")
         if not isinstance(parameters, dict):
             raise ValidationError("`parameters` must be a JSON object")
-        fields = parse_parameters(parameters, self.limits)
+        fields = self.defaults.apply(parse_parameters(parameters, self.limits))
         if stream and fields.get("decoder_input_details"):
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
         if "grammar" in fields:
@@ -438,6 +448,10 @@ class Validation:
         input_ids = self._input_ids(inputs, fields.get("truncate"), add_special_tokens)
         fields["max_new_tokens"] = _resolve_max_new_tokens(fields.get("max_new_tokens"), len(input_ids), self.limits)
         return ValidRequest(inputs=inputs, input_ids=input_ids, parameters=_with_seed(Parameters(**fields)))
+
+    def check_parameter(self, name: str, value: object) -> Any:
+        """One TGI parameter checked as in a request (ValidationError, a ValueError, if refused)."""
+        return _CHECKS[name](value, self.limits)
 
     def check_grammar(self, constraint: Constraint) -> None:
         """Compiles the constraint (once per distinct one: the cache keeps it), so that a bad schema or regex is
