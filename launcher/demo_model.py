@@ -108,17 +108,26 @@ def _template_into_tokenizer_config(out_dir: Path) -> None:
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def _model(arch: str, config_fields: dict, initializer_range: float):
-    """A freshly initialised network. Qwen2's q/k/v biases start at zero in transformers; they get random values
-    here so that a model built to test bias handling really has biases to handle."""
+    """A freshly initialised network. Qwen2's q/k/v biases start at zero in transformers and Qwen3's q/k norm
+    weights at one; they get random values here so that a model built to test them really has them to handle.
+    Qwen3's head size is set apart from hidden / heads (twice it), as Qwen3 checkpoints do."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**config_fields))
+    if arch == "qwen3":
+        head_dim = 2 * config_fields["hidden_size"] // config_fields["num_attention_heads"]
+        model = Qwen3ForCausalLM(Qwen3Config(**config_fields, head_dim=head_dim))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.normal_(1.0, 0.2)
+        return model
     model = Qwen2ForCausalLM(Qwen2Config(**config_fields))
     with torch.no_grad():
         for layer in model.model.layers:

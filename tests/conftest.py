@@ -141,6 +141,12 @@ def qwen2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-style model: per-head q/k RMSNorm, a head size twice hidden / heads."""
+    return demo_model.ensure(tmp_path_factory.mktemp("models") / "qwen3", "tiny", seed=3, arch="qwen3")
+
+
+@pytest.fixture(scope="session")
 def eos_probe(tiny_model: Path) -> EosProbe:
     return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
 

@@ -27,6 +27,8 @@ PROMPTS = ORACLE_PROMPTS
 DEPLOYMENTS = {
     "llama-gqa": ("tiny_model", None),
     "qwen2-bias": ("qwen2_model", []),
+    "qwen3-qk-norm": ("qwen3_model", []),
+    "qwen3-2-shards": ("qwen3_model", ["--num-shard", "2"]),
     "llama-2-shards": ("tiny_model", ["--num-shard", "2"]),
 }
 

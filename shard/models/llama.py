@@ -1,8 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2) with tensor-parallel layers and a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) with tensor-parallel layers and a paged KV cache.
 
-The three differ only in their configs: Qwen2 has biases on q/k/v, Llama may have biases everywhere
-(`attention_bias`, `mlp_bias`), Mistral may have a sliding window. Everything runs on a flat, ragged batch of
-tokens: no padding between sequences.
+They differ only in their configs: Qwen2 has biases on q/k/v, Llama may have biases everywhere
+(`attention_bias`, `mlp_bias`), Mistral may have a sliding window, Qwen3 normalises each query and key head
+(RMSNorm over the head, before the rotation) and states its head size apart from the hidden size. Everything
+runs on a flat, ragged batch of tokens: no padding between sequences.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from conveyor.shard.layers.norm import RMSNorm
 from conveyor.shard.layers.rotary import RotaryEmbedding, apply_rotary
 from conveyor.shard.weights import WeightError, Weights
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class Shape:
@@ -43,12 +44,21 @@ class Attention(torch.nn.Module):
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=out_bias)
         self.heads, self.kv_heads, self.head_dim = shape.heads_per_rank, shape.kv_heads_per_rank, shape.head_dim
         self.scale = self.head_dim**-0.5
+        self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None
+        if config.model_type == "qwen3":
+            eps = config.rms_norm_eps
+            q_norm, k_norm = (RMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), eps) for n in "qk")
+            self.qk_norms = (q_norm, k_norm)
 
     def forward(self, hidden, cos, sin, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         qk_size = (self.heads + self.kv_heads) * self.head_dim
         qk, v = self.qkv(hidden).split([qk_size, self.kv_heads * self.head_dim], dim=-1)
+        qk = qk.reshape(-1, self.heads + self.kv_heads, self.head_dim)
+        if self.qk_norms is not None:
+            q, k = qk.split([self.heads, self.kv_heads], dim=1)
+            qk = torch.cat([self.qk_norms[0](q), self.qk_norms[1](k)], dim=1)
         # q and k sit side by side in the fused projection: one rotation covers both heads' sets.
-        qk = apply_rotary(qk.reshape(-1, self.heads + self.kv_heads, self.head_dim), cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         v = v.view(-1, self.kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, key_cache, value_cache, meta, self.scale))
@@ -99,6 +109,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding.from_config(config, self.shape.head_dim, weights.device)
         window = getattr(config, "sliding_window", None)
         uses_window = window and getattr(config, "use_sliding_window", True) and config.model_type != "llama"
+        kinds = set(getattr(config, "layer_types", None) or [])
+        if uses_window and len(kinds) > 1:
+            raise WeightError(f"layers of several attention kinds ({sorted(kinds)}) are not supported yet")
         self.sliding_window: int | None = window if uses_window else None
 
     def forward(
