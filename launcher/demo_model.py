@@ -108,7 +108,8 @@ def _template_into_tokenizer_config(out_dir: Path) -> None:
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+MISTRAL_WINDOW = 16  # tokens: shorter than the test prompts with their generations, so the window really slides
 
 
 def _model(arch: str, config_fields: dict, initializer_range: float):
@@ -120,6 +121,10 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
 
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**config_fields))
+    if arch == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        return MistralForCausalLM(MistralConfig(**config_fields, sliding_window=MISTRAL_WINDOW))
     if arch == "qwen3":
         head_dim = 2 * config_fields["hidden_size"] // config_fields["num_attention_heads"]
         model = Qwen3ForCausalLM(Qwen3Config(**config_fields, head_dim=head_dim))

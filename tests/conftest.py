@@ -147,6 +147,13 @@ def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mistral_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Mistral-style model whose sliding window (16 tokens) is shorter than every oracle prompt with its
+    generation: each layer attends to the last 16 positions only."""
+    return demo_model.ensure(tmp_path_factory.mktemp("models") / "mistral", "tiny", seed=3, arch="mistral")
+
+
+@pytest.fixture(scope="session")
 def eos_probe(tiny_model: Path) -> EosProbe:
     return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
 

@@ -29,6 +29,7 @@ DEPLOYMENTS = {
     "qwen2-bias": ("qwen2_model", []),
     "qwen3-qk-norm": ("qwen3_model", []),
     "qwen3-2-shards": ("qwen3_model", ["--num-shard", "2"]),
+    "mistral-window": ("mistral_model", []),
     "llama-2-shards": ("tiny_model", ["--num-shard", "2"]),
 }
 
