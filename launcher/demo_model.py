@@ -108,7 +108,8 @@ def _template_into_tokenizer_config(out_dir: Path) -> None:
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+PHI3_ORIGINAL_CONTEXT = 100  # tokens: LongRoPE's switch, between the test prompts' lengths
 MISTRAL_WINDOW = 16  # tokens: shorter than the test prompts with their generations, so the window really slides
 
 
@@ -121,6 +122,8 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
 
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**config_fields))
+    if arch == "phi3":
+        return _phi3(config_fields)
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -139,6 +142,26 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, initializer_range)
     return model
+
+
+def _phi3(config_fields: dict):
+    """A Phi-4-mini-like network: q/k/v and gate/up fused in the checkpoint, half of each head rotating, LongRoPE
+    with distinct short and long factors and an original context of PHI3_ORIGINAL_CONTEXT tokens."""
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    head_dim = config_fields["hidden_size"] // config_fields["num_attention_heads"]
+    rotating = head_dim // 2 // 2
+    generator = torch.Generator().manual_seed(7)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "short_factor": (1 + torch.rand(rotating, generator=generator)).tolist(),
+        "long_factor": (1 + 8 * torch.rand(rotating, generator=generator)).tolist(),
+    }
+    fields = {**config_fields, "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT, "rope_parameters": rope}
+    return Phi3ForCausalLM(Phi3Config(**fields))
 
 
 def build(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama") -> Path:

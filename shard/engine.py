@@ -210,7 +210,8 @@ class Engine:
         the last `logit_counts[i]` positions of each row, in order."""
         starts = [r.num_computed_tokens for r in rows]
         lengths = [s + len(n) for s, n in zip(starts, new_tokens)]
-        return self.forward(new_tokens, starts, [r.block_table for r in rows], lengths, logit_counts)
+        reaches = [max(n, len(r.input_ids)) for n, r in zip(lengths, rows)]
+        return self.forward(new_tokens, starts, [r.block_table for r in rows], lengths, logit_counts, reaches)
 
     def forward(
         self,
@@ -219,8 +220,10 @@ class Engine:
         blocks: list[list[int]],
         lengths: list[int],
         logit_counts: list[int],
+        reaches: list[int] | None = None,
     ) -> torch.Tensor:
-        """The model over the KV pool: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1."""
+        """The model over the KV pool: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1.
+        `reaches[i]`: the longer of sequence i's prompt and its length (LongRoPE's choice; default: lengths)."""
         device = self.device
         ids = to_device(torch.tensor([t for n in new_tokens for t in n], dtype=torch.long), device)
         positions = to_device(torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]), device)
@@ -228,7 +231,11 @@ class Engine:
         meta = AttentionMetadata.build(blocks, lengths, query_lens, self.block_size, device, self.model.sliding_window)
         ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
         keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
-        return self.model(ids, positions, self.cache, meta, to_device(keep, device))
+        reach = None
+        if self.model.needs_reach:
+            per_token = torch.repeat_interleave(torch.tensor(reaches or lengths), torch.tensor(query_lens))
+            reach = to_device(per_token, device)
+        return self.model(ids, positions, self.cache, meta, to_device(keep, device), reach)
 
 
 def _resolve_dtype(asked: str, config, device: torch.device) -> str:

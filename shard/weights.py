@@ -64,6 +64,22 @@ class Weights:
         tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
         return self._finish(tensor)
 
+    def get_sharded_parts(self, name: str, sizes: list[int]) -> torch.Tensor:
+        """This rank's part of each of the row blocks `sizes` that `name` stacks (a fused projection such as
+        Phi-3's qkv_proj: [q rows | k rows | v rows]), joined in order: the layout a rank's fused layer has."""
+        piece = self._handle(name).get_slice(name)
+        parts, start = [], 0
+        for size in sizes:
+            if size % self.group.world_size:
+                raise WeightError(f"{name}: a part of {size} rows does not split into {self.group.world_size}")
+            part = size // self.group.world_size
+            first = start + self.group.rank * part
+            parts.append(piece[first : first + part])
+            start += size
+        if start != piece.get_shape()[0]:
+            raise WeightError(f"{name}: {piece.get_shape()[0]} rows, not the {start} its parts add up to")
+        return self._finish(torch.cat(parts))
+
 
 def _weight_map(model_dir: Path) -> dict[str, str]:
     """Tensor name to file, from the index when the checkpoint is split in several files."""

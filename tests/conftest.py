@@ -154,6 +154,13 @@ def mistral_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def phi3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Phi-4-mini-style model: fused q/k/v and gate/up in the checkpoint, half of each head rotating,
+    LongRoPE switching at 100 tokens (one oracle prompt is longer)."""
+    return demo_model.ensure(tmp_path_factory.mktemp("models") / "phi3", "tiny", seed=3, arch="phi3")
+
+
+@pytest.fixture(scope="session")
 def eos_probe(tiny_model: Path) -> EosProbe:
     return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
 

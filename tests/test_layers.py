@@ -328,3 +328,24 @@ def test_untied_lm_head_is_read_from_the_checkpoint(tmp_path: Path):
     model = LlamaForCausalLM(config, Weights(tmp_path, ProcessGroup(0, 1), torch.float32, CPU))
     assert torch.equal(model.lm_head.gemm.dense(), reference.lm_head.weight.detach())
     assert not torch.equal(model.lm_head.gemm.dense(), model.embed.weight)
+
+
+def test_a_fused_tensor_splits_part_by_part(tmp_path: Path):
+    """Phi-3's qkv_proj stacks q, k and v rows: each rank takes its share of each part, not a contiguous block."""
+    full = torch.arange(20 * 2, dtype=torch.float32).view(20, 2)
+    _save(tmp_path, {"qkv.weight": full})
+    sizes = [8, 6, 6]
+    for rank in range(2):
+        got = Weights(tmp_path, ProcessGroup(rank=rank, world_size=2), torch.float32, CPU).get_sharded_parts(
+            "qkv.weight", sizes
+        )
+        rows = [
+            *range(4 * rank, 4 * rank + 4),
+            *range(8 + 3 * rank, 11 + 3 * rank),
+            *range(14 + 3 * rank, 17 + 3 * rank),
+        ]
+        assert torch.equal(got, full[rows])
+    with pytest.raises(WeightError, match="not the 19 its parts add up to"):
+        Weights(tmp_path, ProcessGroup(0, 1), torch.float32, CPU).get_sharded_parts("qkv.weight", [8, 6, 5])
+    with pytest.raises(WeightError, match="does not split into 4"):
+        Weights(tmp_path, ProcessGroup(0, 4), torch.float32, CPU).get_sharded_parts("qkv.weight", sizes)

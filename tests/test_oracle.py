@@ -30,6 +30,8 @@ DEPLOYMENTS = {
     "qwen3-qk-norm": ("qwen3_model", []),
     "qwen3-2-shards": ("qwen3_model", ["--num-shard", "2"]),
     "mistral-window": ("mistral_model", []),
+    "phi3-longrope": ("phi3_model", []),
+    "phi3-2-shards": ("phi3_model", ["--num-shard", "2"]),
     "llama-2-shards": ("tiny_model", ["--num-shard", "2"]),
 }
 

@@ -105,7 +105,7 @@ def test_no_rope_settings_means_default_theta_10000():
     assert torch.equal(inv_freq, _reference(_config("default-10k"))[0]) and scaling == 1.0
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+@pytest.mark.parametrize("kind", ["dynamic", "su-without-factors"])
 def test_unsupported_rope_types_raise(kind: str):
     config = SimpleNamespace(
         rope_parameters={"rope_type": kind, "rope_theta": 10000.0, "factor": 2.0}, max_position_embeddings=4096
@@ -124,13 +124,49 @@ def test_dynamic_from_a_transformers_config_raises():
         frequencies(config, 128)
 
 
-def test_partial_rotary_raises():
-    config = SimpleNamespace(
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        max_position_embeddings=4096,
+def phi3_config(partial: float):
+    from transformers import Phi3Config
+
+    rotating = int(16 * partial) // 2
+    gen = torch.Generator().manual_seed(5)
+    return Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        original_max_position_embeddings=100,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": partial,
+            "short_factor": (1 + torch.rand(rotating, generator=gen)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(rotating, generator=gen)).tolist(),
+        },
     )
-    with pytest.raises(UnsupportedRope, match="partial"):
-        frequencies(config, 128)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5], ids=["whole-head", "half-head"])
+@pytest.mark.parametrize("longest", [60, 150], ids=["short", "long"])
+def test_longrope_and_partial_rotary_match_phi3(partial: float, longest: int) -> None:
+    """Phi-3's LongRoPE: the short set while the sequence is within the original context, the long one past it
+    (transformers decides by the longest position of the forward; Conveyor by each sequence's reach, the same for
+    one sequence), over the whole head or its first part."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
+
+    config = phi3_config(partial)
+    positions = torch.tensor([0, 5, 17, longest - 1])
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(4, 4, 16, generator=gen), torch.randn(4, 2, 16, generator=gen)
+    rotary = RotaryEmbedding.from_config(config, 16, torch.device("cpu"))
+    cos, sin = rotary.cos_sin(positions, torch.float32, reach=torch.full((4,), longest))
+    reference = Phi3RotaryEmbedding(config)
+    ref_cos, ref_sin = reference(q[None], positions[None])
+    ref_q, ref_k = phi3_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], ref_cos, ref_sin)
+    torch.testing.assert_close(apply_rotary(q, cos, sin), ref_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rotary(k, cos, sin), ref_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    if partial < 1:
+        torch.testing.assert_close(apply_rotary(q, cos, sin)[..., 8:], q[..., 8:])  # the rest of the head stays
 
 
 @pytest.mark.parametrize("name", ["default-10k", "llama3", "yarn", "yarn-attention-factor"])

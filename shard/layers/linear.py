@@ -27,6 +27,12 @@ class ColumnParallelLinear(torch.nn.Module):
         b = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes]) if bias else None
         return cls(weight, b, weights.plain_copies)
 
+    @classmethod
+    def load_fused(cls, weights: Weights, prefix: str, sizes: list[int]) -> ColumnParallelLinear:
+        """A projection the checkpoint already stores fused (`prefix`.weight stacks parts of `sizes` rows, no
+        bias), sliced per part so that a rank gets the same layout as from `load`."""
+        return cls(weights.get_sharded_parts(f"{prefix}.weight", sizes), None, weights.plain_copies)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.bias)
 

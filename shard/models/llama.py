@@ -2,8 +2,9 @@
 
 They differ only in their configs: Qwen2 has biases on q/k/v, Llama may have biases everywhere
 (`attention_bias`, `mlp_bias`), Mistral may have a sliding window, Qwen3 normalises each query and key head
-(RMSNorm over the head, before the rotation) and states its head size apart from the hidden size. Everything
-runs on a flat, ragged batch of tokens: no padding between sequences.
+(RMSNorm over the head, before the rotation) and states its head size apart from the hidden size, Phi-3 and
+Phi-4-mini store q/k/v and gate/up already fused, may rotate part of each head only and scale the rotation with
+LongRoPE (`layers/rotary.py`). Everything runs on a flat, ragged batch of tokens: no padding between sequences.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from conveyor.shard.layers.norm import RMSNorm
 from conveyor.shard.layers.rotary import RotaryEmbedding, apply_rotary
 from conveyor.shard.weights import WeightError, Weights
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 class Shape:
@@ -40,7 +41,11 @@ class Attention(torch.nn.Module):
         qwen2 = config.model_type == "qwen2"
         qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
         out_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
-        self.qkv = ColumnParallelLinear.load(weights, [f"{prefix}.{p}_proj" for p in "qkv"], bias=qkv_bias)
+        if f"{prefix}.qkv_proj.weight" in weights:  # Phi-3: fused in the checkpoint
+            sizes = [shape.heads * shape.head_dim] + [shape.kv_heads * shape.head_dim] * 2
+            self.qkv = ColumnParallelLinear.load_fused(weights, f"{prefix}.qkv_proj", sizes)
+        else:
+            self.qkv = ColumnParallelLinear.load(weights, [f"{prefix}.{p}_proj" for p in "qkv"], bias=qkv_bias)
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=out_bias)
         self.heads, self.kv_heads, self.head_dim = shape.heads_per_rank, shape.kv_heads_per_rank, shape.head_dim
         self.scale = self.head_dim**-0.5
@@ -70,7 +75,11 @@ class MLP(torch.nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise WeightError(f"activation {config.hidden_act!r} is not supported by the paged engine")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up = ColumnParallelLinear.load(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias)
+        if f"{prefix}.gate_up_proj.weight" in weights:  # Phi-3: fused in the checkpoint
+            sizes = [config.intermediate_size] * 2
+            self.gate_up = ColumnParallelLinear.load_fused(weights, f"{prefix}.gate_up_proj", sizes)
+        else:
+            self.gate_up = ColumnParallelLinear.load(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias)
         self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,6 +116,7 @@ class LlamaForCausalLM(torch.nn.Module):
         head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"  # tied
         self.lm_head = ParallelLMHead.load(weights, head)
         self.rotary = RotaryEmbedding.from_config(config, self.shape.head_dim, weights.device)
+        self.needs_reach = self.rotary.long_inv_freq is not None
         window = getattr(config, "sliding_window", None)
         uses_window = window and getattr(config, "use_sliding_window", True) and config.model_type != "llama"
         kinds = set(getattr(config, "layer_types", None) or [])
@@ -121,10 +131,12 @@ class LlamaForCausalLM(torch.nn.Module):
         cache: KVCache,
         meta: AttentionMetadata,
         logits_index: torch.Tensor,
+        reach: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last)."""
+        """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last). `reach`: for
+        LongRoPE (`needs_reach`), each token's sequence's longer of prompt and length so far."""
         hidden = self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, reach)
         for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
             hidden = layer(hidden, cos, sin, key_cache, value_cache, meta)
         return self.lm_head(self.norm(hidden[logits_index])).float()
