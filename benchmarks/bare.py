@@ -102,21 +102,21 @@ class BareLoop:
     @torch.inference_mode()
     def forward(self, rows: list[_Row]) -> list[int]:
         """One flat forward over every row's fed tokens; returns each row's greedy next token."""
-        from conveyor.shard.layers.attention import AttentionMetadata
+        from conveyor.shard.layers.attention import build_per_window
 
         ids = torch.tensor([t for r in rows for t in r.feed], dtype=torch.long)
         positions = torch.cat([torch.arange(r.length, r.length + len(r.feed)) for r in rows])
         query_lens = [len(r.feed) for r in rows]
-        meta = AttentionMetadata.build(
+        metas = build_per_window(
+            self.model.windows,
             [self.table(r.slot) for r in rows],
             [r.length + len(r.feed) for r in rows],
             query_lens,
             self.block_size,
             torch.device("cpu"),
-            self.model.sliding_window,
         )
         last = torch.cumsum(torch.tensor(query_lens), 0) - 1
-        return self.model(ids, positions, self.cache, meta, last).argmax(dim=-1).tolist()
+        return self.model(ids, positions, self.cache, metas, last).argmax(dim=-1).tolist()
 
     def run(self, requests: list[tuple[list[int], int]], prefill_budget: int) -> BareResult:
         """`requests` are (prompt ids, output length), admitted in order, at most `batch` at once."""

@@ -108,7 +108,7 @@ def _template_into_tokenizer_config(out_dir: Path) -> None:
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
 PHI3_ORIGINAL_CONTEXT = 100  # tokens: LongRoPE's switch, between the test prompts' lengths
 MISTRAL_WINDOW = 16  # tokens: shorter than the test prompts with their generations, so the window really slides
 
@@ -124,6 +124,8 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
         return LlamaForCausalLM(LlamaConfig(**config_fields))
     if arch == "phi3":
         return _phi3(config_fields)
+    if arch == "gemma3":
+        return _gemma3(config_fields)
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -141,6 +143,34 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, initializer_range)
+    return model
+
+
+def _gemma3(config_fields: dict):
+    """A Gemma-3-like text network: a windowed layer (MISTRAL_WINDOW tokens, local rope base) then a global one
+    (another base), head size twice hidden / heads, query_pre_attn_scalar apart from it, tied embeddings, and
+    random norm weights (Gemma's start at zero, i.e. a scale of one)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layers = config_fields["num_hidden_layers"]
+    fields = {
+        **config_fields,
+        "head_dim": 2 * config_fields["hidden_size"] // config_fields["num_attention_heads"],
+        "query_pre_attn_scalar": 24,
+        "sliding_window": MISTRAL_WINDOW,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        },
+        "tie_word_embeddings": True,
+    }
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**fields))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.3)
     return model
 
 

@@ -18,10 +18,10 @@ from conveyor.shard.batch import Batch
 from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.generations import Generations
-from conveyor.shard.layers.attention import AttentionMetadata, KVCache
+from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits
 from conveyor.shard.masks import Masks
-from conveyor.shard.models.llama import LlamaForCausalLM
+from conveyor.shard.models import model_for
 from conveyor.shard.requests import BadRequest, RequestState
 from conveyor.shard.sampling import Sampler
 from conveyor.shard.weights import Weights
@@ -61,7 +61,7 @@ class Engine:
         weights = Weights(model_dir, group, self.dtype, device)
         weights.plain_copies = device.type == "cpu" and plain_copy_fits(weights.nbytes(), _available(device))
         log.info("weights", extra={"bytes": weights.nbytes(), "plain_copies": weights.plain_copies})
-        self.model = LlamaForCausalLM(self.config, weights).eval()
+        self.model = model_for(self.config, weights).eval()
         shape = self.model.shape
         self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
         self.cache: KVCache | None = None
@@ -228,14 +228,14 @@ class Engine:
         ids = to_device(torch.tensor([t for n in new_tokens for t in n], dtype=torch.long), device)
         positions = to_device(torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]), device)
         query_lens = [len(n) for n in new_tokens]
-        meta = AttentionMetadata.build(blocks, lengths, query_lens, self.block_size, device, self.model.sliding_window)
+        metas = build_per_window(self.model.windows, blocks, lengths, query_lens, self.block_size, device)
         ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
         keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
         reach = None
         if self.model.needs_reach:
             per_token = torch.repeat_interleave(torch.tensor(reaches or lengths), torch.tensor(query_lens))
             reach = to_device(per_token, device)
-        return self.model(ids, positions, self.cache, meta, to_device(keep, device), reach)
+        return self.model(ids, positions, self.cache, metas, to_device(keep, device), reach)
 
 
 def _resolve_dtype(asked: str, config, device: torch.device) -> str:

@@ -19,7 +19,7 @@ from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Engine
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
-from conveyor.shard.models.llama import MODEL_TYPES
+from conveyor.shard.models import MODEL_TYPES
 from conveyor.shard.server import serve
 from conveyor.shard.torch_thread import TorchThread
 

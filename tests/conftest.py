@@ -161,6 +161,13 @@ def phi3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma-3-like model: a 16-token windowed layer and a global one, each with its own rope, Gemma's
+    norms, q/k norms, scaled embeddings, GeLU MLP, tied embeddings."""
+    return demo_model.ensure(tmp_path_factory.mktemp("models") / "gemma3", "tiny", seed=3, arch="gemma3")
+
+
+@pytest.fixture(scope="session")
 def eos_probe(tiny_model: Path) -> EosProbe:
     return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
 

@@ -32,6 +32,8 @@ DEPLOYMENTS = {
     "mistral-window": ("mistral_model", []),
     "phi3-longrope": ("phi3_model", []),
     "phi3-2-shards": ("phi3_model", ["--num-shard", "2"]),
+    "gemma3-windows": ("gemma3_model", []),
+    "gemma3-2-shards": ("gemma3_model", ["--num-shard", "2"]),
     "llama-2-shards": ("tiny_model", ["--num-shard", "2"]),
 }
 

@@ -146,6 +146,22 @@ class AttentionMetadata:
         return cls(to_device(torch.tensor(slots, dtype=torch.long), device), [_on(g, device) for g in groups])
 
 
+Metadatas = dict[int | None, AttentionMetadata]  # by sliding window (None: global attention)
+
+
+def build_per_window(
+    windows: tuple[int | None, ...],
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> Metadatas:
+    """One metadata per sliding window the model's layers use (Gemma 3 interleaves windowed and global layers;
+    most models have one kind): each layer reads the one for its window."""
+    return {w: AttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device, w) for w in windows}
+
+
 def _on(group: AttentionGroup | DecodeGroup, device: torch.device) -> AttentionGroup | DecodeGroup:
     return group.to(device) if isinstance(group, AttentionGroup) else group  # the kernel runs on the CPU only
 

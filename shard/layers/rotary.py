@@ -166,3 +166,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class _LayerKind:
+    """A config as one kind of layer sees it: its own rope parameters, everything else shared."""
+
+    def __init__(self, config, rope: dict) -> None:
+        self._config = config
+        self.rope_parameters = rope
+        self.rope_scaling = None  # the layer kind's parameters are complete: no legacy fields to merge
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
+def for_layer_kind(config, kind: str):
+    """The config for layers of `kind`: Gemma 3 nests its rope parameters by layer kind (a local base for its
+    sliding-window layers, another base and scaling for the global ones); other models have one set for all."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return _LayerKind(config, params[kind]) if isinstance(params.get(kind), dict) else config

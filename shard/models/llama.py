@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from conveyor.shard.layers.attention import AttentionMetadata, KVCache, paged_attention
+from conveyor.shard.layers.attention import AttentionMetadata, KVCache, Metadatas, paged_attention
 from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.shard.layers.norm import RMSNorm
@@ -123,13 +123,14 @@ class LlamaForCausalLM(torch.nn.Module):
         if uses_window and len(kinds) > 1:
             raise WeightError(f"layers of several attention kinds ({sorted(kinds)}) are not supported yet")
         self.sliding_window: int | None = window if uses_window else None
+        self.windows: tuple[int | None, ...] = (self.sliding_window,)  # the attention metadata the engine builds
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        metas: Metadatas,
         logits_index: torch.Tensor,
         reach: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -137,6 +138,7 @@ class LlamaForCausalLM(torch.nn.Module):
         LongRoPE (`needs_reach`), each token's sequence's longer of prompt and length so far."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, reach)
+        meta = metas[self.sliding_window]
         for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
             hidden = layer(hidden, cos, sin, key_cache, value_cache, meta)
         return self.lm_head(self.norm(hidden[logits_index])).float()
