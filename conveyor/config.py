@@ -14,6 +14,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("int8",)
 SCHEDULING = ("continuous", "static", "sequential")
 DEMO_SIZES = ("tiny", "small")
 # Never on a command line (where `ps` shows them): the launcher passes them on in the environment.
@@ -42,6 +43,11 @@ class Config:
         "auto",
         "weights and KV cache; auto: the checkpoint's dtype where the device computes it natively, else float32",
         choices=DTYPES,
+    )
+    quantize: str | None = flag(
+        None,
+        "weight-only quantization at load: int8 (symmetric, one scale per output channel; CPU, needs the C++ kernels)",
+        choices=QUANTIZATIONS,
     )
     device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)
     shard_uds_path: str | None = flag(

@@ -55,6 +55,8 @@ class ServerInfo:
     max_batch_size: int | None
     num_shard: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    weight_bytes: int = 0  # rank 0's
+    quantize: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +73,8 @@ class ServerInfo:
             "max_batch_size": self.max_batch_size,
             "num_shard": self.num_shard,
             "generation_defaults": self.generation_defaults,
+            "weight_bytes": self.weight_bytes,
+            "quantize": self.quantize,
             "router": "conveyor",
             "version": __version__,
         }

@@ -69,6 +69,8 @@ async def run(args: Config) -> None:
             max_batch_size=args.max_batch_size,
             num_shard=len(client.urls),
             generation_defaults=validation.defaults.to_json(),
+            weight_bytes=shard_info.weight_bytes,
+            quantize=shard_info.quantize or None,
         ),
         api_key=args.api_key,
         payload_limit=args.payload_limit,

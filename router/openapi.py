@@ -425,6 +425,8 @@ def _tgi_schemas(limits: Limits) -> dict[str, Any]:
                     "type": "object",
                     "description": "The model's generation_config.json sampling, for parameters a request leaves unset",
                 },
+                "weight_bytes": {"type": "integer", "description": "Rank 0's weights in memory, as loaded"},
+                "quantize": {"type": ["string", "null"], "description": "Weight quantization (--quantize), or null"},
                 "version": {"type": "string"},
                 "kv_blocks_free": {"type": "integer"},
                 "kv_blocks_total": {"type": "integer"},

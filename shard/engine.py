@@ -39,7 +39,9 @@ StepOutput = tuple[list[pb.Generation], Batch | None, pb.Timings]
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, dtype: str, device: torch.device, group: ProcessGroup) -> None:
+    def __init__(
+        self, model_dir: str | Path, dtype: str, device: torch.device, group: ProcessGroup, quantize: str | None = None
+    ) -> None:
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 
@@ -60,8 +62,13 @@ class Engine:
         self._mask_ns = 0  # this step's
         weights = Weights(model_dir, group, self.dtype, device)
         weights.plain_copies = device.type == "cpu" and plain_copy_fits(weights.nbytes(), _available(device))
-        log.info("weights", extra={"bytes": weights.nbytes(), "plain_copies": weights.plain_copies})
+        weights.quantize = self.quantize = quantize
         self.model = model_for(self.config, weights).eval()
+        self.weight_bytes = model_bytes(self.model)
+        log.info(
+            "weights",
+            extra={"bytes": self.weight_bytes, "quantize": quantize or "none", "plain_copies": weights.plain_copies},
+        )
         shape = self.model.shape
         self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
         self.cache: KVCache | None = None
@@ -76,6 +83,8 @@ class Engine:
             world_size=self.group.world_size,
             rank=self.group.rank,
             block_size=self.block_size,
+            weight_bytes=self.weight_bytes,
+            quantize=self.quantize or "",
         )
 
     def states(self, batch: pb.Batch) -> list[RequestState]:
@@ -236,6 +245,27 @@ class Engine:
             per_token = torch.repeat_interleave(torch.tensor(reaches or lengths), torch.tensor(query_lens))
             reach = to_device(per_token, device)
         return self.model(ids, positions, self.cache, metas, to_device(keep, device), reach)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """What the model's weights take in memory: every tensor its modules hold (each once; a layer's GEMM says
+    its own, both copies where it keeps two), the KV pool not included."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for value in vars(module).values():
+            tensors = [value] if isinstance(value, torch.Tensor) else []
+            if hasattr(value, "nbytes") and not isinstance(value, torch.Tensor):
+                total += value.nbytes if id(value) not in seen else 0
+                seen.add(id(value))
+                continue
+            if isinstance(value, (list, tuple)):
+                tensors = [v for v in value if isinstance(v, torch.Tensor)]
+            for tensor in tensors:
+                if id(tensor) not in seen and not tensor.is_mkldnn:
+                    seen.add(id(tensor))
+                    total += tensor.nbytes
+    return total
 
 
 def _resolve_dtype(asked: str, config, device: torch.device) -> str:

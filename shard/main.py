@@ -18,6 +18,7 @@ from conveyor.launcher.model_source import resolve_model
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Engine
+from conveyor.shard.layers.quantize import QuantizationUnavailable
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models import MODEL_TYPES
 from conveyor.shard.server import serve
@@ -56,7 +57,10 @@ def load(args: Config) -> Engine:
     # Ranks on one machine share its cores; more threads than cores each would only thrash.
     if device.type == "cpu" and (threads := threads_per_rank(_local_world_size(group), usable_cores())) is not None:
         torch.set_num_threads(threads)
-    return Engine(args.model_id, args.dtype, device, group)
+    try:
+        return Engine(args.model_id, args.dtype, device, group, args.quantize)
+    except QuantizationUnavailable as exc:
+        raise SystemExit(f"conveyor-shard: {exc}") from None
 
 
 def _local_world_size(group: ProcessGroup) -> int:

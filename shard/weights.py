@@ -25,6 +25,7 @@ class Weights:
         # Whether a layer whose weight is packed for oneDNN may keep a plain copy for the small-rows kernel
         # (`layers/gemm.py`): the engine decides it for the whole model, from `nbytes` and the memory there is.
         self.plain_copies = True
+        self.quantize: str | None = None  # `--quantize`: the linear layers' weights, quantized as they load
 
     def __contains__(self, name: str) -> bool:
         return name in self._files

@@ -23,7 +23,7 @@ from conveyor import cpu
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_gemm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_gemm.cpp", "int8_gemm.cpp")]
 BACKENDS = ("auto", "kernel", "torch")
 
 

@@ -6,43 +6,59 @@ import torch
 import torch.nn.functional as F
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.layers.gemm import Gemm
+from conveyor.shard.layers.quantize import Int8Weight
 from conveyor.shard.weights import Weights
 
 
 class VocabParallelEmbedding(torch.nn.Module):
     """Each rank looks up the ids in its slice and writes zeros for the others; an all-reduce fills the gaps."""
 
-    def __init__(self, weight: torch.Tensor, group: ProcessGroup) -> None:
+    def __init__(self, weight: torch.Tensor, group: ProcessGroup, quantize: str | None = None) -> None:
         super().__init__()
-        self.weight = weight
+        self.dtype = weight.dtype
+        # --quantize int8: the table as int8 rows with a scale each; a lookup widens only the rows it reads.
+        self.int8 = Int8Weight.quantize(weight) if quantize == "int8" else None
+        self.weight = weight if self.int8 is None else None
         self.group = group
         self.start = group.rank * weight.shape[0]
         self.end = self.start + weight.shape[0]
 
     @classmethod
     def load(cls, weights: Weights, name: str) -> VocabParallelEmbedding:
-        return cls(weights.get_sharded(name, dim=0), weights.group)
+        return cls(weights.get_sharded(name, dim=0), weights.group, weights.quantize)
+
+    @property
+    def nbytes(self) -> int:
+        return self.int8.nbytes if self.int8 is not None else self.weight.nbytes
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8 is None:
+            return F.embedding(ids, self.weight)
+        rows = F.embedding(ids, self.int8.values).float() * self.int8.scales[ids].unsqueeze(-1)
+        return rows.to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         mine = (ids >= self.start) & (ids < self.end)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
-        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local) * mine.unsqueeze(-1).to(self.dtype)
         return self.group.all_reduce(out)
 
 
 class ParallelLMHead(torch.nn.Module):
     """Column-parallel over the vocabulary: each rank scores its slice, an all-gather joins the logits."""
 
-    def __init__(self, weight: torch.Tensor, group: ProcessGroup, plain_copy: bool = True) -> None:
+    def __init__(
+        self, weight: torch.Tensor, group: ProcessGroup, plain_copy: bool = True, quantize: str | None = None
+    ) -> None:
         super().__init__()
-        self.gemm = Gemm(weight, plain_copy)
+        self.gemm = Gemm(weight, plain_copy, quantize)
         self.group = group
 
     @classmethod
     def load(cls, weights: Weights, name: str) -> ParallelLMHead:
-        return cls(weights.get_sharded(name, dim=0), weights.group, weights.plain_copies)
+        return cls(weights.get_sharded(name, dim=0), weights.group, weights.plain_copies, weights.quantize)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(self.gemm(hidden), dim=-1)

@@ -23,6 +23,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from conveyor.shard.layers.quantize import Int8Weight, QuantizationUnavailable
 
 from conveyor import cpu
 
@@ -81,22 +82,50 @@ class Gemm:
     """One weight [out, in], ready for `x [T, in] -> [T, out]`: packed for oneDNN, or plain for F.linear, and plain
     for the small-rows kernel where it serves (`plain_copy`: whether a packed weight may keep a plain copy too)."""
 
-    def __init__(self, weight: torch.Tensor, plain_copy: bool = True) -> None:
-        self.out_features = weight.shape[0]
-        self.packed = kernel(weight) == "onednn"
+    def __init__(self, weight: torch.Tensor, plain_copy: bool = True, quantize: str | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        self.int8: Int8Weight | None = None
+        if quantize is not None:
+            self._quantize(weight, quantize)
+            return
+        self.packed = kernel(weight) == "onednn"
         weight = weight.contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
         few = small_rows_kernel(weight) and (plain_copy or not self.packed)
         self.plain: torch.Tensor | None = weight if few else None
 
+    def _quantize(self, weight: torch.Tensor, quantize: str) -> None:
+        if quantize != "int8":
+            raise ValueError(f"unknown quantization {quantize!r}")
+        if weight.device.type != "cpu":
+            raise QuantizationUnavailable("--quantize int8 runs on CPU only (no CUDA kernel yet)")
+        from conveyor.shard.kernels import build
+
+        if not build.load():
+            raise QuantizationUnavailable("--quantize int8 needs Conveyor's C++ kernels, which did not build here")
+        self.int8 = Int8Weight.quantize(weight)
+        self.packed, self.plain, self.weight = False, None, None
+
+    @property
+    def nbytes(self) -> int:
+        """What this layer's weight takes in memory (both copies where a plain one is kept)."""
+        if self.int8 is not None:
+            return self.int8.nbytes
+        plain = self.plain.nbytes if self.plain is not None and self.plain is not self.weight else 0
+        return self.out_features * self.in_features * self.dtype.itemsize + plain
+
     def dense(self) -> torch.Tensor:
-        """The weight as a plain [out, in] tensor, whatever its layout."""
+        """The weight as a plain [out, in] tensor, whatever its layout (dequantized where quantized)."""
+        if self.int8 is not None:
+            return self.int8.dequantize().to(self.dtype)
         return self.weight.to_dense() if self.packed else self.weight
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], self.out_features)
+        if self.int8 is not None:
+            return torch.ops.conveyor.int8_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
         if self.plain is not None and 0 < x.shape[0] <= SMALL_ROWS:
             return _small_gemm(x.contiguous(), self.plain, bias)
         if not self.packed:
