@@ -108,7 +108,7 @@ def _template_into_tokenizer_config(out_dir: Path) -> None:
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 PHI3_ORIGINAL_CONTEXT = 100  # tokens: LongRoPE's switch, between the test prompts' lengths
 MISTRAL_WINDOW = 16  # tokens: shorter than the test prompts with their generations, so the window really slides
 
@@ -124,8 +124,8 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
         return LlamaForCausalLM(LlamaConfig(**config_fields))
     if arch == "phi3":
         return _phi3(config_fields)
-    if arch == "gemma3":
-        return _gemma3(config_fields)
+    if arch in ("gemma2", "gemma3"):
+        return _gemma(arch, config_fields)
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -146,12 +146,13 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
     return model
 
 
-def _gemma3(config_fields: dict):
-    """A Gemma-3-like text network: a windowed layer (MISTRAL_WINDOW tokens, local rope base) then a global one
-    (another base), head size twice hidden / heads, query_pre_attn_scalar apart from it, tied embeddings, and
-    random norm weights (Gemma's start at zero, i.e. a scale of one)."""
+def _gemma(arch: str, config_fields: dict):
+    """A Gemma-2- or Gemma-3-like text network: a windowed layer (MISTRAL_WINDOW tokens) then a global one, head
+    size twice hidden / heads, query_pre_attn_scalar apart from it, tied embeddings, random norm weights (Gemma's
+    start at zero, i.e. a scale of one). Gemma 3: a local and a global rope; Gemma 2: one rope, and soft caps
+    small enough to bite on these scores and logits."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     layers = config_fields["num_hidden_layers"]
     fields = {
@@ -166,7 +167,12 @@ def _gemma3(config_fields: dict):
         },
         "tie_word_embeddings": True,
     }
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**fields))
+    if arch == "gemma2":
+        fields.pop("rope_parameters")
+        capped = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 2.0}
+        model = Gemma2ForCausalLM(Gemma2Config(**fields, **capped))
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**fields))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):

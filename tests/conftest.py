@@ -168,6 +168,12 @@ def gemma3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma-2-like model: Gemma 3's layout without q/k norms, one rope, soft-capped scores and logits."""
+    return demo_model.ensure(tmp_path_factory.mktemp("models") / "gemma2", "tiny", seed=3, arch="gemma2")
+
+
+@pytest.fixture(scope="session")
 def eos_probe(tiny_model: Path) -> EosProbe:
     return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
 

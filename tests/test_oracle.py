@@ -34,6 +34,8 @@ DEPLOYMENTS = {
     "phi3-2-shards": ("phi3_model", ["--num-shard", "2"]),
     "gemma3-windows": ("gemma3_model", []),
     "gemma3-2-shards": ("gemma3_model", ["--num-shard", "2"]),
+    "gemma2-softcap": ("gemma2_model", []),
+    "gemma2-2-shards": ("gemma2_model", ["--num-shard", "2"]),
     "llama-2-shards": ("tiny_model", ["--num-shard", "2"]),
 }
 

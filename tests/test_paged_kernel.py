@@ -22,7 +22,7 @@ def kernel_built() -> None:
         pytest.skip("the C++ kernels did not build here (the fallback tests below cover that)")
 
 
-def run(dtype: torch.dtype, use_kernel: bool, window: int | None, seed: int) -> torch.Tensor:
+def run(dtype: torch.dtype, use_kernel: bool, window: int | None, seed: int, softcap: float = 0.0) -> torch.Tensor:
     """One forward's attention over random block tables (shuffled blocks, a stale pool) on either path."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -42,17 +42,20 @@ def run(dtype: torch.dtype, use_kernel: bool, window: int | None, seed: int) -> 
     lengths, news = [c for c, _ in rows], [n for _, n in rows]
     meta = AttentionMetadata.build(tables, lengths, news, BLOCK, torch.device("cpu"), window, use_kernel=use_kernel)
     assert isinstance(meta.groups[0], DecodeGroup) == use_kernel
-    return paged_attention(q, k, v, cache.keys[0], cache.values[0], meta, DIM**-0.5)
+    return paged_attention(q, k, v, cache.keys[0], cache.values[0], meta, DIM**-0.5, softcap)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 0.5], ids=["uncapped", "soft-capped"])
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "sliding-window"])
 @pytest.mark.parametrize(
     ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"]
 )
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_equals_the_reference_path(dtype: torch.dtype, tolerance: float, window: int | None, seed: int) -> None:
-    reference = run(dtype, use_kernel=False, window=window, seed=seed)
-    kernel = run(dtype, use_kernel=True, window=window, seed=seed)
+def test_kernel_equals_the_reference_path(
+    dtype: torch.dtype, tolerance: float, window: int | None, seed: int, softcap: float
+) -> None:
+    reference = run(dtype, use_kernel=False, window=window, seed=seed, softcap=softcap)
+    kernel = run(dtype, use_kernel=True, window=window, seed=seed, softcap=softcap)
     torch.testing.assert_close(kernel.float(), reference.float(), rtol=tolerance, atol=tolerance)
 
 

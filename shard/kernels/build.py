@@ -24,6 +24,7 @@ from conveyor import cpu
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_gemm.cpp", "int8_gemm.cpp")]
+HEADERS = [Path(__file__).with_name("float_types.h")]  # part of the build's identity, not compiled on their own
 BACKENDS = ("auto", "kernel", "torch")
 
 
@@ -42,7 +43,7 @@ def backend() -> str:
 def build_folder() -> Path:
     """Where this machine's build lives: CONVEYOR_CACHE (as the demo model) / kernels / torch version and CPU."""
     found = cpu.probe()
-    key = "\n".join([torch.__version__, found.model, *sorted(found.flags), *(s.read_text() for s in SOURCES)])
+    key = "\n".join([torch.__version__, found.model, *sorted(found.flags), *(s.read_text() for s in SOURCES + HEADERS)])
     return cache_root() / "kernels" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -13,6 +13,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_types.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -20,14 +22,7 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
+using conveyor::widen;
 
 constexpr int64_t kRowsAtOnce = 4;  // rows of x dotted together while one weight row is read
 
@@ -101,19 +96,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
     TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias shares x's dtype");
   }
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      run<float>(x, weight, scales, bias, out);
-      break;
-    case at::kBFloat16:
-      run<c10::BFloat16>(x, weight, scales, bias, out);
-      break;
-    case at::kHalf:
-      run<c10::Half>(x, weight, scales, bias, out);
-      break;
-    default:
-      TORCH_CHECK(false, "int8_gemm: unsupported dtype ", x.scalar_type());
-  }
+  conveyor::for_float_dtype(x.scalar_type(), "int8_gemm", [&](auto tag) { run<decltype(tag)>(x, weight, scales, bias, out); });
   return out;
 }
 

@@ -12,6 +12,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_types.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,14 +23,7 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-inline float widen(c10::BFloat16 x) {  // the top half of a float: a shift the compiler vectorizes
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
+using conveyor::widen;
 
 // q . row, the row widened to float as it is read (no copy through a buffer).
 template <typename scalar_t>
@@ -99,7 +94,7 @@ inline void softmax(float* scores, int64_t group, int64_t count) {
 template <typename scalar_t, int64_t kDim>
 void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
-            at::Tensor& out) {
+            double softcap, at::Tensor& out) {
   const int64_t batch = query.size(0), q_heads = query.size(1), head_dim = kDim ? kDim : query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = q_heads / kv_heads, table_width = block_tables.size(1);
@@ -129,6 +124,10 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
         const scalar_t* k = keys + slot * token_stride + h * head_dim;
         for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(qf.data() + g * head_dim, k, head_dim);
       });
+      if (softcap > 0) {  // Gemma 2: scores squashed into (-cap, cap) before the softmax
+        const float cap = static_cast<float>(softcap);
+        for (float& s : scores) s = cap * std::tanh(s / cap);
+      }
       softmax(scores.data(), group, count);
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) {
@@ -146,22 +145,23 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 template <typename scalar_t>
 void by_head_size(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
-                  at::Tensor& out) {
+                  double softcap, at::Tensor& out) {
   switch (query.size(2)) {
     case 64:
-      return decode<scalar_t, 64>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      return decode<scalar_t, 64>(query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap, out);
     case 128:
-      return decode<scalar_t, 128>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      return decode<scalar_t, 128>(query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap, out);
     default:
-      return decode<scalar_t, 0>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
+      return decode<scalar_t, 0>(query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap, out);
   }
 }
 
 // query [B, Hq, D]; key_cache/value_cache [blocks, block_size, Hkv, D]; block_tables [B, W] int32;
-// context_lens [B] int32 (tokens in the cache, the new one included); window 0 for none. Returns [B, Hq, D].
+// context_lens [B] int32 (tokens in the cache, the new one included); window 0 for none; softcap 0 for none.
+// Returns [B, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, double softcap) {
   TORCH_CHECK(query.device().is_cpu(), "paged_decode_attention runs on CPU");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, Hq, D] and a cache [N, block, Hkv, D]");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous inputs");
@@ -171,19 +171,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads are a multiple of KV heads");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "query and cache share a head size");
   auto out = at::empty_like(query);
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      by_head_size<float>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
-      break;
-    case at::kBFloat16:
-      by_head_size<c10::BFloat16>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
-      break;
-    case at::kHalf:
-      by_head_size<c10::Half>(query, key_cache, value_cache, block_tables, context_lens, scale, window, out);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
-  }
+  conveyor::for_float_dtype(query.scalar_type(), "paged_decode_attention", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    by_head_size<scalar_t>(query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap, out);
+  });
   return out;
 }
 
@@ -192,6 +183,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 TORCH_LIBRARY(conveyor, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int window) -> Tensor");
+      "Tensor context_lens, float scale, int window, float softcap) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

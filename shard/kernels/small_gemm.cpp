@@ -13,20 +13,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_types.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-inline float widen(c10::BFloat16 x) {  // the top half of a float: a shift the compiler vectorizes
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
+using conveyor::widen;
 
 // out[m, o] = x[m, :] . w[o, :] (+ bias[o]) for o in [begin, end), kRows rows of x (float, [kRows, in]); each
 // weight element is widened once and used for every row.
@@ -85,19 +80,7 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
     TORCH_CHECK(bias->scalar_type() == weight.scalar_type(), "bias shares the weight's dtype");
   }
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      run<float>(x, weight, bias, out);
-      break;
-    case at::kBFloat16:
-      run<c10::BFloat16>(x, weight, bias, out);
-      break;
-    case at::kHalf:
-      run<c10::Half>(x, weight, bias, out);
-      break;
-    default:
-      TORCH_CHECK(false, "small_gemm: unsupported dtype ", x.scalar_type());
-  }
+  conveyor::for_float_dtype(x.scalar_type(), "small_gemm", [&](auto tag) { run<decltype(tag)>(x, weight, bias, out); });
   return out;
 }
 

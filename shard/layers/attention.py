@@ -221,8 +221,10 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; returns [T, Hq * D]."""
+    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; returns [T, Hq * D]. `softcap` (Gemma 2): scores become
+    cap * tanh(score / cap) before the softmax; 0 for none."""
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     flat_keys = key_cache.view(-1, kv_heads, head_dim)
     flat_values = value_cache.view(-1, kv_heads, head_dim)
@@ -230,10 +232,11 @@ def paged_attention(
     flat_values.index_copy_(0, meta.slots, v)
 
     if len(meta.groups) == 1:
-        return _attend(q, flat_keys, flat_values, meta.groups[0], scale, key_cache, value_cache).reshape(q.shape[0], -1)
+        group = meta.groups[0]
+        return _attend(q, flat_keys, flat_values, group, scale, softcap, key_cache, value_cache).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     for group in meta.groups:
-        out[group.token_index] = _attend(q, flat_keys, flat_values, group, scale, key_cache, value_cache)
+        out[group.token_index] = _attend(q, flat_keys, flat_values, group, scale, softcap, key_cache, value_cache)
     return out.reshape(q.shape[0], -1)
 
 
@@ -243,13 +246,21 @@ def _attend(
     flat_values: torch.Tensor,
     group: AttentionGroup | DecodeGroup,
     scale: float,
+    softcap: float,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
 ) -> torch.Tensor:
     """The group's tokens' attention outputs [T_g, Hq, D], in `token_index` order."""
     if isinstance(group, DecodeGroup):
         return torch.ops.conveyor.paged_decode_attention(
-            q[group.token_index], key_cache, value_cache, group.block_tables, group.context_lens, scale, group.window
+            q[group.token_index],
+            key_cache,
+            value_cache,
+            group.block_tables,
+            group.context_lens,
+            scale,
+            group.window,
+            softcap,
         )
     # index_select on the flattened slots: the same rows as advanced indexing, ~25% faster on CPU.
     shape = (*group.context_slots.shape, *flat_keys.shape[1:])
@@ -257,7 +268,24 @@ def _attend(
     keys = flat_keys.index_select(0, slots).view(shape).transpose(1, 2)  # [B, Hkv, C, D]
     values = flat_values.index_select(0, slots).view(shape).transpose(1, 2)
     queries = q[group.query_index].transpose(1, 2)  # [B, Hq, Q, D]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
-    )
+    if softcap:
+        out = _capped_attention(queries, keys, values, group.mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+        )
     return out.transpose(1, 2)[group.query_valid]
+
+
+def _capped_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot do: written out, in the order transformers' Gemma 2
+    computes it (scale, cap, mask, a float32 softmax rounded back to the dtype, then the values)."""
+    repeat = queries.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(weights, values)

@@ -8,7 +8,7 @@ from conveyor.shard.weights import WeightError, Weights
 
 ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     **dict.fromkeys(llama.MODEL_TYPES, llama.LlamaForCausalLM),
-    **dict.fromkeys(gemma.MODEL_TYPES, gemma.Gemma3ForCausalLM),
+    **dict.fromkeys(gemma.MODEL_TYPES, gemma.GemmaForCausalLM),
 }
 MODEL_TYPES = tuple(ARCHITECTURES)
 

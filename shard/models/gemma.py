@@ -1,12 +1,13 @@
-"""Gemma 3 (text) with tensor-parallel layers and a paged KV cache.
+"""Gemma 2 and Gemma 3 (text) with tensor-parallel layers and a paged KV cache.
 
 Gemma 3 keeps the Llama skeleton and changes most details, each one here: the embeddings are scaled by
 sqrt(hidden); every norm is Gemma's (1 + w) RMSNorm, and each block has four of them (before and after attention,
 before and after the MLP); queries and keys are normalised per head (as Qwen3) and scaled by
 `query_pre_attn_scalar`, not the head size; the MLP is GeLU (tanh) gated; and layers interleave sliding-window
 attention (a local rope base, `rope_local_base_freq` or the `sliding_attention` rope parameters) with global
-attention (its own base and scaling), as `layer_types` lists them. Gemma 2's attention-logit soft-capping is not
-implemented: such configs are refused at start rather than served wrong.
+attention (its own base and scaling), as `layer_types` lists them. Gemma 2 has no q/k norms and one rope for
+every layer, and soft-caps its attention scores (`attn_logit_softcapping`) and its logits
+(`final_logit_softcapping`): cap * tanh(x / cap).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from conveyor.shard.layers.rotary import RotaryEmbedding, apply_rotary, for_laye
 from conveyor.shard.models.llama import Shape
 from conveyor.shard.weights import WeightError, Weights
 
-MODEL_TYPES = ("gemma3_text",)
+MODEL_TYPES = ("gemma2", "gemma3_text")
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
 
@@ -31,9 +32,11 @@ class Attention(torch.nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv = ColumnParallelLinear.load(weights, [f"{prefix}.{p}_proj" for p in "qkv"], bias=bias)
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=bias)
-        self.q_norm, self.k_norm = (
-            GemmaRMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), config.rms_norm_eps) for n in "qk"
-        )
+        self.qk_norms: tuple[GemmaRMSNorm, GemmaRMSNorm] | None = None
+        if f"{prefix}.q_norm.weight" in weights:  # Gemma 3
+            eps = config.rms_norm_eps
+            self.qk_norms = tuple(GemmaRMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), eps) for n in "qk")
+        self.softcap = getattr(config, "attn_logit_softcapping", None) or 0.0
         self.heads, self.kv_heads, self.head_dim = shape.heads_per_rank, shape.kv_heads_per_rank, shape.head_dim
         self.scale = config.query_pre_attn_scalar**-0.5
         self.window = window
@@ -41,10 +44,12 @@ class Attention(torch.nn.Module):
     def forward(self, hidden, cos, sin, key_cache, value_cache, metas: Metadatas) -> torch.Tensor:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = self.qkv(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.reshape(-1, self.heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.reshape(-1, self.kv_heads, self.head_dim)), cos, sin)
+        q, k = q.reshape(-1, self.heads, self.head_dim), k.reshape(-1, self.kv_heads, self.head_dim)
+        if self.qk_norms is not None:
+            q, k = self.qk_norms[0](q), self.qk_norms[1](k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(-1, self.kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, key_cache, value_cache, metas[self.window], self.scale)
+        out = paged_attention(q, k, v, key_cache, value_cache, metas[self.window], self.scale, self.softcap)
         return self.o_proj(out)
 
 
@@ -86,11 +91,9 @@ class DecoderLayer(torch.nn.Module):
         return hidden + after_mlp(self.mlp(before_mlp(hidden)))
 
 
-class Gemma3ForCausalLM(torch.nn.Module):
+class GemmaForCausalLM(torch.nn.Module):
     def __init__(self, config, weights: Weights) -> None:
         super().__init__()
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise WeightError("attention-logit soft-capping (Gemma 2) is not supported yet")
         kinds = list(getattr(config, "layer_types", None) or [GLOBAL] * config.num_hidden_layers)
         if set(kinds) - {SLIDING, GLOBAL}:
             raise WeightError(f"layer kinds {sorted(set(kinds))} are not all known ({SLIDING}, {GLOBAL})")

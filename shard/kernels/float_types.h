@@ -1,0 +1,39 @@
+// What Conveyor's CPU kernels share: reading an element of any float dtype as float, and calling a kernel
+// instantiated for a tensor's dtype.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace conveyor {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {  // the top half of a float: a shift the compiler vectorizes
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// Calls `kernel(scalar_t{})` with scalar_t the C++ type of `dtype` (float32, bfloat16 or float16); any other
+// dtype is the caller's error, named after `op`.
+template <typename Kernel>
+void for_float_dtype(at::ScalarType dtype, const char* op, Kernel kernel) {
+  switch (dtype) {
+    case at::kFloat:
+      return kernel(float{});
+    case at::kBFloat16:
+      return kernel(c10::BFloat16{});
+    case at::kHalf:
+      return kernel(c10::Half{});
+    default:
+      TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace conveyor
