@@ -14,7 +14,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 SCHEDULING = ("continuous", "static", "sequential")
 DEMO_SIZES = ("tiny", "small")
 # Never on a command line (where `ps` shows them): the launcher passes them on in the environment.
@@ -46,7 +46,8 @@ class Config:
     )
     quantize: str | None = flag(
         None,
-        "weight-only quantization at load: int8 (symmetric, one scale per output channel; CPU, needs the C++ kernels)",
+        "weight-only quantization at load: int8 (a scale per output row) or int4 (a float16 scale per 32 inputs; "
+        "the embedding in int8); CPU, needs the C++ kernels",
         choices=QUANTIZATIONS,
     )
     device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)

@@ -15,10 +15,10 @@ from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.kernels import build as kernels
 from conveyor.shard.layers.embedding import VocabParallelEmbedding
 from conveyor.shard.layers.gemm import Gemm
-from conveyor.shard.layers.quantize import Int8Weight
+from conveyor.shard.layers.quantize import INT4_GROUP, Int4Weight, Int8Weight
 
-# Mean absolute difference of prompt-token log-probabilities, int8 against float32, on the tiny test model.
-INT8_LOGPROB_BOUND = 0.05
+# Mean absolute difference of prompt-token log-probabilities against float32's, on the tiny test model.
+LOGPROB_BOUND = {"int8": 0.05, "int4": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,40 @@ def test_kernel_equals_the_dequantized_product(built, dtype: torch.dtype, rows: 
     assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
 
 
+def test_int4_rounds_each_group_to_its_own_scale() -> None:
+    weight = torch.randn(4, 96, generator=torch.Generator().manual_seed(3))
+    weight[1, 32:64] = 0
+    q = Int4Weight.quantize(weight)
+    assert q.packed.dtype == torch.uint8 and q.packed.shape == (4, 48)
+    assert q.scales.dtype == torch.float16 and q.scales.shape == (4, 96 // INT4_GROUP)
+    steps = q.scales.float().repeat_interleave(INT4_GROUP, dim=1)
+    assert ((q.dequantize() - weight).abs() <= steps / 2 + 1e-3 * steps).all()
+    assert torch.equal(q.dequantize()[1, 32:64], torch.zeros(32))
+    assert q.nbytes == 4 * 48 + 4 * 3 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_int4_kernel_equals_the_dequantized_product(built, dtype: torch.dtype, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    q = Int4Weight.quantize(torch.randn(37, 128, generator=generator))
+    x = torch.randn(rows, 128, generator=generator).to(dtype)
+    bias = torch.randn(37, generator=generator).to(dtype)
+    got = torch.ops.conveyor.int4_gemm(x, q.packed, q.scales, bias)
+    want = F.linear(x.double(), q.dequantize().double(), bias.double())
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
+
+
+def test_an_int4_layer_keeps_nibbles_only(built) -> None:
+    weight = torch.randn(96, 64)
+    layer = Gemm(weight, quantize="int4")
+    assert layer.int4 is not None and layer.weight is None and layer.int8 is None
+    assert layer.nbytes == 96 * 32 + 96 * 2 * 2 <= 0.17 * weight.nbytes
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.int4.dequantize()), rtol=1e-5, atol=1e-5)
+
+
 def test_a_quantized_layer_keeps_int8_only(built) -> None:
     weight = torch.randn(96, 64)
     layer = Gemm(weight, quantize="int8")
@@ -75,16 +109,18 @@ def test_a_quantized_embedding_looks_up_its_rows() -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model: Path) -> Iterator[tuple[Server, Server]]:
-    """The tiny model served twice: float32 and int8."""
-    full = start_server(tiny_model, "--master-port", str(free_port()))
+def servers(tiny_model: Path) -> Iterator[dict[str, Server]]:
+    """The tiny model served three times: float32, int8 and int4."""
+    started: dict[str, Server] = {}
     try:
-        int8 = start_server(tiny_model, "--master-port", str(free_port()), "--quantize", "int8")
+        for name, flags in (("float32", []), ("int8", ["--quantize", "int8"]), ("int4", ["--quantize", "int4"])):
+            started[name] = start_server(tiny_model, "--master-port", str(free_port()), *flags)
     except BaseException:
-        full.stop()
+        for server in started.values():
+            server.stop()
         raise
-    yield full, int8
-    assert full.stop() == 0 and int8.stop() == 0
+    yield started
+    assert [s.stop() for s in started.values()] == [0, 0, 0]
 
 
 def prompt_logprobs(server: Server, prompt: str) -> list[float]:
@@ -94,18 +130,24 @@ def prompt_logprobs(server: Server, prompt: str) -> list[float]:
     return [t["logprob"] for t in response.json()["details"]["prefill"][1:]]
 
 
-def test_int8_serves_within_the_bound_of_float32(built, pair: tuple[Server, Server]) -> None:
-    full, int8 = pair
-    info = int8.info()
-    assert info["quantize"] == "int8" and full.info()["quantize"] is None
-    assert info["weight_bytes"] <= 0.3 * full.info()["weight_bytes"]
+@pytest.mark.parametrize(("quantize", "share"), [("int8", 0.3), ("int4", 0.3)])
+def test_quantized_serving_stays_within_its_bound(
+    built, servers: dict[str, Server], quantize: str, share: float
+) -> None:
+    """Bytes: the linear layers and the head shrink to a quarter (int8) or ~14% (int4); the tiny model's
+    embedding is int8 either way and a large share of it, hence one ceiling for both here."""
+    full, quantized = servers["float32"], servers[quantize]
+    info = quantized.info()
+    assert info["quantize"] == quantize and full.info()["quantize"] is None
+    assert info["weight_bytes"] <= share * full.info()["weight_bytes"]
     prompts = ["def add(a, b):\n    return a + b\n", "class Queue:\n    def __init__(self):\n        self.items = []"]
     differences = []
     for prompt in prompts:
-        a, b = prompt_logprobs(full, prompt), prompt_logprobs(int8, prompt)
+        a, b = prompt_logprobs(full, prompt), prompt_logprobs(quantized, prompt)
         assert len(a) == len(b) > 10
         differences += [abs(x - y) for x, y in zip(a, b)]
     mean = sum(differences) / len(differences)
-    assert 0 < mean <= INT8_LOGPROB_BOUND, mean
+    print(f"{quantize}: mean |logprob difference| {mean:.4f} nats over {len(differences)} tokens")
+    assert 0 < mean <= LOGPROB_BOUND[quantize], mean
     body = {"inputs": prompts[0], "parameters": {"max_new_tokens": 8}}
-    assert httpx.post(f"{int8.url}/generate", json=body, timeout=120).json()["generated_text"]
+    assert httpx.post(f"{quantized.url}/generate", json=body, timeout=120).json()["generated_text"]

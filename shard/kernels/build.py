@@ -23,7 +23,10 @@ from conveyor import cpu
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_gemm.cpp", "int8_gemm.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "small_gemm.cpp", "int8_gemm.cpp", "int4_gemm.cpp")
+]
 HEADERS = [Path(__file__).with_name("float_types.h")]  # part of the build's identity, not compiled on their own
 BACKENDS = ("auto", "kernel", "torch")
 

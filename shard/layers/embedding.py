@@ -16,8 +16,9 @@ class VocabParallelEmbedding(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, group: ProcessGroup, quantize: str | None = None) -> None:
         super().__init__()
         self.dtype = weight.dtype
-        # --quantize int8: the table as int8 rows with a scale each; a lookup widens only the rows it reads.
-        self.int8 = Int8Weight.quantize(weight) if quantize == "int8" else None
+        # --quantize: the table as int8 rows with a scale each (int4 too: a lookup reads a handful of rows, and
+        # int8 keeps them closer); a lookup widens only the rows it reads.
+        self.int8 = Int8Weight.quantize(weight) if quantize in ("int8", "int4") else None
         self.weight = weight if self.int8 is None else None
         self.group = group
         self.start = group.rank * weight.shape[0]

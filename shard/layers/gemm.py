@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from conveyor.shard.layers.quantize import Int8Weight, QuantizationUnavailable
+from conveyor.shard.layers.quantize import Int4Weight, Int8Weight, QuantizationUnavailable
 
 from conveyor import cpu
 
@@ -86,6 +86,7 @@ class Gemm:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.int8: Int8Weight | None = None
+        self.int4: Int4Weight | None = None
         if quantize is not None:
             self._quantize(weight, quantize)
             return
@@ -96,29 +97,32 @@ class Gemm:
         self.plain: torch.Tensor | None = weight if few else None
 
     def _quantize(self, weight: torch.Tensor, quantize: str) -> None:
-        if quantize != "int8":
+        if quantize not in ("int8", "int4"):
             raise ValueError(f"unknown quantization {quantize!r}")
         if weight.device.type != "cpu":
-            raise QuantizationUnavailable("--quantize int8 runs on CPU only (no CUDA kernel yet)")
+            raise QuantizationUnavailable(f"--quantize {quantize} runs on CPU only (no CUDA kernel yet)")
         from conveyor.shard.kernels import build
 
         if not build.load():
-            raise QuantizationUnavailable("--quantize int8 needs Conveyor's C++ kernels, which did not build here")
-        self.int8 = Int8Weight.quantize(weight)
+            raise QuantizationUnavailable(f"--quantize {quantize} needs Conveyor's C++ kernels, which did not build")
+        if quantize == "int8":
+            self.int8 = Int8Weight.quantize(weight)
+        else:
+            self.int4 = Int4Weight.quantize(weight)
         self.packed, self.plain, self.weight = False, None, None
 
     @property
     def nbytes(self) -> int:
         """What this layer's weight takes in memory (both copies where a plain one is kept)."""
-        if self.int8 is not None:
-            return self.int8.nbytes
+        if self.int8 is not None or self.int4 is not None:
+            return (self.int8 or self.int4).nbytes
         plain = self.plain.nbytes if self.plain is not None and self.plain is not self.weight else 0
         return self.out_features * self.in_features * self.dtype.itemsize + plain
 
     def dense(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor, whatever its layout (dequantized where quantized)."""
-        if self.int8 is not None:
-            return self.int8.dequantize().to(self.dtype)
+        if self.int8 is not None or self.int4 is not None:
+            return (self.int8 or self.int4).dequantize().to(self.dtype)
         return self.weight.to_dense() if self.packed else self.weight
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,6 +130,8 @@ class Gemm:
             return self(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], self.out_features)
         if self.int8 is not None:
             return torch.ops.conveyor.int8_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
+        if self.int4 is not None:
+            return torch.ops.conveyor.int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
         if self.plain is not None and 0 < x.shape[0] <= SMALL_ROWS:
             return _small_gemm(x.contiguous(), self.plain, bias)
         if not self.packed:

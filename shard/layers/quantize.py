@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization at load (`--quantize int8`): what the linear layers keep instead of float weights.
+"""Weight-only quantization at load (`--quantize int8|int4`): what the linear layers keep instead of float weights.
 
 Symmetric, one float32 scale per output channel (row of the [out, in] weight): q = round(w / s), s = max|w| / 127.
 On a tensor-parallel rank the rows and columns it holds are quantized on their own: a row-parallel slice has its
@@ -38,3 +38,40 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.values.nbytes + self.scales.nbytes
+
+
+INT4_GROUP = 32  # input elements per float16 scale, as llama.cpp's q4_0
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """4 bits a weight, symmetric per group of 32 inputs with a float16 scale: q = round(w / s) in [-8, 7],
+    s = max|w| / 7 over the group. Byte j of a group holds q[j] + 8 in its low nibble and q[j + 16] + 8 in its
+    high one (the layout `shard/kernels/int4_gemm.cpp` reads: both halves of x stay contiguous)."""
+
+    packed: torch.Tensor  # uint8 [out, in / 2]
+    scales: torch.Tensor  # float16 [out, in / 32]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
+        out, size = weight.shape
+        if size % INT4_GROUP:
+            raise QuantizationUnavailable(f"int4 needs input sizes divisible by {INT4_GROUP}, not {size}")
+        groups = weight.float().view(out, size // INT4_GROUP, INT4_GROUP)
+        scales = (groups.abs().amax(dim=-1) / 7.0).half()
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group stays zero
+        q = torch.round(groups / scales.float()[..., None]).clamp(-8, 7).to(torch.int16) + 8
+        half = INT4_GROUP // 2
+        packed = (q[..., :half] | (q[..., half:] << 4)).to(torch.uint8).reshape(out, size // 2)
+        return cls(packed.contiguous(), scales.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        out = self.packed.shape[0]
+        half = INT4_GROUP // 2
+        bytes_ = self.packed.view(out, -1, half).to(torch.int16)
+        q = torch.cat([(bytes_ & 15) - 8, (bytes_ >> 4) - 8], dim=-1).float()
+        return (q * self.scales.float()[..., None]).reshape(out, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes
