@@ -49,6 +49,7 @@ from conveyor.benchmarks.compare_report import (
     BARE_TORCH_GEMM,
     BF16,
     LLAMACPP,
+    QUANTIZED,
     TRANSFORMERS,
     VLLM,
     Outcome,
@@ -138,6 +139,8 @@ def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workl
 def plan(args: argparse.Namespace, system: str) -> list[str]:
     """Which workloads a system runs: throughput always; single, sweep and long where the options name it."""
     short = system.removeprefix("conveyor-").removesuffix(BF16)
+    for suffix in QUANTIZED.values():
+        short = short.removesuffix(suffix)
     chosen = (("single", args.single_systems), ("sweep", args.sweep_systems), ("long", args.long_systems))
     return ["throughput"] + [name for name, systems in chosen if short in systems]
 
@@ -197,13 +200,18 @@ def failed(system: str, exc: Exception) -> Outcome:
 
 
 def run_conveyor(
-    args: argparse.Namespace, mode: str, workloads: dict[str, Workload], known: set[str], dtype: str = "float32"
+    args: argparse.Namespace,
+    mode: str,
+    workloads: dict[str, Workload],
+    known: set[str],
+    dtype: str = "float32",
+    quantize: str | None = None,
 ) -> Outcome:
-    system = f"conveyor-{mode}{DTYPE_SUFFIX[dtype]}"
+    system = f"conveyor-{mode}{DTYPE_SUFFIX[dtype]}" + (QUANTIZED[quantize] if quantize else "")
     flags = conveyor_flags(args, mode, known)
     if flags is None:
         return Outcome(system, "skipped", "this launcher has no --scheduling flag, so it cannot run this mode")
-    flags = ["--dtype", dtype, *flags]
+    flags = ["--dtype", dtype, *(["--quantize", quantize] if quantize else []), *flags]
     try:
         with deploy.conveyor(deploy.ConveyorSpec(system, args.model_dir, flags), args.startup_timeout) as url:
             return Outcome(system, "ok", None, measure(args, system, url, workloads, None, True))
@@ -270,8 +278,9 @@ def run_vllm(args: argparse.Namespace, workloads: dict[str, Workload], binding: 
 
 
 def run_llamacpp(args: argparse.Namespace, workloads: dict[str, Workload], dtype: str = "float32") -> Outcome:
-    """llama.cpp with a slot per concurrent request, each slot as long as the longest request it will serve."""
-    system = LLAMACPP + DTYPE_SUFFIX[dtype]
+    """llama.cpp with a slot per concurrent request, each slot as long as the longest request it will serve.
+    `dtype` int8: its q8_0 weights."""
+    system = LLAMACPP + {**DTYPE_SUFFIX, **QUANTIZED}[dtype]
 
     def serve() -> AbstractContextManager[str]:
         longest = max(p.prompt_len + p.output_len for name in plan(args, system) for p in workloads[name].prompts)
@@ -325,6 +334,9 @@ def run_systems(args: argparse.Namespace, workloads: dict[str, Workload], known:
         outcomes.append(run_vllm(args, workloads, "all", dtype))
         outcomes.append(run_llamacpp(args, workloads, dtype))
         outcomes.append(run_transformers(args, workloads, dtype))
+    for quantize in args.quantized:  # float32 activations, against llama.cpp's weights of the same width
+        outcomes.append(run_conveyor(args, "continuous", workloads, known, quantize=quantize))
+        outcomes.append(run_llamacpp(args, workloads, quantize))
     return outcomes
 
 
@@ -379,6 +391,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-transformers", action="store_true", help="leave out `transformers serve`")
     p.add_argument("--skip-vllm", action="store_true", help="leave out vLLM's CPU build")
     p.add_argument("--skip-llamacpp", action="store_true", help="leave out llama.cpp's server")
+    p.add_argument(
+        "--quantized",
+        type=names,
+        default=[],
+        help="also Conveyor --quantize int8 against llama.cpp's q8_0 weights, on the same workloads",
+    )
     p.add_argument(
         "--vllm-bindings",
         type=names,

@@ -30,6 +30,7 @@ CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM, LLAMACPP = (
 )
 BARE, BARE_TORCH_GEMM = "bare forward", "bare forward, F.linear (MKL)"
 BF16 = "-bf16"
+QUANTIZED = {"int8": "-int8"}  # --quantized: Conveyor --quantize int8 against llama.cpp's q8_0 GGUF
 MACHINE_UNITS = (  # (label, key of machine()): what sets the forward's speed
     ("AVX-512", "avx512"),
     ("avx512_bf16", "avx512_bf16"),
@@ -95,8 +96,8 @@ def _missing(*outcomes: Outcome | None, workload: str = "throughput") -> str | N
     return None
 
 
-def _tput(o: Outcome | None) -> float | None:
-    run = o.run("throughput") if o else None
+def _tput(o: Outcome | None, workload: str = "throughput") -> float | None:
+    run = o.run(workload) if o else None
     return run.output_throughput if run else None
 
 
@@ -255,7 +256,48 @@ def targets(by: dict[str, Outcome], ceilings: Ceilings, itl: dict[str, float] | 
     ]
     if any(name.endswith(BF16) for name in list(by) + list(ceilings)):
         found += _peer_targets(by, ceilings, BF16)
+    for suffix in QUANTIZED.values():
+        if CONTINUOUS + suffix in by:
+            found += _quantized_targets(by, suffix)
     return found
+
+
+def _quantized_targets(by: dict[str, Outcome], suffix: str) -> list[Target]:
+    """Quantized Conveyor against llama.cpp's weights of the same width, and against Conveyor's best float
+    dtype at batch 1 (the single workload's tok/s)."""
+    quantized, llama = by.get(CONTINUOUS + suffix), by.get(LLAMACPP + suffix)
+    floats = [o for o in (by.get(CONTINUOUS), by.get(CONTINUOUS + BF16)) if o and o.run("single")]
+    best = max(floats, key=lambda o: o.run("single").output_throughput) if floats else None
+    single = "single"
+    return [
+        _ratio_target(
+            f"one stream: continuous{suffix} / best float dtype, out tok/s",
+            ">= 1.5x",
+            _tput(quantized, single),
+            _tput(best, single),
+            lambda v: v >= 1.5,
+            best.system if best else "",
+            _missing(quantized, best, workload=single),
+        ),
+        _ratio_target(
+            f"one stream: continuous{suffix} / llama.cpp{suffix}, median ITL",
+            "<= 1 (lower)",
+            _lat(quantized, "itl", "median", single),
+            _lat(llama, "itl", "median", single),
+            lambda v: v <= 1,
+            "llama.cpp q8_0",
+            _missing(quantized, llama, workload=single),
+        ),
+        _ratio_target(
+            f"continuous{suffix} / llama.cpp{suffix}, out tok/s",
+            ">= 1.0",
+            _tput(quantized),
+            _tput(llama),
+            lambda v: v >= 1.0,
+            "llama.cpp q8_0",
+            _missing(quantized, llama),
+        ),
+    ]
 
 
 def _workload_line(w: Workload) -> dict[str, Any]:

