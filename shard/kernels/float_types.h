@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace conveyor {
 
@@ -17,6 +18,16 @@ inline float widen(c10::BFloat16 x) {  // the top half of a float: a shift the c
   const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float out;
   std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// A small activation matrix (a few rows of x) widened once into float, for kernels that read it again for every
+// weight row.
+template <typename scalar_t>
+std::vector<float> widened(const at::Tensor& x) {
+  const scalar_t* values = x.data_ptr<scalar_t>();
+  std::vector<float> out(x.numel());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = widen(values[i]);
   return out;
 }
 

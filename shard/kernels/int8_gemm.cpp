@@ -73,9 +73,7 @@ template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
          at::Tensor& out) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
-  const scalar_t* xs = x.data_ptr<scalar_t>();
-  std::vector<float> xf(count * in);
-  for (int64_t i = 0; i < count * in; ++i) xf[i] = widen(xs[i]);
+  const std::vector<float> xf = conveyor::widened<scalar_t>(x);
   const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     rows<scalar_t>(xf.data(), count, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), b,

@@ -52,9 +52,7 @@ void rows(const float* x, const scalar_t* w, const scalar_t* bias, scalar_t* out
 template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
-  const scalar_t* xs = x.data_ptr<scalar_t>();
-  std::vector<float> xf(count * in);  // x widened once: a few KB, read again for every weight row
-  for (int64_t i = 0; i < count * in; ++i) xf[i] = widen(xs[i]);
+  const std::vector<float> xf = conveyor::widened<scalar_t>(x);
   const scalar_t* w = weight.data_ptr<scalar_t>();
   const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
   scalar_t* o = out.data_ptr<scalar_t>();
