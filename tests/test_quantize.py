@@ -114,7 +114,9 @@ def servers(tiny_model: Path) -> Iterator[dict[str, Server]]:
     started: dict[str, Server] = {}
     try:
         for name, flags in (("float32", []), ("int8", ["--quantize", "int8"]), ("int4", ["--quantize", "int4"])):
-            started[name] = start_server(tiny_model, "--master-port", str(free_port()), *flags)
+            # CONVEYOR_GEMM=onednn: no plain copies beside the packed float weights, so weight_bytes is one copy.
+            env = {"CONVEYOR_GEMM": "onednn"}
+            started[name] = start_server(tiny_model, "--master-port", str(free_port()), *flags, env=env)
     except BaseException:
         for server in started.values():
             server.stop()
