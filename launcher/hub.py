@@ -58,7 +58,9 @@ def download(repo_id: str, revision: str | None = None) -> Path:
     except errors.RevisionNotFoundError:
         raise HubError(f"{repo_id} has no revision {revision!r} (a branch, tag or commit id)") from None
     except errors.RepositoryNotFoundError:
-        raise HubError(f"{repo_id}: no such model on the Hub, or it is private (set HF_TOKEN)") from None
+        raise HubError(
+            f"{repo_id}: no local directory of that name, and no such model on the Hub, or it is private (set HF_TOKEN)"
+        ) from None
     except errors.LocalEntryNotFoundError:
         raise HubError(
             f"{where} is not in the local cache and the Hub cannot be reached (offline, or HF_HUB_OFFLINE=1)"

@@ -89,7 +89,12 @@ def launch(model_id: str, env: dict[str, str], *flags: str) -> subprocess.Comple
     ("model_id", "flags", "extra", "says"),
     [
         ("conveyor-test/gated", (), {}, "is gated: accept its terms on the Hub and set HF_TOKEN"),
-        ("conveyor-test/missing", (), {}, "no such model on the Hub, or it is private"),
+        (
+            "conveyor-test/missing",
+            (),
+            {},
+            "no local directory of that name, and no such model on the Hub, or it is private",
+        ),
         (REPO, ("--revision", "v9"), {}, "has no revision 'v9'"),
         (REPO, (), {"HF_HUB_OFFLINE": "1"}, "is not in the local cache and the Hub cannot be reached"),
         ("no/such/thing", (), {}, "no config.json there, and not a Hub id"),
