@@ -98,6 +98,20 @@ def test_a_quantized_layer_keeps_int8_only(built) -> None:
     torch.testing.assert_close(layer.dense(), layer.int8.dequantize())
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+def test_bf16_rows_of_an_int8_layer_match_the_dequantized_product(built, rows: int) -> None:
+    """Up to INT8_PACK_ROWS bf16 rows take Conveyor's kernel, more take torch's (bf16 scales): both within bf16's
+    rounding of the product, with the bias."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 64, generator=generator), torch.randn(48, generator=generator).bfloat16()
+    layer = Gemm(weight.bfloat16(), quantize="int8")
+    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    want = F.linear(x.double(), layer.int8.dequantize().double(), bias.double())
+    got = layer(x, bias)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
 def test_a_quantized_embedding_looks_up_its_rows() -> None:
     table = torch.randn(50, 16, generator=torch.Generator().manual_seed(2)).bfloat16()
     embedding = VocabParallelEmbedding(table, ProcessGroup(0, 1), quantize="int8")
