@@ -266,9 +266,9 @@ def _quantized_targets(by: dict[str, Outcome], suffix: str) -> list[Target]:
     """Quantized Conveyor against llama.cpp's weights of the same width, and against Conveyor's best float
     dtype at batch 1 (the single workload's tok/s)."""
     quantized, llama = by.get(CONTINUOUS + suffix), by.get(LLAMACPP + suffix)
-    floats = [o for o in (by.get(CONTINUOUS), by.get(CONTINUOUS + BF16)) if o and o.run("single")]
-    best = max(floats, key=lambda o: o.run("single").output_throughput) if floats else None
     single = "single"
+    floats = [o for o in (by.get(CONTINUOUS), by.get(CONTINUOUS + BF16)) if _tput(o, single)]
+    best = max(floats, key=lambda o: _tput(o, single)) if floats else None
     return [
         _ratio_target(
             f"one stream: continuous{suffix} / best float dtype, out tok/s",

@@ -219,7 +219,7 @@ class Engine:
         the last `logit_counts[i]` positions of each row, in order."""
         starts = [r.num_computed_tokens for r in rows]
         lengths = [s + len(n) for s, n in zip(starts, new_tokens)]
-        reaches = [max(n, len(r.input_ids)) for n, r in zip(lengths, rows)]
+        reaches = [max(n, len(r.input_ids)) for n, r in zip(lengths, rows)] if self.model.needs_reach else None
         return self.forward(new_tokens, starts, [r.block_table for r in rows], lengths, logit_counts, reaches)
 
     def forward(
@@ -248,24 +248,15 @@ class Engine:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """What the model's weights take in memory: every tensor its modules hold (each once; a layer's GEMM says
-    its own, both copies where it keeps two), the KV pool not included."""
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        for value in vars(module).values():
-            tensors = [value] if isinstance(value, torch.Tensor) else []
-            if hasattr(value, "nbytes") and not isinstance(value, torch.Tensor):
-                total += value.nbytes if id(value) not in seen else 0
-                seen.add(id(value))
-                continue
-            if isinstance(value, (list, tuple)):
-                tensors = [v for v in value if isinstance(v, torch.Tensor)]
-            for tensor in tensors:
-                if id(tensor) not in seen and not tensor.is_mkldnn:
-                    seen.add(id(tensor))
-                    total += tensor.nbytes
-    return total
+    """What the model's weights take in memory: every tensor its modules hold and every holder that says its own
+    size (a layer's GEMM, both copies where it keeps two; a quantized table), each once; the KV pool not
+    included."""
+    held = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor) or _sized(v)}
+    return sum(v.nbytes for v in held.values())
+
+
+def _sized(value: object) -> bool:
+    return hasattr(type(value), "nbytes")
 
 
 def _resolve_dtype(asked: str, config, device: torch.device) -> str:

@@ -5,7 +5,8 @@ On a tensor-parallel rank the rows and columns it holds are quantized on their o
 own per-row scales over its part of the inputs, which is as exact as quantizing the whole row and needs no
 communication. The model's bytes per weight drop to one (plus 4 bytes per row), a quarter of float32's; the
 kernel (`shard/kernels/int8_gemm.cpp`) widens each row back to float as it reads it, so activations and sums stay
-in the model's dtype. Embeddings and norms stay in it too: a lookup reads one row per token, and norms are small.
+in the model's dtype. The embedding table is int8 under either quantization (a lookup widens only the rows it
+reads); norms stay in the model's dtype, being small.
 """
 
 from __future__ import annotations

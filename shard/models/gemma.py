@@ -32,10 +32,12 @@ class Attention(torch.nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv = ColumnParallelLinear.load(weights, [f"{prefix}.{p}_proj" for p in "qkv"], bias=bias)
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=bias)
-        self.qk_norms: tuple[GemmaRMSNorm, GemmaRMSNorm] | None = None
+        self.qk_norms: torch.nn.ModuleList | None = None
         if f"{prefix}.q_norm.weight" in weights:  # Gemma 3
             eps = config.rms_norm_eps
-            self.qk_norms = tuple(GemmaRMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), eps) for n in "qk")
+            self.qk_norms = torch.nn.ModuleList(
+                GemmaRMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), eps) for n in "qk"
+            )
         self.softcap = getattr(config, "attn_logit_softcapping", None) or 0.0
         self.heads, self.kv_heads, self.head_dim = shape.heads_per_rank, shape.kv_heads_per_rank, shape.head_dim
         self.scale = config.query_pre_attn_scalar**-0.5
@@ -79,7 +81,7 @@ class DecoderLayer(torch.nn.Module):
             "pre_feedforward_layernorm",
             "post_feedforward_layernorm",
         )
-        self.norms = [GemmaRMSNorm(weights.get(f"{prefix}.{n}.weight"), eps) for n in norms]
+        self.norms = torch.nn.ModuleList(GemmaRMSNorm(weights.get(f"{prefix}.{n}.weight"), eps) for n in norms)
         self.attention = Attention(config, shape, weights, f"{prefix}.self_attn", window)
         self.mlp = MLP(config, weights, f"{prefix}.mlp")
 

@@ -49,11 +49,10 @@ class Attention(torch.nn.Module):
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=out_bias)
         self.heads, self.kv_heads, self.head_dim = shape.heads_per_rank, shape.kv_heads_per_rank, shape.head_dim
         self.scale = self.head_dim**-0.5
-        self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None
+        self.qk_norms: torch.nn.ModuleList | None = None
         if config.model_type == "qwen3":
             eps = config.rms_norm_eps
-            q_norm, k_norm = (RMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), eps) for n in "qk")
-            self.qk_norms = (q_norm, k_norm)
+            self.qk_norms = torch.nn.ModuleList(RMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), eps) for n in "qk")
 
     def forward(self, hidden, cos, sin, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         qk_size = (self.heads + self.kv_heads) * self.head_dim
