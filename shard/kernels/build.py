@@ -27,7 +27,9 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("paged_attention.cpp", "small_gemm.cpp", "int8_gemm.cpp", "int4_gemm.cpp")
 ]
-HEADERS = [Path(__file__).with_name("float_types.h")]  # part of the build's identity, not compiled on their own
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("float_types.h", "row_dots.h")
+]  # part of the build's identity, not compiled on their own
 BACKENDS = ("auto", "kernel", "torch")
 
 

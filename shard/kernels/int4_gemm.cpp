@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "float_types.h"
+#include "row_dots.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -20,7 +21,9 @@ namespace {
 
 using conveyor::widen;
 
-constexpr int64_t kGroup = 32, kHalf = kGroup / 2, kRowsAtOnce = 4;
+using conveyor::kRowsAtOnce;
+
+constexpr int64_t kGroup = 32, kHalf = kGroup / 2;
 
 // sums[m] = x_m . dequant(row) for kRows rows of x, the row's groups unpacked once for all of them.
 template <int kRows>
@@ -56,16 +59,11 @@ void rows(const float* x, int64_t count, const uint8_t* w, const c10::Half* scal
     const uint8_t* row = w + o * (in / 2);
     const c10::Half* row_scales = scales + o * groups;
     const float b = bias ? widen(bias[o]) : 0.f;
-    for (int64_t m = 0; m < count; m += kRowsAtOnce) {
-      const int64_t here = std::min(kRowsAtOnce, count - m);
-      switch (here) {
-        case 1: dots<1>(x + m * in, in, row, row_scales, sums); break;
-        case 2: dots<2>(x + m * in, in, row, row_scales, sums); break;
-        case 3: dots<3>(x + m * in, in, row, row_scales, sums); break;
-        default: dots<4>(x + m * in, in, row, row_scales, sums); break;
-      }
-      for (int64_t j = 0; j < here; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] + b);
-    }
+    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+      constexpr int kRows = decltype(chunk)::value;
+      dots<kRows>(x + m * in, in, row, row_scales, sums);
+      for (int j = 0; j < kRows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] + b);
+    });
   }
 }
 

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "float_types.h"
+#include "row_dots.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -24,48 +25,18 @@ namespace {
 
 using conveyor::widen;
 
-constexpr int64_t kRowsAtOnce = 4;  // rows of x dotted together while one weight row is read
-
-// sum_k x_j[k] * q[k] for the kRows rows x_j, the int8 row widened once per k for all of them.
-template <int kRows>
-inline void dots(const float* x, int64_t in, const int8_t* q, float* sums) {
-  const float* x0 = x;
-  const float* x1 = x + (kRows > 1 ? in : 0);
-  const float* x2 = x + (kRows > 2 ? 2 * in : 0);
-  const float* x3 = x + (kRows > 3 ? 3 * in : 0);
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t k = 0; k < in; ++k) {
-    const float w = static_cast<float>(q[k]);
-    s0 += x0[k] * w;
-    if constexpr (kRows > 1) s1 += x1[k] * w;
-    if constexpr (kRows > 2) s2 += x2[k] * w;
-    if constexpr (kRows > 3) s3 += x3[k] * w;
-  }
-  sums[0] = s0;
-  if constexpr (kRows > 1) sums[1] = s1;
-  if constexpr (kRows > 2) sums[2] = s2;
-  if constexpr (kRows > 3) sums[3] = s3;
-}
-
 // out[m, o] for o in [begin, end) and every m; x is float [count, in]. The row's scale multiplies each sum once.
 template <typename scalar_t>
 void rows(const float* x, int64_t count, const int8_t* w, const float* scales, const scalar_t* bias, scalar_t* out,
           int64_t in, int64_t out_features, int64_t begin, int64_t end) {
-  float sums[kRowsAtOnce];
+  float sums[conveyor::kRowsAtOnce];
   for (int64_t o = begin; o < end; ++o) {
-    const int8_t* q = w + o * in;
     const float scale = scales[o], b = bias ? widen(bias[o]) : 0.f;
-    for (int64_t m = 0; m < count; m += kRowsAtOnce) {
-      const int64_t here = std::min(kRowsAtOnce, count - m);
-      switch (here) {
-        case 1: dots<1>(x + m * in, in, q, sums); break;
-        case 2: dots<2>(x + m * in, in, q, sums); break;
-        case 3: dots<3>(x + m * in, in, q, sums); break;
-        default: dots<4>(x + m * in, in, q, sums); break;
-      }
-      for (int64_t j = 0; j < here; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] * scale + b);
-    }
+    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+      constexpr int kRows = decltype(chunk)::value;
+      conveyor::dot_rows<kRows>(x + m * in, in, w + o * in, sums);
+      for (int j = 0; j < kRows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] * scale + b);
+    });
   }
 }
 

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "float_types.h"
+#include "row_dots.h"
 
 #include <cstdint>
 #include <cstring>
@@ -23,29 +24,18 @@ namespace {
 
 using conveyor::widen;
 
-// out[m, o] = x[m, :] . w[o, :] (+ bias[o]) for o in [begin, end), kRows rows of x (float, [kRows, in]); each
-// weight element is widened once and used for every row.
-template <typename scalar_t, int kRows>
-void rows(const float* x, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in, int64_t out_features,
-          int64_t begin, int64_t end) {
-  const float* x0 = x;
-  const float* x1 = x + (kRows > 1 ? in : 0);
-  const float* x2 = x + (kRows > 2 ? 2 * in : 0);
-  const float* x3 = x + (kRows > 3 ? 3 * in : 0);
+// out[m, o] = x[m, :] . w[o, :] (+ bias[o]) for o in [begin, end) and every row m of x (float, [count, in]).
+template <typename scalar_t>
+void rows(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in,
+          int64_t out_features, int64_t begin, int64_t end) {
+  float sums[conveyor::kRowsAtOnce];
   for (int64_t o = begin; o < end; ++o) {
-    const scalar_t* row = w + o * in;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int64_t k = 0; k < in; ++k) {
-      const float wk = widen(row[k]);
-      s0 += x0[k] * wk;
-      if constexpr (kRows > 1) s1 += x1[k] * wk;
-      if constexpr (kRows > 2) s2 += x2[k] * wk;
-      if constexpr (kRows > 3) s3 += x3[k] * wk;
-    }
     const float b = bias ? widen(bias[o]) : 0.f;
-    const float sums[4] = {s0, s1, s2, s3};
-    for (int m = 0; m < kRows; ++m) out[m * out_features + o] = static_cast<scalar_t>(sums[m] + b);
+    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+      constexpr int kRows = decltype(chunk)::value;
+      conveyor::dot_rows<kRows>(x + m * in, in, w + o * in, sums);
+      for (int j = 0; j < kRows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] + b);
+    });
   }
 }
 
@@ -57,12 +47,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
   const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
   scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    switch (count) {
-      case 1: return rows<scalar_t, 1>(xf.data(), w, b, o, in, out_features, begin, end);
-      case 2: return rows<scalar_t, 2>(xf.data(), w, b, o, in, out_features, begin, end);
-      case 3: return rows<scalar_t, 3>(xf.data(), w, b, o, in, out_features, begin, end);
-      default: return rows<scalar_t, 4>(xf.data(), w, b, o, in, out_features, begin, end);
-    }
+    rows<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
   });
 }
 
