@@ -38,21 +38,6 @@ def test_quantization_rounds_each_row_to_its_own_scale() -> None:
     assert q.nbytes == 6 * 40 + 6 * 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
-def test_kernel_equals_the_dequantized_product(built, dtype: torch.dtype, rows: int) -> None:
-    """Every row count (the kernel dots four rows of x at a time, then the rest one by one), odd sizes."""
-    generator = torch.Generator().manual_seed(rows)
-    q = Int8Weight.quantize(torch.randn(37, 131, generator=generator))
-    x = torch.randn(rows, 131, generator=generator).to(dtype)
-    bias = torch.randn(37, generator=generator).to(dtype)
-    got = torch.ops.conveyor.int8_gemm(x, q.values, q.scales, bias)
-    want = F.linear(x.double(), q.dequantize().double(), bias.double())
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-    assert got.dtype == dtype
-    assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
-
-
 def test_int4_rounds_each_group_to_its_own_scale() -> None:
     weight = torch.randn(4, 96, generator=torch.Generator().manual_seed(3))
     weight[1, 32:64] = 0
@@ -65,26 +50,29 @@ def test_int4_rounds_each_group_to_its_own_scale() -> None:
     assert q.nbytes == 4 * 48 + 4 * 3 * 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-def test_int4_kernel_equals_the_dequantized_product(built, dtype: torch.dtype, rows: int) -> None:
+# Each format's kernel and its inputs: int8 on an odd input size (a remainder past the vector width), int4 on a
+# multiple of its group of 32.
+KERNELS = {
+    "int8": (Int8Weight, 131, lambda x, q, b: torch.ops.conveyor.int8_gemm(x, q.values, q.scales, b)),
+    "int4": (Int4Weight, 128, lambda x, q, b: torch.ops.conveyor.int4_gemm(x, q.packed, q.scales, b)),
+}
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+def test_kernel_equals_the_dequantized_product(built, kind: str, dtype: torch.dtype, rows: int) -> None:
+    """Every row count (the kernels dot four rows of x at a time, then the rest in a smaller chunk)."""
+    fmt, size, kernel = KERNELS[kind]
     generator = torch.Generator().manual_seed(rows)
-    q = Int4Weight.quantize(torch.randn(37, 128, generator=generator))
-    x = torch.randn(rows, 128, generator=generator).to(dtype)
+    q = fmt.quantize(torch.randn(37, size, generator=generator))
+    x = torch.randn(rows, size, generator=generator).to(dtype)
     bias = torch.randn(37, generator=generator).to(dtype)
-    got = torch.ops.conveyor.int4_gemm(x, q.packed, q.scales, bias)
+    got = kernel(x, q, bias)
     want = F.linear(x.double(), q.dequantize().double(), bias.double())
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert got.dtype == dtype
     assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
-
-
-def test_an_int4_layer_keeps_nibbles_only(built) -> None:
-    weight = torch.randn(96, 64)
-    layer = Gemm(weight, quantize="int4")
-    assert layer.int4 is not None and layer.weight is None and layer.int8 is None
-    assert layer.nbytes == 96 * 32 + 96 * 2 * 2 <= 0.17 * weight.nbytes
-    x = torch.randn(2, 64)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.int4.dequantize()), rtol=1e-5, atol=1e-5)
 
 
 def test_a_quantized_layer_keeps_int8_only(built) -> None:
