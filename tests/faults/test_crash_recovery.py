@@ -229,6 +229,8 @@ def test_a_request_that_kills_the_shard_every_time_fails_alone(crasher: Server, 
     assert "2 failed steps" in doomed.events[-1]["error"]
     for watcher, (prompt, n) in zip(watchers, CRASHER_OTHERS):
         assert watcher.token_ids() == greedy_reference(tiny_model, prompt, n), prompt
-    assert crasher.metric("conveyor_shard_restarts_total") == 2  # the first try and one replay
+    # The crasher's error is sent when its second step fails, before the router reconnects: wait for that.
+    wait_for(lambda: crasher.metric("conveyor_shard_restarts_total") == 2, 120, "the second reconnect")
     wait_for(lambda: crasher.health() == 200, 120, "the deployment to be healthy")
+    assert crasher.metric("conveyor_shard_restarts_total") == 2  # the first try and one replay, no more
     wait_for(lambda: _idle_and_whole(crasher), 60, "every KV block to be free")
