@@ -1,5 +1,6 @@
-"""`--quantize int8`: weights stored as int8 with a scale per output row, the kernel against the dequantized
-reference, the bytes really saved, and serving end to end within a stated distance of float32's log-probabilities."""
+"""`--quantize int8|int4`: weights stored as int8 with a scale per output row (int4: per group of 32), the kernels
+against the dequantized reference (int8 with AVX-512 VNNI: against the integer product of x quantized per row),
+the bytes really saved, and serving end to end within a stated distance of float32's log-probabilities."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from conftest import Server, free_port, start_server
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.kernels import build as kernels
+from conveyor.shard.layers import gemm
 from conveyor.shard.layers.embedding import VocabParallelEmbedding
 from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.layers.quantize import INT4_GROUP, Int4Weight, Int8Weight
@@ -75,21 +77,75 @@ def test_kernel_equals_the_dequantized_product(built, kind: str, dtype: torch.dt
     assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
 
 
+@pytest.fixture(scope="module")
+def vnni(built) -> None:
+    if not torch.ops.conveyor.int8_vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI: the integer kernel is not built here")
+
+
+def w8a8_reference(x: torch.Tensor, q: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the integer kernel computes, in float64: x's rows rounded to int8 with a scale each (max|x| / 127),
+    the integer dot products, both scales."""
+    xf = x.float()
+    scales = xf.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    xq = torch.round(xf * (1 / scales[:, None]))
+    out = (xq.double() @ q.values.double().T) * scales.double()[:, None] * q.scales.double()
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("size", [64, 131, 300])
+def test_the_integer_kernel_is_the_product_of_quantized_rows(vnni, dtype: torch.dtype, rows: int, size: int) -> None:
+    """Up to four rows stream each weight row, more go four weight rows at a time (37 rows: a last block of one);
+    sizes: one whole vector, a remainder past it, four vectors at once and a remainder. The sums are exact
+    integers, so the only difference is the output's rounding to its dtype."""
+    generator = torch.Generator().manual_seed(rows * size)
+    q = Int8Weight.quantize(torch.randn(37, size, generator=generator))
+    x = torch.randn(rows, size, generator=generator).to(dtype)
+    x[0, :] = 0  # an all-zero row stays zero (its scale is 1, not 0)
+    bias = torch.randn(37, generator=generator).to(dtype)
+    sums = q.values.sum(dim=1, dtype=torch.int32)
+    got = torch.ops.conveyor.int8_vnni_gemm(x, q.values, q.scales, sums, bias)
+    want = w8a8_reference(x, q, bias)
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 5e-4}[dtype]
+    assert got.dtype == dtype
+    assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
+
+
+@pytest.mark.parametrize("integer", [False, True], ids=["widening", "integer"])
+def test_an_int8_layer_takes_the_integer_kernel_only_where_vnni_is_built(built, monkeypatch, integer: bool) -> None:
+    """Both choices of `gemm.int8_vnni`, whatever this CPU has (the integer one runs only where it is built)."""
+    if integer and not torch.ops.conveyor.int8_vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setattr(gemm, "int8_vnni", lambda: integer)
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(4))
+    layer = Gemm(weight, quantize="int8")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    q = layer.int8
+    if integer:
+        assert torch.equal(layer.int8_sums, q.values.sum(dim=1, dtype=torch.int32))
+        torch.testing.assert_close(layer(x), w8a8_reference(x, q, None).float(), rtol=1e-5, atol=1e-5)
+    else:
+        assert layer.int8_sums is None
+        torch.testing.assert_close(layer(x), F.linear(x, q.dequantize()), rtol=1e-5, atol=1e-5)
+
+
 def test_a_quantized_layer_keeps_int8_only(built) -> None:
     weight = torch.randn(96, 64)
     layer = Gemm(weight, quantize="int8")
     assert layer.int8 is not None and layer.int8.values.dtype == torch.int8
     assert layer.weight is None and layer.plain is None  # no float copy left behind
-    assert layer.nbytes == 96 * 64 + 96 * 4 <= 0.3 * weight.nbytes
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.int8.dequantize()), rtol=1e-5, atol=1e-5)
+    sums = 96 * 4 if layer.int8_sums is not None else 0  # the integer kernel's row sums
+    assert layer.nbytes == 96 * 64 + 96 * 4 + sums <= 0.3 * weight.nbytes
     torch.testing.assert_close(layer.dense(), layer.int8.dequantize())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 17])
 def test_bf16_rows_of_an_int8_layer_match_the_dequantized_product(built, rows: int) -> None:
-    """Up to INT8_PACK_ROWS bf16 rows take Conveyor's kernel, more take torch's (bf16 scales): both within bf16's
-    rounding of the product, with the bias."""
+    """Whichever kernel this CPU gives the layer: within bf16's rounding (and, with VNNI, x's rounding to int8)
+    of the float product, with the bias."""
     generator = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(48, 64, generator=generator), torch.randn(48, generator=generator).bfloat16()
     layer = Gemm(weight.bfloat16(), quantize="int8")
