@@ -83,53 +83,78 @@ def vnni(built) -> None:
         pytest.skip("this CPU has no AVX-512 VNNI: the integer kernel is not built here")
 
 
-def w8a8_reference(x: torch.Tensor, q: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the integer kernel computes, in float64: x's rows rounded to int8 with a scale each (max|x| / 127),
-    the integer dot products, both scales."""
+def integer_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the integer kernels compute, in float64: x's rows rounded to int8 with a scale each (max|x| / 127)
+    times the dequantized weight (whose products with integers are exact in float64)."""
     xf = x.float()
     scales = xf.abs().amax(dim=1) / 127
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     xq = torch.round(xf * (1 / scales[:, None]))
-    out = (xq.double() @ q.values.double().T) * scales.double()[:, None] * q.scales.double()
+    out = (xq.double() @ weight.double().T) * scales.double()[:, None]
     return out if bias is None else out + bias.double()
 
 
+# Each format's integer kernel and the input sizes that reach its edges: int8 one whole vector of 64, a
+# remainder past it, four vectors at once and a remainder; int4 one group (a chunk of four groups cut short), three,
+# one whole chunk of 128, and 25 groups (six chunks and one group).
+INTEGER_KERNELS = {
+    "int8": (
+        Int8Weight,
+        [64, 131, 300],
+        lambda x, q, b: torch.ops.conveyor.int8_vnni_gemm(x, q.values, q.scales, q.values.sum(1, dtype=torch.int32), b),
+    ),
+    "int4": (
+        Int4Weight,
+        [32, 96, 128, 800],
+        lambda x, q, b: torch.ops.conveyor.int4_vnni_gemm(x, q.packed, q.scales, b),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "size"), [(kind, size) for kind, (_, sizes, _) in INTEGER_KERNELS.items() for size in sizes]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
-@pytest.mark.parametrize("size", [64, 131, 300])
-def test_the_integer_kernel_is_the_product_of_quantized_rows(vnni, dtype: torch.dtype, rows: int, size: int) -> None:
-    """Up to four rows stream each weight row, more go four weight rows at a time (37 rows: a last block of one);
-    sizes: one whole vector, a remainder past it, four vectors at once and a remainder. The sums are exact
-    integers, so the only difference is the output's rounding to its dtype."""
+def test_the_integer_kernels_are_the_product_of_quantized_rows(
+    vnni, kind: str, size: int, dtype: torch.dtype, rows: int
+) -> None:
+    """Every row count (int8: up to four rows stream each weight row, more go four weight rows at a time, and 37
+    weight rows leave a last block of one). The int8 sums are exact integers and int4's exact per group, so what
+    is left is float32 accumulation and the output's rounding to its dtype."""
+    fmt, _, kernel = INTEGER_KERNELS[kind]
     generator = torch.Generator().manual_seed(rows * size)
-    q = Int8Weight.quantize(torch.randn(37, size, generator=generator))
+    q = fmt.quantize(torch.randn(37, size, generator=generator))
     x = torch.randn(rows, size, generator=generator).to(dtype)
     x[0, :] = 0  # an all-zero row stays zero (its scale is 1, not 0)
     bias = torch.randn(37, generator=generator).to(dtype)
-    sums = q.values.sum(dim=1, dtype=torch.int32)
-    got = torch.ops.conveyor.int8_vnni_gemm(x, q.values, q.scales, sums, bias)
-    want = w8a8_reference(x, q, bias)
+    got = kernel(x, q, bias)
+    want = integer_reference(x, q.dequantize(), bias)
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 5e-4}[dtype]
     assert got.dtype == dtype
     assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("integer", [False, True], ids=["widening", "integer"])
-def test_an_int8_layer_takes_the_integer_kernel_only_where_vnni_is_built(built, monkeypatch, integer: bool) -> None:
-    """Both choices of `gemm.int8_vnni`, whatever this CPU has (the integer one runs only where it is built)."""
+def test_a_quantized_layer_takes_the_integer_kernel_only_where_vnni_is_built(
+    built, monkeypatch, kind: str, integer: bool
+) -> None:
+    """Both choices of `gemm.vnni`, whatever this CPU has (the integer one runs only where it is built)."""
     if integer and not torch.ops.conveyor.int8_vnni_available():
         pytest.skip("this CPU has no AVX-512 VNNI")
-    monkeypatch.setattr(gemm, "int8_vnni", lambda: integer)
+    monkeypatch.setattr(gemm, "vnni", lambda: integer)
     weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(4))
-    layer = Gemm(weight, quantize="int8")
+    layer = Gemm(weight, quantize=kind)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
-    q = layer.int8
+    dense = (layer.int8 or layer.int4).dequantize()
+    assert layer.vnni == integer
+    if kind == "int8":
+        assert (layer.int8_sums is not None) == integer
     if integer:
-        assert torch.equal(layer.int8_sums, q.values.sum(dim=1, dtype=torch.int32))
-        torch.testing.assert_close(layer(x), w8a8_reference(x, q, None).float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), integer_reference(x, dense, None).float(), rtol=1e-5, atol=1e-5)
     else:
-        assert layer.int8_sums is None
-        torch.testing.assert_close(layer(x), F.linear(x, q.dequantize()), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
 
 
 def test_a_quantized_layer_keeps_int8_only(built) -> None:
@@ -137,7 +162,7 @@ def test_a_quantized_layer_keeps_int8_only(built) -> None:
     layer = Gemm(weight, quantize="int8")
     assert layer.int8 is not None and layer.int8.values.dtype == torch.int8
     assert layer.weight is None and layer.plain is None  # no float copy left behind
-    sums = 96 * 4 if layer.int8_sums is not None else 0  # the integer kernel's row sums
+    sums = 96 * 4 if layer.vnni else 0  # the integer kernel's row sums
     assert layer.nbytes == 96 * 64 + 96 * 4 + sums <= 0.3 * weight.nbytes
     torch.testing.assert_close(layer.dense(), layer.int8.dequantize())
 

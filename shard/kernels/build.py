@@ -25,10 +25,17 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "small_gemm.cpp", "int8_gemm.cpp", "int8_vnni_gemm.cpp", "int4_gemm.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "small_gemm.cpp",
+        "int8_gemm.cpp",
+        "int8_vnni_gemm.cpp",
+        "int4_gemm.cpp",
+        "int4_vnni_gemm.cpp",
+    )
 ]
 HEADERS = [
-    Path(__file__).with_name(name) for name in ("float_types.h", "row_dots.h")
+    Path(__file__).with_name(name) for name in ("float_types.h", "row_dots.h", "quantized_rows.h")
 ]  # part of the build's identity, not compiled on their own
 BACKENDS = ("auto", "kernel", "torch")
 

@@ -12,7 +12,7 @@
 // ~18 for reading four rows side by side (and the widening kernel's ~18). With more rows the arithmetic decides,
 // and four weight rows side by side let each vector loaded serve four products (32 rows: 2.0 -> 1.5 ms).
 //
-// Compiled where the CPU has AVX-512 VNNI and BW (-march=native decides); elsewhere the op exists, says so
+// Compiled where the CPU has AVX-512 VNNI, BW and VL (-march=native decides); elsewhere the op exists, says so
 // through `int8_vnni_available`, and the widening kernel serves instead.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "float_types.h"
+#include "quantized_rows.h"
 #include "row_dots.h"
 
 #include <algorithm>
@@ -27,50 +28,19 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define CONVEYOR_VNNI 1
 #endif
 
 namespace {
 
+using conveyor::QuantizedRows;
+using conveyor::quantize_rows;
+
 constexpr int64_t kBytes = 64;  // one 512-bit register
 constexpr int64_t kMaxIn = 66000;
 constexpr int64_t kStreamRows = 4;
-
-// x's rows as uint8 (int8 + 128), each padded to a multiple of 64 bytes, with one float scale a row.
-struct QuantizedRows {
-  std::vector<uint8_t> values;
-  std::vector<float> scales;
-  int64_t stride = 0;
-};
-
-// q = round(x * (1 / s)), s = max|x| / 127, as the tests' torch reference computes it; rows in parallel (a
-// prompt's thousands of rows), each a vectorized pass for the maximum and one for the rounding.
-template <typename scalar_t>
-QuantizedRows quantize_rows(const at::Tensor& x) {
-  const int64_t count = x.size(0), in = x.size(1);
-  QuantizedRows q;
-  q.stride = (in + kBytes - 1) / kBytes * kBytes;
-  q.values.assign(count * q.stride, 128);
-  q.scales.resize(count);
-  const scalar_t* values = x.data_ptr<scalar_t>();
-  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const scalar_t* row = values + m * in;
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t k = 0; k < in; ++k) amax = std::max(amax, std::fabs(conveyor::widen(row[k])));
-      const float scale = amax > 0.f ? amax / 127.f : 1.f, inverse = 1.f / scale;
-      uint8_t* to = q.values.data() + m * q.stride;
-#pragma omp simd
-      for (int64_t k = 0; k < in; ++k)
-        to[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(conveyor::widen(row[k]) * inverse)) + 128);
-      q.scales[m] = scale;
-    }
-  });
-  return q;
-}
 
 #ifdef CONVEYOR_VNNI
 
@@ -187,7 +157,7 @@ template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& weight_sums,
          const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
-  const QuantizedRows q = quantize_rows<scalar_t>(x);
+  const QuantizedRows q = quantize_rows<scalar_t>(x, kBytes);
   const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
   if (count > kStreamRows) {
     at::parallel_for(0, (out_features + kBlockRows - 1) / kBlockRows, 4, [&](int64_t begin, int64_t end) {

@@ -73,11 +73,12 @@ def small_rows_kernel(weight: torch.Tensor) -> bool:
     return build.load()
 
 
-def int8_vnni() -> bool:
-    """Whether int8 layers quantize their rows too and take the integer kernel (AVX-512 VNNI built in), rather
-    than widening the weights to x's dtype (`int8_gemm`). Measured on the demo small model's layers, AMD EPYC Zen 4,
-    float32 rows: 1 row 0.37 -> 0.15 ms, 32 rows 5.9 -> 1.6 ms, 256 rows 49 -> 12 ms; oneDNN's float32 kernels take
-    0.25, 1.9 and 14.7, its bfloat16 ones 0.18, 1.0 and 7.3."""
+def vnni() -> bool:
+    """Whether quantized layers round their input to int8 per row and take the integer kernels (AVX-512 VNNI built
+    in), rather than widening the weights to x's dtype (`int8_gemm`, `int4_gemm`). Measured on the demo small
+    model's layers, AMD EPYC Zen 4, float32 rows: int8 1 row 0.37 -> 0.15 ms, 32 rows 5.9 -> 1.6 ms, 256 rows 49 ->
+    12 ms (oneDNN's float32 kernels take 0.25, 1.9 and 14.7, its bfloat16 ones 0.18, 1.0 and 7.3); int4, every
+    linear layer and the head, 1 row 7.9 -> 2.2 ms, 32 rows 132 -> 33 ms."""
     from conveyor.shard.kernels import build
 
     return build.load() and torch.ops.conveyor.int8_vnni_available()
@@ -97,7 +98,8 @@ class Gemm:
         self.dtype = weight.dtype
         self.int8: Int8Weight | None = None
         self.int4: Int4Weight | None = None
-        self.int8_sums: torch.Tensor | None = None  # each int8 row's sum, where the integer kernel serves
+        self.vnni = False  # quantized: x rounded to int8 too, integer kernels (see vnni())
+        self.int8_sums: torch.Tensor | None = None  # each int8 row's sum, for the integer kernel
         if quantize is not None:
             self._quantize(weight, quantize)
             return
@@ -116,9 +118,10 @@ class Gemm:
 
         if not build.load():
             raise QuantizationUnavailable(f"--quantize {quantize} needs Conveyor's C++ kernels, which did not build")
+        self.vnni = vnni()
         if quantize == "int8":
             self.int8 = Int8Weight.quantize(weight)
-            self.int8_sums = self.int8.values.sum(dim=1, dtype=torch.int32) if int8_vnni() else None
+            self.int8_sums = self.int8.values.sum(dim=1, dtype=torch.int32) if self.vnni else None
         else:
             self.int4 = Int4Weight.quantize(weight)
         self.packed, self.plain, self.weight = False, None, None
@@ -143,13 +146,14 @@ class Gemm:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], self.out_features)
         if self.int8 is not None:
-            if self.int8_sums is not None:
+            if self.vnni:
                 return torch.ops.conveyor.int8_vnni_gemm(
                     x.contiguous(), self.int8.values, self.int8.scales, self.int8_sums, bias
                 )
             return torch.ops.conveyor.int8_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
         if self.int4 is not None:
-            return torch.ops.conveyor.int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
+            int4_gemm = torch.ops.conveyor.int4_vnni_gemm if self.vnni else torch.ops.conveyor.int4_gemm
+            return int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
         if self.plain is not None and 0 < x.shape[0] <= SMALL_ROWS:
             return _small_gemm(x.contiguous(), self.plain, bias)
         if not self.packed:

@@ -1,0 +1,154 @@
+// x @ dequant(W).T (+ b) for 4-bit weights (`--quantize int4`, groups of 32 with a float16 scale, the layout of
+// int4_gemm.cpp) with x rounded to int8 per row, on a CPU with AVX-512 VNNI (as llama.cpp's q4_0 against q8_0).
+//
+// 64 packed bytes are four groups: their low nibbles are elements 0-15 of each group, their high ones elements
+// 16-31, each stored as q + 8 in [0, 15]. Masked, they are the unsigned side of vpdpbusd as they are, against x's
+// signed bytes rearranged once per call into the same order (each 128 inputs: the four low halves, then the four
+// high halves). Each int32 lane then sums four bytes of one group: lanes 4g..4g+3 are group g. The +8 comes back
+// out as 8 * (x's sum over the lane's bytes), computed once per call and subtracted by starting each lane from it;
+// the lanes, as floats, take their group's scale in one multiply-add.
+//
+// Compiled where the CPU has AVX-512 VNNI, BW and VL (as int8_vnni_gemm.cpp); elsewhere the op exists but refuses,
+// `int8_vnni_available` says no, and int4_gemm.cpp serves.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "float_types.h"
+#include "quantized_rows.h"
+#include "row_dots.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define CONVEYOR_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+#ifdef CONVEYOR_VNNI
+
+constexpr int64_t kChunk = 128, kChunkBytes = 64, kLanes = 16;
+
+// x's rows for the int4 kernel: signed bytes in the packed weights' order, and each lane's 8 * sum, negated.
+struct ArrangedRows {
+  std::vector<int8_t> values;     // [count, chunks * 128]
+  std::vector<int32_t> offsets;   // [count, chunks * 16]
+  std::vector<float> scales;
+  int64_t chunks = 0;
+};
+
+template <typename scalar_t>
+ArrangedRows arrange_rows(const at::Tensor& x) {
+  const conveyor::QuantizedRows q = conveyor::quantize_rows<scalar_t>(x, kChunk);
+  const int64_t count = x.size(0);
+  ArrangedRows a;
+  a.chunks = q.stride / kChunk;
+  a.values.resize(count * q.stride);
+  a.offsets.assign(count * a.chunks * kLanes, 0);
+  a.scales = q.scales;
+  for (int64_t m = 0; m < count; ++m) {
+    const uint8_t* from = q.values.data() + m * q.stride;
+    int8_t* to = a.values.data() + m * q.stride;
+    int32_t* offsets = a.offsets.data() + m * a.chunks * kLanes;
+    for (int64_t c = 0; c < a.chunks; ++c)
+      for (int64_t g = 0; g < 4; ++g)
+        for (int64_t j = 0; j < kGroup; ++j) {
+          const int64_t half = j / 16, at = c * kChunk + half * kChunkBytes + g * 16 + j % 16;
+          const int8_t v = static_cast<int8_t>(static_cast<int32_t>(from[c * kChunk + g * kGroup + j]) - 128);
+          to[at] = v;
+          offsets[c * kLanes + (g * 16 + j % 16) / 4] -= 8 * v;
+        }
+  }
+  return a;
+}
+
+// sums[r] = x row r . dequant(weight row) (before x's scale), for kRows rows of x.
+template <int kRows>
+inline void dot_row(const ArrangedRows& x, int64_t m, const uint8_t* packed, const c10::Half* scales, int64_t in,
+                    float sums[kRows]) {
+  const int64_t bytes = in / 2, groups = in / kGroup;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t stride = x.chunks * kChunk;
+  for (int64_t c = 0; c < x.chunks; ++c) {
+    const int64_t left = bytes - c * kChunkBytes, groups_left = groups - c * 4;
+    const __mmask64 mask = left >= kChunkBytes ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+    const __mmask8 scale_mask = groups_left >= 4 ? 0x0F : static_cast<__mmask8>((1u << groups_left) - 1);
+    const __m512i w = _mm512_maskz_loadu_epi8(mask, packed + c * kChunkBytes);
+    const __m512i low = _mm512_and_si512(w, nibble), high = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+    const __m128 s4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(scale_mask, scales + c * 4));
+    const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    for (int r = 0; r < kRows; ++r) {
+      const int8_t* xr = x.values.data() + (m + r) * stride + c * kChunk;
+      __m512i lanes = _mm512_loadu_si512(x.offsets.data() + ((m + r) * x.chunks + c) * kLanes);
+      lanes = _mm512_dpbusd_epi32(lanes, low, _mm512_loadu_si512(xr));
+      lanes = _mm512_dpbusd_epi32(lanes, high, _mm512_loadu_si512(xr + kChunkBytes));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+         const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
+  const ArrangedRows a = arrange_rows<scalar_t>(x);
+  const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
+  const uint8_t* packed = weight.data_ptr<uint8_t>();
+  const c10::Half* s = scales.data_ptr<c10::Half>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float bias_value = b ? conveyor::widen(b[row]) : 0.f;
+      conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+        constexpr int kRows = decltype(chunk)::value;
+        float sums[kRows];
+        dot_row<kRows>(a, m, packed + row * (in / 2), s + row * (in / kGroup), in, sums);
+        for (int r = 0; r < kRows; ++r)
+          o[(m + r) * out_features + row] = static_cast<scalar_t>(sums[r] * a.scales[m + r] + bias_value);
+      });
+    }
+  });
+}
+
+#endif  // CONVEYOR_VNNI
+
+// x [M, in] (float32, bf16 or fp16), packed uint8 [out, in / 2], scales float16 [out, in / 32], bias or none.
+at::Tensor int4_vnni_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& bias) {
+#ifndef CONVEYOR_VNNI
+  TORCH_CHECK(false, "int4_vnni_gemm needs AVX-512 VNNI, which this build's CPU lacks");
+#endif
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "int4_vnni_gemm runs on CPU");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == 2 * weight.size(1), "x [M, in], packed [out, in/2]");
+  TORCH_CHECK(x.size(1) % kGroup == 0, "int4 needs in divisible by ", kGroup);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf, "uint8 packed, float16 scales");
+  TORCH_CHECK(scales.size(0) == weight.size(0) && scales.size(1) == x.size(1) / kGroup, "scales [out, in / 32]");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous(), "contiguous inputs");
+  if (bias && bias->defined())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0) && bias->scalar_type() == x.scalar_type(),
+                "bias [out] in x's dtype");
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+#ifdef CONVEYOR_VNNI
+  conveyor::for_float_dtype(x.scalar_type(), "int4_vnni_gemm",
+                            [&](auto tag) { run<decltype(tag)>(x, weight, scales, bias, out); });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("int4_vnni_gemm(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+  m.impl("int4_vnni_gemm", c10::DispatchKey::CPU, &int4_vnni_gemm);
+}
