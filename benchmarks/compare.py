@@ -279,7 +279,7 @@ def run_vllm(args: argparse.Namespace, workloads: dict[str, Workload], binding: 
 
 def run_llamacpp(args: argparse.Namespace, workloads: dict[str, Workload], dtype: str = "float32") -> Outcome:
     """llama.cpp with a slot per concurrent request, each slot as long as the longest request it will serve.
-    `dtype` int8: its q8_0 weights."""
+    `dtype` int8 (int4): its q8_0 (q4_0) weights."""
     system = LLAMACPP + {**DTYPE_SUFFIX, **QUANTIZED}[dtype]
 
     def serve() -> AbstractContextManager[str]:
@@ -395,7 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantized",
         type=names,
         default=[],
-        help="also Conveyor --quantize int8 against llama.cpp's q8_0 weights, on the same workloads",
+        help="also Conveyor --quantize int8 (int4) against llama.cpp's q8_0 (q4_0) weights, on the same workloads",
     )
     p.add_argument(
         "--vllm-bindings",

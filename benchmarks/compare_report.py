@@ -30,7 +30,9 @@ CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM, LLAMACPP = (
 )
 BARE, BARE_TORCH_GEMM = "bare forward", "bare forward, F.linear (MKL)"
 BF16 = "-bf16"
-QUANTIZED = {"int8": "-int8"}  # --quantized: Conveyor --quantize int8 against llama.cpp's q8_0 GGUF
+# --quantized: Conveyor --quantize int8 (int4) against llama.cpp's q8_0 (q4_0) GGUF, named by the suffix
+QUANTIZED = {"int8": "-int8", "int4": "-int4"}
+GGUF_NAMES = {"-int8": "llama.cpp q8_0", "-int4": "llama.cpp q4_0"}
 MACHINE_UNITS = (  # (label, key of machine()): what sets the forward's speed
     ("AVX-512", "avx512"),
     ("avx512_bf16", "avx512_bf16"),
@@ -285,7 +287,7 @@ def _quantized_targets(by: dict[str, Outcome], suffix: str) -> list[Target]:
             _lat(quantized, "itl", "median", single),
             _lat(llama, "itl", "median", single),
             lambda v: v <= 1,
-            "llama.cpp q8_0",
+            GGUF_NAMES[suffix],
             _missing(quantized, llama, workload=single),
         ),
         _ratio_target(
@@ -294,7 +296,7 @@ def _quantized_targets(by: dict[str, Outcome], suffix: str) -> list[Target]:
             _tput(quantized),
             _tput(llama),
             lambda v: v >= 1.0,
-            "llama.cpp q8_0",
+            GGUF_NAMES[suffix],
             _missing(quantized, llama),
         ),
     ]

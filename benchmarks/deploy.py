@@ -180,7 +180,10 @@ def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float) -> Ite
 
 
 LLAMACPP_VENV = Path(__file__).resolve().parent.parent / ".venv-llamacpp"  # `make bench` builds it (see Makefile)
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}  # int8: llama.cpp's own 8-bit weights
+# int8 and int4: llama.cpp's own 8- and 4-bit weights. The converter writes q8_0; q4_0 is made from the f32 file
+# by llama-quantize (with its defaults, as a user would: the output tensor stays wider).
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}
+REQUANTIZED = {"q4_0"}
 
 
 def llamacpp_python() -> Path:
@@ -227,10 +230,17 @@ def gguf(model_dir: Path, dtype: str) -> Path:
         return out
     cache.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")
-    shards.progress(f"converting {model_dir} to GGUF ({GGUF_TYPES[dtype]}) with llama.cpp's converter")
-    script = Path(__file__).with_name("gguf.py")
-    command = [str(llamacpp_python()), str(script), str(llamacpp_converter()), str(model_dir), str(partial)]
-    subprocess.run([*command, "--outtype", GGUF_TYPES[dtype]], check=True, capture_output=True, env=_offline_env())
+    if GGUF_TYPES[dtype] in REQUANTIZED:
+        source, server = gguf(model_dir, "float32"), llamacpp_server()
+        assert isinstance(server, Path), server
+        shards.progress(f"quantizing {source.name} to {GGUF_TYPES[dtype]} with llama-quantize")
+        command = [str(server.with_name("llama-quantize")), str(source), str(partial), GGUF_TYPES[dtype]]
+        subprocess.run(command, check=True, capture_output=True, env=_offline_env())
+    else:
+        shards.progress(f"converting {model_dir} to GGUF ({GGUF_TYPES[dtype]}) with llama.cpp's converter")
+        script = Path(__file__).with_name("gguf.py")
+        command = [str(llamacpp_python()), str(script), str(llamacpp_converter()), str(model_dir), str(partial)]
+        subprocess.run([*command, "--outtype", GGUF_TYPES[dtype]], check=True, capture_output=True, env=_offline_env())
     partial.rename(out)
     return out
 

@@ -27,9 +27,11 @@ PROMPTS = ORACLE_PROMPTS
 DEPLOYMENTS = {
     "llama-gqa": ("tiny_model", None),
     "qwen2-bias": ("qwen2_model", []),
+    "qwen2-2-shards": ("qwen2_model", ["--num-shard", "2"]),
     "qwen3-qk-norm": ("qwen3_model", []),
     "qwen3-2-shards": ("qwen3_model", ["--num-shard", "2"]),
     "mistral-window": ("mistral_model", []),
+    "mistral-2-shards": ("mistral_model", ["--num-shard", "2"]),
     "phi3-longrope": ("phi3_model", []),
     "phi3-2-shards": ("phi3_model", ["--num-shard", "2"]),
     "gemma3-windows": ("gemma3_model", []),

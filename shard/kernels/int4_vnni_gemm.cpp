@@ -35,6 +35,7 @@ constexpr int64_t kGroup = 32;
 #ifdef CONVEYOR_VNNI
 
 constexpr int64_t kChunk = 128, kChunkBytes = 64, kLanes = 16;
+constexpr int64_t kTileRows = 64;
 
 // x's rows for the int4 kernel: signed bytes in the packed weights' order, and each lane's 8 * sum, negated.
 struct ArrangedRows {
@@ -53,19 +54,21 @@ ArrangedRows arrange_rows(const at::Tensor& x) {
   a.values.resize(count * q.stride);
   a.offsets.assign(count * a.chunks * kLanes, 0);
   a.scales = q.scales;
-  for (int64_t m = 0; m < count; ++m) {
-    const uint8_t* from = q.values.data() + m * q.stride;
-    int8_t* to = a.values.data() + m * q.stride;
-    int32_t* offsets = a.offsets.data() + m * a.chunks * kLanes;
-    for (int64_t c = 0; c < a.chunks; ++c)
-      for (int64_t g = 0; g < 4; ++g)
-        for (int64_t j = 0; j < kGroup; ++j) {
-          const int64_t half = j / 16, at = c * kChunk + half * kChunkBytes + g * 16 + j % 16;
-          const int8_t v = static_cast<int8_t>(static_cast<int32_t>(from[c * kChunk + g * kGroup + j]) - 128);
-          to[at] = v;
-          offsets[c * kLanes + (g * 16 + j % 16) / 4] -= 8 * v;
-        }
-  }
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const uint8_t* from = q.values.data() + m * q.stride;
+      int8_t* to = a.values.data() + m * q.stride;
+      int32_t* offsets = a.offsets.data() + m * a.chunks * kLanes;
+      for (int64_t c = 0; c < a.chunks; ++c)
+        for (int64_t g = 0; g < 4; ++g)
+          for (int64_t j = 0; j < kGroup; ++j) {
+            const int64_t half = j / 16, at = c * kChunk + half * kChunkBytes + g * 16 + j % 16;
+            const int8_t v = static_cast<int8_t>(static_cast<int32_t>(from[c * kChunk + g * kGroup + j]) - 128);
+            to[at] = v;
+            offsets[c * kLanes + (g * 16 + j % 16) / 4] -= 8 * v;
+          }
+    }
+  });
   return a;
 }
 
@@ -108,15 +111,18 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
   const c10::Half* s = scales.data_ptr<c10::Half>();
   scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float bias_value = b ? conveyor::widen(b[row]) : 0.f;
-      conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
-        constexpr int kRows = decltype(chunk)::value;
-        float sums[kRows];
-        dot_row<kRows>(a, m, packed + row * (in / 2), s + row * (in / kGroup), in, sums);
-        for (int r = 0; r < kRows; ++r)
-          o[(m + r) * out_features + row] = static_cast<scalar_t>(sums[r] * a.scales[m + r] + bias_value);
-      });
+    for (int64_t first = 0; first < count; first += kTileRows) {  // a tile of x stays in cache for every row
+      for (int64_t row = begin; row < end; ++row) {
+        const float bias_value = b ? conveyor::widen(b[row]) : 0.f;
+        conveyor::for_row_chunks(std::min(kTileRows, count - first), [&](auto chunk, int64_t chunk_start) {
+          constexpr int kRows = decltype(chunk)::value;
+          const int64_t m = first + chunk_start;
+          float sums[kRows];
+          dot_row<kRows>(a, m, packed + row * (in / 2), s + row * (in / kGroup), in, sums);
+          for (int r = 0; r < kRows; ++r)
+            o[(m + r) * out_features + row] = static_cast<scalar_t>(sums[r] * a.scales[m + r] + bias_value);
+        });
+      }
     }
   });
 }

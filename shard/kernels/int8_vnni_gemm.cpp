@@ -10,7 +10,8 @@
 // Two loops, measured on an AMD EPYC Zen 4 (demo small model's layers): up to kStreamRows rows of x (decode with
 // few sequences), each weight row is read as one stream, which reads the weights from memory at ~37 GB/s against
 // ~18 for reading four rows side by side (and the widening kernel's ~18). With more rows the arithmetic decides,
-// and four weight rows side by side let each vector loaded serve four products (32 rows: 2.0 -> 1.5 ms).
+// and four weight rows side by side let each vector loaded serve four products (32 rows: 2.0 -> 1.5 ms), over
+// tiles of x's rows that stay in cache while every weight row passes (a prompt's thousands of rows would not).
 //
 // Compiled where the CPU has AVX-512 VNNI, BW and VL (-march=native decides); elsewhere the op exists, says so
 // through `int8_vnni_available`, and the widening kernel serves instead.
@@ -41,6 +42,7 @@ using conveyor::quantize_rows;
 constexpr int64_t kBytes = 64;  // one 512-bit register
 constexpr int64_t kMaxIn = 66000;
 constexpr int64_t kStreamRows = 4;
+constexpr int64_t kTileRows = 64;  // x's rows at a time past kStreamRows: a tile stays in cache for every weight row
 
 #ifdef CONVEYOR_VNNI
 
@@ -105,9 +107,10 @@ inline void dot_block(const uint8_t* x, int64_t stride, const int8_t* const w[kB
   for (int r = 0; r < kRows; ++r) sums[r] = sum_lanes(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
-// out[m, o..o+3] for every row m of x; a last block with fewer than four weight rows repeats its last one.
+// out[m, o..o+3] for x's rows m in [first, first + count); a last block with fewer than four weight rows repeats
+// its last one.
 template <typename scalar_t>
-void block_rows(const QuantizedRows& x, int64_t count, const int8_t* weight, const float* scales,
+void block_rows(const QuantizedRows& x, int64_t first, int64_t count, const int8_t* weight, const float* scales,
                 const int32_t* weight_sums, const scalar_t* bias, scalar_t* out, int64_t in, int64_t out_features,
                 int64_t o) {
   const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, out_features - o));
@@ -120,8 +123,9 @@ void block_rows(const QuantizedRows& x, int64_t count, const int8_t* weight, con
     b[j] = bias ? conveyor::widen(bias[row]) : 0.f;
     offset[j] = 128.f * static_cast<float>(weight_sums[row]);
   }
-  conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+  conveyor::for_row_chunks(count, [&](auto chunk, int64_t chunk_start) {
     constexpr int kRows = decltype(chunk)::value;
+    const int64_t m = first + chunk_start;
     __m128i sums[kRows];
     dot_block<kRows>(x.values.data() + m * x.stride, x.stride, w, in, sums);
     for (int r = 0; r < kRows; ++r) {
@@ -161,10 +165,11 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
   const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
   if (count > kStreamRows) {
     at::parallel_for(0, (out_features + kBlockRows - 1) / kBlockRows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t block = begin; block < end; ++block)
-        block_rows<scalar_t>(q, count, weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                             weight_sums.data_ptr<int32_t>(), b, out.data_ptr<scalar_t>(), in, out_features,
-                             block * kBlockRows);
+      for (int64_t first = 0; first < count; first += kTileRows)
+        for (int64_t block = begin; block < end; ++block)
+          block_rows<scalar_t>(q, first, std::min(kTileRows, count - first), weight.data_ptr<int8_t>(),
+                               scales.data_ptr<float>(), weight_sums.data_ptr<int32_t>(), b, out.data_ptr<scalar_t>(),
+                               in, out_features, block * kBlockRows);
     });
     return;
   }
