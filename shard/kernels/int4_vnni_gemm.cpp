@@ -35,7 +35,7 @@ constexpr int64_t kGroup = 32;
 #ifdef CONVEYOR_VNNI
 
 constexpr int64_t kChunk = 128, kChunkBytes = 64, kLanes = 16;
-constexpr int64_t kTileRows = 64;
+constexpr int64_t kStreamRows = 4, kTileRows = 64;  // as int8_vnni_gemm.cpp
 
 // x's rows for the int4 kernel: signed bytes in the packed weights' order, and each lane's 8 * sum, negated.
 struct ArrangedRows {
@@ -72,35 +72,72 @@ ArrangedRows arrange_rows(const at::Tensor& x) {
   return a;
 }
 
-// sums[r] = x row r . dequant(weight row) (before x's scale), for kRows rows of x.
-template <int kRows>
-inline void dot_row(const ArrangedRows& x, int64_t m, const uint8_t* packed, const c10::Half* scales, int64_t in,
-                    float sums[kRows]) {
+// sums[r][j] = x row m + r . dequant(weight row j) (before x's scale), for kRows rows of x and kWeights weight
+// rows side by side: one weight row streams (few rows of x), four share each vector of x loaded (many rows).
+template <int kRows, int kWeights>
+inline void dot_rows(const ArrangedRows& x, int64_t m, const uint8_t* const packed[kWeights],
+                     const c10::Half* const scales[kWeights], int64_t in, float sums[kRows][kWeights]) {
   const int64_t bytes = in / 2, groups = in / kGroup;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[kRows][kWeights];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kWeights; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t stride = x.chunks * kChunk;
   for (int64_t c = 0; c < x.chunks; ++c) {
     const int64_t left = bytes - c * kChunkBytes, groups_left = groups - c * 4;
     const __mmask64 mask = left >= kChunkBytes ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
     const __mmask8 scale_mask = groups_left >= 4 ? 0x0F : static_cast<__mmask8>((1u << groups_left) - 1);
-    const __m512i w = _mm512_maskz_loadu_epi8(mask, packed + c * kChunkBytes);
-    const __m512i low = _mm512_and_si512(w, nibble), high = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-    const __m128 s4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(scale_mask, scales + c * 4));
-    const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    __m512i low[kWeights], high[kWeights];
+    __m512 s[kWeights];
+    for (int j = 0; j < kWeights; ++j) {
+      const __m512i w = _mm512_maskz_loadu_epi8(mask, packed[j] + c * kChunkBytes);
+      low[j] = _mm512_and_si512(w, nibble);
+      high[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      const __m128 s4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(scale_mask, scales[j] + c * 4));
+      s[j] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    }
     for (int r = 0; r < kRows; ++r) {
       const int8_t* xr = x.values.data() + (m + r) * stride + c * kChunk;
-      __m512i lanes = _mm512_loadu_si512(x.offsets.data() + ((m + r) * x.chunks + c) * kLanes);
-      lanes = _mm512_dpbusd_epi32(lanes, low, _mm512_loadu_si512(xr));
-      lanes = _mm512_dpbusd_epi32(lanes, high, _mm512_loadu_si512(xr + kChunkBytes));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), s, acc[r]);
+      const __m512i offset = _mm512_loadu_si512(x.offsets.data() + ((m + r) * x.chunks + c) * kLanes);
+      const __m512i x_low = _mm512_loadu_si512(xr), x_high = _mm512_loadu_si512(xr + kChunkBytes);
+      for (int j = 0; j < kWeights; ++j) {
+        const __m512i lanes = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(offset, low[j], x_low), high[j], x_high);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), s[j], acc[r][j]);
+      }
     }
   }
-  for (int r = 0; r < kRows; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kWeights; ++j) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
+// out[m, o..o+kWeights) for x's rows m in [first, first + count); weight rows past the end repeat the last one.
+template <int kWeights, typename scalar_t>
+void weight_rows(const ArrangedRows& x, int64_t first, int64_t count, const uint8_t* weight, const c10::Half* scales,
+                 const scalar_t* bias, scalar_t* out, int64_t in, int64_t out_features, int64_t o) {
+  const int rows = static_cast<int>(std::min<int64_t>(kWeights, out_features - o));
+  const uint8_t* packed[kWeights];
+  const c10::Half* row_scales[kWeights];
+  float b[kWeights];
+  for (int j = 0; j < kWeights; ++j) {
+    const int64_t row = o + std::min(j, rows - 1);
+    packed[j] = weight + row * (in / 2);
+    row_scales[j] = scales + row * (in / kGroup);
+    b[j] = bias ? conveyor::widen(bias[row]) : 0.f;
+  }
+  conveyor::for_row_chunks(count, [&](auto chunk, int64_t chunk_start) {
+    constexpr int kRows = decltype(chunk)::value;
+    const int64_t m = first + chunk_start;
+    float sums[kRows][kWeights];
+    dot_rows<kRows, kWeights>(x, m, packed, row_scales, in, sums);
+    for (int r = 0; r < kRows; ++r)
+      for (int j = 0; j < rows; ++j)
+        out[(m + r) * out_features + o + j] = static_cast<scalar_t>(sums[r][j] * x.scales[m + r] + b[j]);
+  });
+}
+
+// Up to kStreamRows rows of x, each weight row streams on its own; more go four weight rows at a time, over tiles
+// of x that stay in cache while every weight row passes.
 template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
          const c10::optional<at::Tensor>& bias, at::Tensor& out) {
@@ -110,18 +147,16 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   const c10::Half* s = scales.data_ptr<c10::Half>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < count; first += kTileRows) {  // a tile of x stays in cache for every row
-      for (int64_t row = begin; row < end; ++row) {
-        const float bias_value = b ? conveyor::widen(b[row]) : 0.f;
-        conveyor::for_row_chunks(std::min(kTileRows, count - first), [&](auto chunk, int64_t chunk_start) {
-          constexpr int kRows = decltype(chunk)::value;
-          const int64_t m = first + chunk_start;
-          float sums[kRows];
-          dot_row<kRows>(a, m, packed + row * (in / 2), s + row * (in / kGroup), in, sums);
-          for (int r = 0; r < kRows; ++r)
-            o[(m + r) * out_features + row] = static_cast<scalar_t>(sums[r] * a.scales[m + r] + bias_value);
-        });
+  const int weights = count > kStreamRows ? 4 : 1;
+  const int64_t blocks = (out_features + weights - 1) / weights;
+  at::parallel_for(0, blocks, 16 / weights, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < count; first += kTileRows) {
+      const int64_t tile = std::min(kTileRows, count - first);
+      for (int64_t block = begin; block < end; ++block) {
+        if (weights == 4)
+          weight_rows<4>(a, first, tile, packed, s, b, o, in, out_features, block * 4);
+        else
+          weight_rows<1>(a, first, tile, packed, s, b, o, in, out_features, block);
       }
     }
   });
