@@ -10,6 +10,7 @@ import torch
 from conveyor.shard.kernels import build as kernels
 from conveyor.shard.layers.attention import AttentionGroup, AttentionMetadata, decode_kernel
 from conveyor.shard.layers.gemm import Gemm
+from conveyor.shard.layers.norm import RMSNorm
 
 from conveyor import cpu
 
@@ -33,6 +34,7 @@ def test_no_compiler_means_the_torch_path(fresh, monkeypatch: pytest.MonkeyPatch
     assert isinstance(meta.groups[0], AttentionGroup)
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
     assert Gemm(torch.randn(8, 4)).plain is None  # one or two rows take oneDNN too
+    assert RMSNorm(torch.ones(8), 1e-6).kernel is False
 
 
 def test_insisting_on_the_kernel_fails_where_it_cannot_build(fresh, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,8 +120,8 @@ def test_the_integer_kernels_are_the_product_of_quantized_rows(
     vnni, kind: str, size: int, dtype: torch.dtype, rows: int
 ) -> None:
     """Every row count (int8: up to four rows stream each weight row, more go four weight rows at a time, and 37
-    weight rows leave a last block of one; 70 rows cross a tile of 64). The int8 sums are exact integers and int4's exact per group, so what
-    is left is float32 accumulation and the output's rounding to its dtype."""
+    weight rows leave a last block of one; 70 rows cross a tile of 64). The int8 sums are exact integers and int4's
+    exact per group, so what is left is float32 accumulation and the output's rounding to its dtype."""
     fmt, _, kernel = INTEGER_KERNELS[kind]
     generator = torch.Generator().manual_seed(rows * size)
     q = fmt.quantize(torch.randn(37, size, generator=generator))

@@ -32,6 +32,7 @@ SOURCES = [
         "int8_vnni_gemm.cpp",
         "int4_gemm.cpp",
         "int4_vnni_gemm.cpp",
+        "rms_norm.cpp",
     )
 ]
 HEADERS = [
@@ -45,11 +46,18 @@ class KernelUnavailable(RuntimeError):
 
 
 def backend() -> str:
-    """`CONVEYOR_ATTENTION`: auto (the kernel where it builds), kernel (insist), or torch (the reference path)."""
+    """`CONVEYOR_ATTENTION`: auto (the kernels where they build), kernel (insist), or torch (the reference path for
+    the decode attention and the norms)."""
     chosen = os.environ.get("CONVEYOR_ATTENTION", "auto")
     if chosen not in BACKENDS:
         raise ValueError(f"CONVEYOR_ATTENTION must be one of {BACKENDS}, not {chosen!r}")
     return chosen
+
+
+def serves(device: torch.device) -> bool:
+    """Whether the kernels that stand in for torch's eager ops in the forward (decode attention, RMSNorm) run on
+    `device`: CPU, where they build and CONVEYOR_ATTENTION does not say torch."""
+    return device.type == "cpu" and backend() != "torch" and load()
 
 
 def build_folder() -> Path:

@@ -93,7 +93,7 @@ class DecodeGroup:
 
 def decode_kernel(device: torch.device) -> bool:
     """Whether decode rows on `device` take the paged kernel (CPU, where it built and is not switched off)."""
-    return device.type == "cpu" and kernels.backend() != "torch" and kernels.load()
+    return kernels.serves(device)
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """RMSNorm, computed in float32 whatever the model's dtype, as Llama-family checkpoints were trained; and Gemma's,
-which scales by (1 + w) and rounds once, after the scaling."""
+which scales by (1 + w) and rounds once, after the scaling. On CPU both run as one C++ kernel where the kernels
+serve (`shard/kernels/rms_norm.cpp`; AMD EPYC Zen 4, one row of 768: 16.7 -> 2.8 us, 25 of them a decode step of
+the demo model), and the torch code below stays the reference path and the GPU's."""
 
 from __future__ import annotations
 
 import torch
+from conveyor.shard.kernels import build as kernels
 
 
 class RMSNorm(torch.nn.Module):
@@ -11,8 +14,11 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.weight = weight
         self.eps = eps
+        self.kernel = kernels.serves(weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and x.dtype == self.weight.dtype:
+            return torch.ops.conveyor.rms_norm(x.contiguous(), self.weight, self.eps, False)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -24,8 +30,11 @@ class GemmaRMSNorm(torch.nn.Module):
         super().__init__()
         self.scale = 1.0 + weight.float()  # Gemma stores w with the 1 taken out
         self.eps = eps
+        self.kernel = kernels.serves(weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return torch.ops.conveyor.rms_norm(x.contiguous(), self.scale, self.eps, True)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.scale).to(x.dtype)

@@ -1,0 +1,72 @@
+// RMSNorm over the last dimension, in float whatever x's dtype, in one pass per row instead of torch's seven ops
+// (pow, mean, add, rsqrt, mul, the cast back, the weight's mul), each a dispatch and an allocation: at batch 1 a
+// decode step runs 25 norms on the demo model, ~17 us each through torch against ~2 here.
+//
+// Two roundings, as the checkpoints' own code does them: Llama's family rounds the normalised x to x's dtype and
+// then multiplies by the weight in that dtype (`w * normed.to(dtype)`); Gemma's multiplies by (1 + w) in float and
+// rounds once (`scale` is then 1 + w, as float32).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "float_types.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename scalar_t, typename weight_t>
+void rows(const scalar_t* x, const weight_t* weight, scalar_t* out, int64_t size, double eps, bool gemma,
+          int64_t begin, int64_t end) {
+  for (int64_t m = begin; m < end; ++m) {
+    const scalar_t* row = x + m * size;
+    scalar_t* to = out + m * size;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t k = 0; k < size; ++k) squares += conveyor::widen(row[k]) * conveyor::widen(row[k]);
+    const float r = 1.f / std::sqrt(squares / static_cast<float>(size) + static_cast<float>(eps));
+    if (gemma) {
+#pragma omp simd
+      for (int64_t k = 0; k < size; ++k)
+        to[k] = static_cast<scalar_t>(conveyor::widen(row[k]) * r * conveyor::widen(weight[k]));
+    } else {
+#pragma omp simd
+      for (int64_t k = 0; k < size; ++k) {
+        const float normed = conveyor::widen(static_cast<scalar_t>(conveyor::widen(row[k]) * r));
+        to[k] = static_cast<scalar_t>(conveyor::widen(weight[k]) * normed);
+      }
+    }
+  }
+}
+
+// x [..., size] contiguous (float32, bf16 or fp16); weight [size] in x's dtype, or float32 (1 + w) for Gemma.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm runs on CPU");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "weight [size] for x [..., size]");
+  TORCH_CHECK(gemma ? weight.scalar_type() == at::kFloat : weight.scalar_type() == x.scalar_type(),
+              "weight in x's dtype (Gemma: float32 1 + w)");
+  auto out = at::empty_like(x);
+  const int64_t size = x.size(-1), count = size ? x.numel() / size : 0;
+  conveyor::for_float_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* values = x.data_ptr<scalar_t>();
+    scalar_t* to = out.data_ptr<scalar_t>();
+    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+      if (gemma)
+        rows(values, weight.data_ptr<float>(), to, size, eps, true, begin, end);
+      else
+        rows(values, weight.data_ptr<scalar_t>(), to, size, eps, false, begin, end);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+}
