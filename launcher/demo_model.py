@@ -108,7 +108,7 @@ def _template_into_tokenizer_config(out_dir: Path) -> None:
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3-multimodal")
 PHI3_ORIGINAL_CONTEXT = 100  # tokens: LongRoPE's switch, between the test prompts' lengths
 MISTRAL_WINDOW = 16  # tokens: shorter than the test prompts with their generations, so the window really slides
 
@@ -126,6 +126,8 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
         return _phi3(config_fields)
     if arch in ("gemma2", "gemma3"):
         return _gemma(arch, config_fields)
+    if arch == "gemma3-multimodal":
+        return _gemma3_multimodal(config_fields)
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -177,6 +179,30 @@ def _gemma(arch: str, config_fields: dict):
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.normal_(0.0, 0.3)
+    return model
+
+
+def _gemma3_multimodal(config_fields: dict):
+    """Gemma 3 as its 4B and larger checkpoints ship: the text network of `_gemma("gemma3")` inside the
+    image-text wrapper (`model_type` gemma3, text weights under `language_model.`), with a one-layer vision tower
+    that text requests never run. The image tokens take the vocabulary's last ids."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = _gemma("gemma3", config_fields)
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    last = config_fields["vocab_size"] - 1
+    wrapper = Gemma3Config(
+        text_config=text.config.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=last,
+        boi_token_index=last - 2,
+        eoi_token_index=last - 1,
+    )
+    model = Gemma3ForConditionalGeneration(wrapper)
+    model.model.language_model.load_state_dict(text.model.state_dict())
     return model
 
 

@@ -21,7 +21,7 @@ from conveyor.shard.generations import Generations
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits
 from conveyor.shard.masks import Masks
-from conveyor.shard.models import model_for
+from conveyor.shard.models import language_config, model_for, weight_names
 from conveyor.shard.requests import BadRequest, RequestState
 from conveyor.shard.sampling import Sampler
 from conveyor.shard.weights import Weights
@@ -49,7 +49,8 @@ class Engine:
         self.device = device
         self.group = group
         self.block_size = BLOCK_SIZE
-        self.config = AutoConfig.from_pretrained(model_dir)
+        checkpoint_config = AutoConfig.from_pretrained(model_dir)
+        self.config = language_config(checkpoint_config)
         self.dtype_name = _resolve_dtype(dtype, self.config, device)
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
         log.info("dtype", extra={"asked": dtype, "dtype": self.dtype_name})
@@ -60,7 +61,7 @@ class Engine:
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.masks = Masks(self.eos_token_ids)
         self._mask_ns = 0  # this step's
-        weights = Weights(model_dir, group, self.dtype, device)
+        weights = Weights(model_dir, group, self.dtype, device, weight_names(checkpoint_config))
         weights.plain_copies = device.type == "cpu" and plain_copy_fits(weights.nbytes(), _available(device))
         weights.quantize = self.quantize = quantize
         self.model = model_for(self.config, weights).eval()

@@ -20,7 +20,7 @@ from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Engine
 from conveyor.shard.layers.quantize import QuantizationUnavailable
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
-from conveyor.shard.models import MODEL_TYPES
+from conveyor.shard.models import MODEL_TYPES, language_config
 from conveyor.shard.server import serve
 from conveyor.shard.torch_thread import TorchThread
 
@@ -42,6 +42,7 @@ def check_supported(model_dir: str) -> None:
         raise SystemExit(
             f"model type {config.model_type!r} is not supported (supported: {', '.join(sorted(MODEL_TYPES))})"
         )
+    config = language_config(config)
     try:
         frequencies(config, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     except UnsupportedRope as exc:

@@ -16,11 +16,25 @@ class WeightError(ValueError):
 
 
 class Weights:
-    def __init__(self, model_dir: str | Path, group: ProcessGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        group: ProcessGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        renames: dict[str, str] | None = None,
+    ) -> None:
+        """`renames`: checkpoint name prefixes to the names the model asks for (a multimodal wrapper's text
+        weights); tensors under no such prefix are left out. None: every tensor under its own name."""
         self.group = group
         self.dtype = dtype
         self.device = device
-        self._files = {name: Path(model_dir) / file for name, file in _weight_map(Path(model_dir)).items()}
+        self._files: dict[str, Path] = {}
+        self._names: dict[str, str] = {}  # the model's name to the checkpoint's
+        for stored, file in _weight_map(Path(model_dir)).items():
+            name = _renamed(stored, renames)
+            if name is not None:
+                self._files[name], self._names[name] = Path(model_dir) / file, stored
         self._handles: dict[Path, object] = {}
         # Whether a layer whose weight is packed for oneDNN may keep a plain copy for the small-rows kernel
         # (`layers/gemm.py`): the engine decides it for the whole model, from `nbytes` and the memory there is.
@@ -38,6 +52,9 @@ class Weights:
             self._handles[path] = safe_open(path, framework="pt", device="cpu")
         return self._handles[path]
 
+    def _slice(self, name: str):
+        return self._handle(name).get_slice(self._names[name])
+
     def _finish(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(dtype=self.dtype, device=self.device).contiguous()
 
@@ -46,17 +63,17 @@ class Weights:
         checkpoint's headers alone."""
         count = 0
         for name in self._files:
-            shape = self._handle(name).get_slice(name).get_shape()
+            shape = self._slice(name).get_shape()
             count += math.prod(shape)
         return count * self.dtype.itemsize // self.group.world_size
 
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor (norms, biases of row-parallel layers): every rank holds it."""
-        return self._finish(self._handle(name).get_tensor(name))
+        return self._finish(self._handle(name).get_tensor(self._names[name]))
 
     def get_sharded(self, name: str, dim: int) -> torch.Tensor:
         """This rank's equal part of `name` along `dim`, read without loading the rest."""
-        piece = self._handle(name).get_slice(name)
+        piece = self._slice(name)
         size = piece.get_shape()[dim]
         if size % self.group.world_size:
             raise WeightError(f"{name}: dimension {dim} of size {size} does not split into {self.group.world_size}")
@@ -68,7 +85,7 @@ class Weights:
     def get_sharded_parts(self, name: str, sizes: list[int]) -> torch.Tensor:
         """This rank's part of each of the row blocks `sizes` that `name` stacks (a fused projection such as
         Phi-3's qkv_proj: [q rows | k rows | v rows]), joined in order: the layout a rank's fused layer has."""
-        piece = self._handle(name).get_slice(name)
+        piece = self._slice(name)
         parts, start = [], 0
         for size in sizes:
             if size % self.group.world_size:
@@ -80,6 +97,15 @@ class Weights:
         if start != piece.get_shape()[0]:
             raise WeightError(f"{name}: {piece.get_shape()[0]} rows, not the {start} its parts add up to")
         return self._finish(torch.cat(parts))
+
+
+def _renamed(stored: str, renames: dict[str, str] | None) -> str | None:
+    if renames is None:
+        return stored
+    for prefix, to in renames.items():
+        if stored.startswith(prefix):
+            return to + stored[len(prefix) :]
+    return None
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:

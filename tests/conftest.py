@@ -168,6 +168,13 @@ def gemma3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_multimodal_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same text network inside Gemma 3's image-text wrapper (`model_type` gemma3, a vision tower beside it),
+    as Gemma 3 4B and larger ship."""
+    return demo_model.ensure(tmp_path_factory.mktemp("models") / "gemma3mm", "tiny", seed=3, arch="gemma3-multimodal")
+
+
+@pytest.fixture(scope="session")
 def gemma2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma-2-like model: Gemma 3's layout without q/k norms, one rope, soft-capped scores and logits."""
     return demo_model.ensure(tmp_path_factory.mktemp("models") / "gemma2", "tiny", seed=3, arch="gemma2")

@@ -35,6 +35,7 @@ DEPLOYMENTS = {
     "phi3-longrope": ("phi3_model", []),
     "phi3-2-shards": ("phi3_model", ["--num-shard", "2"]),
     "gemma3-windows": ("gemma3_model", []),
+    "gemma3-multimodal-checkpoint": ("gemma3_multimodal_model", []),
     "gemma3-2-shards": ("gemma3_model", ["--num-shard", "2"]),
     "gemma2-softcap": ("gemma2_model", []),
     "gemma2-2-shards": ("gemma2_model", ["--num-shard", "2"]),
