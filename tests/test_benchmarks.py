@@ -358,3 +358,13 @@ def test_llamacpp_is_skipped_with_the_reason_where_its_venv_is_missing(
 
     monkeypatch.setenv("CONVEYOR_LLAMACPP_PYTHON", str(tmp_path / "bin" / "python"))
     assert "make bench" in deploy.llamacpp_problem()
+
+
+def test_the_validation_benchmark_runs_its_whole_corpus(tiny_model: Path) -> None:
+    """Every body of the fixed corpus is a valid request (a refused one would end the run) and gets a row."""
+    from conveyor.benchmarks import validation as front
+
+    medians = front.measure(tiny_model, repeat=2)
+    assert set(medians) == set(front.CORPUS)
+    printed = front.table(medians)
+    assert all(name in printed for name in front.CORPUS) and "mean of medians" in printed
