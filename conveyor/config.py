@@ -46,9 +46,8 @@ class Config:
     )
     quantize: str | None = flag(
         None,
-        "quantization at load: int8 (a scale per output row; with AVX-512 VNNI each layer's input is rounded to "
-        "int8 too, per row) or int4 (weight-only, a float16 scale per 32 inputs; the embedding in int8); CPU, needs "
-        "the C++ kernels",
+        "quantization at load: int8 (a scale per output row) or int4 (a float16 scale per 32 inputs; the embedding "
+        "in int8); with AVX-512 VNNI each layer's input is rounded to int8 too, per row; CPU, needs the C++ kernels",
         choices=QUANTIZATIONS,
     )
     device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)

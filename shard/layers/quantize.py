@@ -1,14 +1,15 @@
-"""Weight-only quantization at load (`--quantize int8|int4`): what the linear layers keep instead of float weights.
+"""Quantization at load (`--quantize int8|int4`): what the linear layers keep instead of float weights.
 
 Symmetric, one float32 scale per output channel (row of the [out, in] weight): q = round(w / s), s = max|w| / 127.
 On a tensor-parallel rank the rows and columns it holds are quantized on their own: a row-parallel slice has its
 own per-row scales over its part of the inputs, which is as exact as quantizing the whole row and needs no
-communication. The model's bytes per weight drop to one (plus 4 bytes per row), a quarter of float32's. On a CPU
-with AVX-512 VNNI each layer's input is rounded to int8 as well, a scale per row, and the products are integer
-(`shard/kernels/int8_vnni_gemm.cpp`, as llama.cpp's q8_0 does); elsewhere the kernel (`int8_gemm.cpp`) widens
-each weight row back to float as it reads it, so activations and sums stay in the model's dtype. int4 is
-weight-only. The embedding table is int8 under either quantization (a lookup widens only the rows it reads);
-norms stay in the model's dtype, being small.
+communication. The model's bytes per weight drop to one (plus 4 bytes per row), a quarter of float32's; int4's
+to half a byte plus a float16 scale per 32. On a CPU with AVX-512 VNNI each layer's input is rounded to int8 as
+well, a scale per row, and the products are integer (`shard/kernels/int8_vnni_gemm.cpp`, `int4_vnni_gemm.cpp`, as
+llama.cpp's q8_0 and q4_0 do); elsewhere the kernels (`int8_gemm.cpp`, `int4_gemm.cpp`) widen each weight back to
+float as they read it, so activations and sums stay in the model's dtype (`layers/gemm.py` chooses). The embedding
+table is int8 under either quantization (a lookup widens only the rows it reads); norms stay in the model's
+dtype, being small.
 """
 
 from __future__ import annotations
