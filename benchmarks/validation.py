@@ -8,14 +8,16 @@ tokenizing), in-process, with no server and no model.
 The corpus (`CORPUS`) is what stays fixed when the front door's code changes, so that a before and an after are
 the same work; `front_door` is the one place that follows the code (which call turns which body into requests).
 Each body is run once untimed (a grammar compiles once and is cached after; the first chat template renders
-slower), then --repeat times, in rounds over the whole corpus so that a slow spell of the machine weighs on every
-row alike; the table gives each body's median and the corpus' mean of medians, in microseconds.
+slower), then --repeat times, in rounds over the whole corpus in a shuffled order (seeded), so that a slow spell
+of the machine, or what ran just before, weighs on every row alike; the table gives each body's median and the
+corpus' mean of medians, in microseconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -142,10 +144,13 @@ def measure(model_dir: Path, repeat: int) -> dict[str, float]:
     for route, raw in raws.values():
         call(route, raw)  # untimed: compiles each grammar once, renders each template once
     times: dict[str, list[float]] = {name: [] for name in raws}
+    order, shuffle = list(raws), random.Random(0).shuffle
     for round_ in range(repeat):
         if round_ % max(1, repeat // 4) == 0:
             note(f"round {round_ + 1}/{repeat}")
-        for name, (route, raw) in raws.items():
+        shuffle(order)  # a body's place in the round (what ran before it) moved its time by up to 30%
+        for name in order:
+            route, raw = raws[name]
             start = time.perf_counter_ns()
             call(route, raw)
             times[name].append((time.perf_counter_ns() - start) / 1000)
