@@ -31,6 +31,19 @@ std::vector<float> widened(const at::Tensor& x) {
   return out;
 }
 
+// A GEMM's optional bias: [out_features], contiguous, in the inputs' `dtype` (refused otherwise).
+inline void check_bias(const c10::optional<at::Tensor>& bias, int64_t out_features, at::ScalarType dtype) {
+  if (!bias || !bias->defined()) return;
+  TORCH_CHECK(bias->is_contiguous() && bias->numel() == out_features, "bias [out]");
+  TORCH_CHECK(bias->scalar_type() == dtype, "bias shares the inputs' dtype");
+}
+
+// The bias's values, or nullptr for none.
+template <typename scalar_t>
+const scalar_t* bias_data(const c10::optional<at::Tensor>& bias) {
+  return bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
+}
+
 // Calls `kernel(scalar_t{})` with scalar_t the C++ type of `dtype` (float32, bfloat16 or float16); any other
 // dtype is the caller's error, named after `op`.
 template <typename Kernel>

@@ -72,7 +72,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
          at::Tensor& out) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   const std::vector<float> xf = conveyor::widened<scalar_t>(x);
-  const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
   const auto* w = weight.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const c10::Half*>(scales.data_ptr());
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
@@ -90,10 +90,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == weight.size(0) * (x.size(1) / kGroup),
               "float16 scales [out, in / 32]");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous(), "contiguous inputs");
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0), "bias [out]");
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias shares x's dtype");
-  }
+  conveyor::check_bias(bias, weight.size(0), x.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
   conveyor::for_float_dtype(x.scalar_type(), "int4_gemm",
                             [&](auto tag) { run<decltype(tag)>(x, weight, scales, bias, out); });

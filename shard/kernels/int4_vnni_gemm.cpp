@@ -8,7 +8,7 @@
 // out as 8 * (x's sum over the lane's bytes), computed once per call and subtracted by starting each lane from it;
 // the lanes, as floats, take their group's scale in one multiply-add.
 //
-// Compiled where the CPU has AVX-512 VNNI, BW and VL (as int8_vnni_gemm.cpp); elsewhere the op exists but refuses,
+// Compiled where quantized_rows.h says (AVX-512 VNNI, BW and VL); elsewhere the op exists but refuses,
 // `int8_vnni_available` says no, and int4_gemm.cpp serves.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,12 +21,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define CONVEYOR_VNNI 1
-#endif
 
 namespace {
 
@@ -35,7 +31,8 @@ constexpr int64_t kGroup = 32;
 #ifdef CONVEYOR_VNNI
 
 constexpr int64_t kChunk = 128, kChunkBytes = 64, kLanes = 16;
-constexpr int64_t kStreamRows = 4, kTileRows = 64;  // as int8_vnni_gemm.cpp
+using conveyor::kStreamRows;
+using conveyor::kTileRows;
 
 // x's rows for the int4 kernel: signed bytes in the packed weights' order, and each lane's 8 * sum, negated.
 struct ArrangedRows {
@@ -47,13 +44,13 @@ struct ArrangedRows {
 
 template <typename scalar_t>
 ArrangedRows arrange_rows(const at::Tensor& x) {
-  const conveyor::QuantizedRows q = conveyor::quantize_rows<scalar_t>(x, kChunk);
+  conveyor::QuantizedRows q = conveyor::quantize_rows<scalar_t>(x, kChunk);
   const int64_t count = x.size(0);
   ArrangedRows a;
   a.chunks = q.stride / kChunk;
   a.values.resize(count * q.stride);
   a.offsets.assign(count * a.chunks * kLanes, 0);
-  a.scales = q.scales;
+  a.scales = std::move(q.scales);
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const uint8_t* from = q.values.data() + m * q.stride;
@@ -143,7 +140,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
          const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   const ArrangedRows a = arrange_rows<scalar_t>(x);
-  const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   const c10::Half* s = scales.data_ptr<c10::Half>();
   scalar_t* o = out.data_ptr<scalar_t>();
@@ -176,9 +173,7 @@ at::Tensor int4_vnni_gemm(const at::Tensor& x, const at::Tensor& weight, const a
   TORCH_CHECK(weight.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf, "uint8 packed, float16 scales");
   TORCH_CHECK(scales.size(0) == weight.size(0) && scales.size(1) == x.size(1) / kGroup, "scales [out, in / 32]");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous(), "contiguous inputs");
-  if (bias && bias->defined())
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0) && bias->scalar_type() == x.scalar_type(),
-                "bias [out] in x's dtype");
+  conveyor::check_bias(bias, weight.size(0), x.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
 #ifdef CONVEYOR_VNNI
   conveyor::for_float_dtype(x.scalar_type(), "int4_vnni_gemm",

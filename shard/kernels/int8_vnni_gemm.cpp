@@ -13,8 +13,8 @@
 // and four weight rows side by side let each vector loaded serve four products (32 rows: 2.0 -> 1.5 ms), over
 // tiles of x's rows that stay in cache while every weight row passes (a prompt's thousands of rows would not).
 //
-// Compiled where the CPU has AVX-512 VNNI, BW and VL (-march=native decides); elsewhere the op exists, says so
-// through `int8_vnni_available`, and the widening kernel serves instead.
+// Compiled where quantized_rows.h says (AVX-512 VNNI, BW and VL); elsewhere the op exists, says so through
+// `int8_vnni_available`, and the widening kernel serves instead.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,20 +29,15 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define CONVEYOR_VNNI 1
-#endif
-
 namespace {
 
+using conveyor::kStreamRows;
+using conveyor::kTileRows;
 using conveyor::QuantizedRows;
 using conveyor::quantize_rows;
 
 constexpr int64_t kBytes = 64;  // one 512-bit register
 constexpr int64_t kMaxIn = 66000;
-constexpr int64_t kStreamRows = 4;
-constexpr int64_t kTileRows = 64;  // x's rows at a time past kStreamRows: a tile stays in cache for every weight row
 
 #ifdef CONVEYOR_VNNI
 
@@ -162,7 +157,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
          const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   const QuantizedRows q = quantize_rows<scalar_t>(x, kBytes);
-  const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
   if (count > kStreamRows) {
     at::parallel_for(0, (out_features + kBlockRows - 1) / kBlockRows, 4, [&](int64_t begin, int64_t end) {
       for (int64_t first = 0; first < count; first += kTileRows)
@@ -202,10 +197,7 @@ at::Tensor int8_vnni_gemm(const at::Tensor& x, const at::Tensor& weight, const a
   TORCH_CHECK(weight_sums.scalar_type() == at::kInt && weight_sums.numel() == weight.size(0), "int32 sums [out]");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous() && weight_sums.is_contiguous(),
               "contiguous inputs");
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0), "bias [out]");
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias shares x's dtype");
-  }
+  conveyor::check_bias(bias, weight.size(0), x.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
 #ifdef CONVEYOR_VNNI
   conveyor::for_float_dtype(x.scalar_type(), "int8_vnni_gemm",

@@ -11,7 +11,19 @@
 
 #include "float_types.h"
 
+// Where the integer kernels are compiled (-march=native decides): AVX-512 VNNI for vpdpbusd, BW and VL for the byte
+// and half-width masked loads. Elsewhere their ops exist but refuse, and `int8_vnni_available` says no.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define CONVEYOR_VNNI 1
+#endif
+
 namespace conveyor {
+
+// Up to kStreamRows rows of x, the integer kernels read each weight row as one stream (a decode step with few
+// sequences is reading the weights); more go several weight rows side by side, over tiles of kTileRows rows of x
+// that stay in cache while every weight row passes.
+constexpr int64_t kStreamRows = 4, kTileRows = 64;
 
 // x's rows as uint8 (q + 128), each padded with zeros (128) to a multiple of `pad` bytes, with a scale a row.
 struct QuantizedRows {

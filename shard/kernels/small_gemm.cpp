@@ -44,7 +44,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   const std::vector<float> xf = conveyor::widened<scalar_t>(x);
   const scalar_t* w = weight.data_ptr<scalar_t>();
-  const scalar_t* b = bias && bias->defined() ? bias->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
   scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     rows<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
@@ -58,10 +58,7 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "small_gemm takes 1 to 4 rows, not ", x.size(0));
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight share a dtype");
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0), "bias [out]");
-    TORCH_CHECK(bias->scalar_type() == weight.scalar_type(), "bias shares the weight's dtype");
-  }
+  conveyor::check_bias(bias, weight.size(0), weight.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
   conveyor::for_float_dtype(x.scalar_type(), "small_gemm", [&](auto tag) { run<decltype(tag)>(x, weight, bias, out); });
   return out;

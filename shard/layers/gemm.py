@@ -76,9 +76,9 @@ def small_rows_kernel(weight: torch.Tensor) -> bool:
 def vnni() -> bool:
     """Whether quantized layers round their input to int8 per row and take the integer kernels (AVX-512 VNNI built
     in), rather than widening the weights to x's dtype (`int8_gemm`, `int4_gemm`). Measured on the demo small
-    model's layers, AMD EPYC Zen 4, float32 rows: int8 1 row 0.37 -> 0.15 ms, 32 rows 5.9 -> 1.6 ms, 256 rows 49 ->
-    12 ms (oneDNN's float32 kernels take 0.25, 1.9 and 14.7, its bfloat16 ones 0.18, 1.0 and 7.3); int4, every
-    linear layer and the head, 1 row 7.9 -> 2.2 ms, 32 rows 132 -> 33 ms."""
+    model's four layer shapes, AMD EPYC Zen 4, float32 rows: int8 1 row 0.37 -> 0.07 ms, 32 rows 5.9 -> 1.0 ms,
+    2048 rows 105 -> 67 ms (oneDNN's float32 kernels take 0.25, 2.2 and 125, its bfloat16 ones 0.18, 1.1 and 63);
+    int4 at 32 rows 1.3 ms, 2048 rows 89 ms; int4, every linear layer and the head at 1 row, 7.9 -> 2.2 ms."""
     from conveyor.shard.kernels import build
 
     return build.load() and torch.ops.conveyor.int8_vnni_available()
