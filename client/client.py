@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from conveyor.v1 import generate_pb2 as pb
@@ -134,53 +135,34 @@ def _request(
     *,
     do_sample: bool = False,
     max_new_tokens: int = 20,
-    repetition_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    return_full_text: bool = False,
-    seed: int | None = None,
     stop_sequences: list[str] | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    truncate: int | None = None,
-    typical_p: float | None = None,
-    ignore_eos: bool | None = None,
-    decoder_input_details: bool = False,
-    top_n_tokens: int | None = None,
     details: bool = True,
+    top_n_tokens: int | None = None,
     json_schema: dict | str | None = None,
     json_object: bool = False,
     regex: str | None = None,
     choice: list[str] | None = None,
     grammar: str | None = None,
+    **parameters: Any,
 ) -> pb.GenerateRequest:
     """`text-generation`'s parameters (and defaults: 20 new tokens, greedy, details on), plus at most one
-    structured-output constraint: a JSON schema, any JSON object, a regex, a choice, or a Lark grammar."""
-    optional = dict(
-        repetition_penalty=repetition_penalty,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-        seed=seed,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        truncate=truncate,
-        typical_p=typical_p,
-        ignore_eos=ignore_eos,
-    )
-    parameters = pb.Parameters(
+    structured-output constraint: a JSON schema, any JSON object, a regex, a choice, or a Lark grammar. Any other
+    field of the proto's `Parameters` (temperature, top_k, top_p, typical_p, min_p, seed, repetition_penalty,
+    frequency_penalty, presence_penalty, truncate, ignore_eos, return_full_text, decoder_input_details...) goes
+    by its name; None leaves it unset, and a name the proto does not have is a TypeError."""
+    unknown = sorted(set(parameters) - set(pb.Parameters.DESCRIPTOR.fields_by_name))
+    if unknown:
+        raise TypeError(f"unknown parameter `{unknown[0]}`")
+    fields = pb.Parameters(
         do_sample=do_sample,
         max_new_tokens=max_new_tokens,
         stop=stop_sequences or [],
         details=details,
-        decoder_input_details=decoder_input_details,
-        return_full_text=return_full_text,
         top_n_tokens=top_n_tokens or 0,
         constraint=_constraint(json_schema, json_object, regex, choice, grammar),
-        **{k: v for k, v in optional.items() if v is not None},
+        **{k: v for k, v in parameters.items() if v is not None},
     )
-    return pb.GenerateRequest(inputs=prompt, parameters=parameters)
+    return pb.GenerateRequest(inputs=prompt, parameters=fields)
 
 
 def _constraint(

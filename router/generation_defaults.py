@@ -1,12 +1,12 @@
 """The model's own sampling defaults, from its `generation_config.json`, for requests that leave them unset.
 
 Chat models ship the sampling they were tuned for (Qwen3: temperature 0.6, top_p 0.95, top_k 20; Llama 3:
-temperature 0.6, top_p 0.9), and vLLM and transformers' `generate()` apply it when a request does not say
-otherwise. Conveyor follows `generate()`'s reading of the file: the warpers (temperature, top_k, top_p,
-typical_p) apply only where the file turns sampling on (`do_sample: true`), since `generate()` decodes greedily
-otherwise whatever they say; `repetition_penalty` applies either way, as in `generate()`. A request that sets a
-field keeps its value, and one that asks for greedy decoding (`do_sample: false`, OpenAI's `temperature: 0`)
-gets none of the warpers. Values are checked by the same rules as a request's; one the rules refuse is dropped
+temperature 0.6, top_p 0.9), and vLLM and transformers' `generate()` apply it when a request does not say otherwise.
+Conveyor follows `generate()`'s reading of the file: the warpers (the `Sampling` fields marked `WARPER`:
+temperature, top_k, top_p...) apply only where the file turns sampling on (`do_sample: true`), since `generate()`
+decodes greedily otherwise whatever they say; `repetition_penalty` applies either way, as in `generate()`. A request
+that sets a field keeps its value, and one that asks for greedy decoding (`do_sample: false`, OpenAI's `temperature:
+0`) gets none of the warpers. Values are checked by the same rules as a request's; one the rules refuse is dropped
 with a warning at startup rather than failing every request.
 """
 
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conveyor.router.api.tgi import WARPERS, Sampling
+
 log = logging.getLogger(__name__)
 
-WARPERS = ("temperature", "top_k", "top_p", "typical_p")
 ALWAYS = ("repetition_penalty",)
 
 
@@ -46,11 +47,13 @@ class GenerationDefaults:
             sampling["do_sample"] = True
         return cls(_checked(sampling, check), _checked(always, check))
 
-    def apply(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """The request's fields with the defaults it left unset filled in."""
-        greedy = fields.get("do_sample") is False
+    def apply(self, sampling: Sampling) -> Sampling:
+        """The request's sampling with the defaults it left unset filled in."""
+        given = sampling.model_fields_set
+        greedy = "do_sample" in given and not sampling.do_sample
         defaults = {**self.always, **({} if greedy else self.sampling)}
-        return {**defaults, **fields}
+        unset = {name: value for name, value in defaults.items() if name not in given}
+        return sampling.model_copy(update=unset) if unset else sampling
 
     def to_json(self) -> dict[str, Any]:
         """What `/info` shows as `generation_defaults`."""

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from conveyor.router.api.base import parse
+from conveyor.router.api.tgi import GenerateParameters
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.http import ServerInfo
 from conveyor.router.infer import Infer, Response
+from conveyor.router.request import Parameters, ValidRequest
 from conveyor.router.responses import (
     GENERATION,
     REQUEST_ERRORS,
@@ -29,48 +32,34 @@ from conveyor.router.responses import (
     logprob,
 )
 from conveyor.router.structured import from_pb as constraint_from_pb
-from conveyor.router.validation import Validation, ValidRequest
+from conveyor.router.validation import Validation
 from conveyor.v1 import generate_pb2 as pb
 from conveyor.v1 import generate_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
+from conveyor.grammar import Constraint
 
 log = logging.getLogger(__name__)
 
 _SERVICE = "conveyor.v1.TextGeneration"
 
-_OPTIONAL = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "typical_p",
-    "do_sample",
-    "seed",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "max_new_tokens",
-    "ignore_eos",
-    "truncate",
-)
 
-
-def parameters_from_pb(p: pb.Parameters) -> dict[str, Any]:
-    """TGI's parameter dict, with only what the caller set, so validation applies the same defaults as HTTP."""
-    fields: dict[str, Any] = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
-    for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-        if name in fields:
-            fields[name] = float(f"{fields[name]:.7g}")  # float32 on the wire: 0.8 stays 0.8
-    if p.stop:
-        fields["stop"] = list(p.stop)
-    if p.top_n_tokens:
-        fields["top_n_tokens"] = p.top_n_tokens
-    fields.update(details=p.details, decoder_input_details=p.decoder_input_details, return_full_text=p.return_full_text)
-    if p.HasField("constraint") and (constraint := constraint_from_pb(p.constraint)) is not None:
-        fields["grammar"] = constraint
-    return fields
+def parameters_from_pb(p: pb.Parameters) -> tuple[GenerateParameters, Constraint | None]:
+    """The message's fields read by name into TGI's schema, which checks them as it checks HTTP's: only what the
+    caller set (an unset `optional` field is absent), so validation applies the same defaults. A sampling field
+    added to both the schema and the proto needs nothing here."""
+    fields: dict[str, Any] = {}
+    for field in p.DESCRIPTOR.fields:
+        if field.name == "constraint" or (field.has_presence and not p.HasField(field.name)):
+            continue
+        value = getattr(p, field.name)
+        if field.type == field.TYPE_FLOAT:
+            value = float(f"{value:.7g}")  # float32 on the wire: 0.8 stays 0.8
+        fields[field.name] = value if isinstance(value, (str, int, float)) else list(value)  # repeated: a list
+    constraint = constraint_from_pb(p.constraint) if p.HasField("constraint") else None
+    return parse(GenerateParameters, fields, "parameters"), constraint
 
 
 def token_pb(token: Token) -> pb.Token:
@@ -113,9 +102,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def _validate(self, request: pb.GenerateRequest, context, stream: bool) -> ValidRequest:
         await self._authorize(context)
         try:
-            parameters = parameters_from_pb(request.parameters)
+            parameters, constraint = parameters_from_pb(request.parameters)
             return await self.validation.off_loop(
-                self.validation.validate_prompt, request.inputs, parameters, stream=stream
+                self.validation.validate_tgi, request.inputs, parameters, stream=stream, grammar=constraint
             )
         except REQUEST_ERRORS as exc:
             self.infer.metrics.requests.labels(failure_of(exc).error_type).inc()
@@ -169,7 +158,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         await self._authorize(context)
         try:
-            valid = await self.validation.off_loop(self.validation.validate_prompt, request.inputs, {})
+            valid = await self.validation.off_loop(self.validation.validate_prompt, request.inputs, Parameters())
         except REQUEST_ERRORS as exc:
             await _abort(context, exc)
         tokens = await self.validation.off_loop(self.validation.token_offsets, valid)

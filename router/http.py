@@ -9,6 +9,8 @@ from typing import Any
 
 from aiohttp import web
 from conveyor.router import openapi
+from conveyor.router.api import tgi as api
+from conveyor.router.api.base import ValidationError
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
 from conveyor.router.middleware import (
@@ -20,6 +22,7 @@ from conveyor.router.middleware import (
     trace_middleware,
 )
 from conveyor.router.openai import OpenAIRoutes
+from conveyor.router.request import ValidRequest
 from conveyor.router.responses import (
     REQUEST_ERRORS,
     UNAUTHORIZED,
@@ -34,7 +37,7 @@ from conveyor.router.responses import (
     open_sse,
     send_sse,
 )
-from conveyor.router.validation import Limits, Validation, ValidationError, ValidRequest, parse_json
+from conveyor.router.validation import Limits, Validation, parse_json
 
 from conveyor import __version__
 
@@ -58,7 +61,7 @@ class ServerInfo:
     weight_bytes: int = 0  # rank 0's
     quantize: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> api.Info:
         return {
             "model_id": self.model_id,
             "model_dtype": self.model_dtype,
@@ -84,16 +87,16 @@ class ServerInfo:
 _UNQUEUED_REFUSALS = {VALIDATION.status: VALIDATION.error_type, UNAUTHORIZED.status: UNAUTHORIZED.error_type}
 
 
-def token_json(token: Token) -> dict[str, Any]:
+def token_json(token: Token) -> api.Token:
     return {"id": token.id, "text": token.text, "logprob": logprob(token), "special": token.special}
 
 
-def prefill_json(token: Token) -> dict[str, Any]:
+def prefill_json(token: Token) -> api.Token:
     return {"id": token.id, "text": token.text, "logprob": logprob(token)}
 
 
-def details_json(d: Details) -> dict[str, Any]:
-    body: dict[str, Any] = {
+def details_json(d: Details) -> api.Details:
+    body: api.Details = {
         "finish_reason": d.finish_reason,
         "generated_tokens": d.generated_tokens,
         "seed": d.seed,
@@ -105,7 +108,7 @@ def details_json(d: Details) -> dict[str, Any]:
     return body
 
 
-def stream_details_json(d: Details) -> dict[str, Any]:
+def stream_details_json(d: Details) -> api.StreamDetails:
     """A stream's last event: its tokens went out one by one, the prompt's length comes instead."""
     return {
         "finish_reason": d.finish_reason,
@@ -179,9 +182,9 @@ class HttpServer:
             return await self.generate_stream(request)
         return await self.generate(request, as_list=True)
 
-    def _generate_json(self, valid: ValidRequest, response: Response) -> dict[str, Any]:
+    def _generate_json(self, valid: ValidRequest, response: Response) -> api.GenerateResponse:
         finished = response.finished
-        body: dict[str, Any] = {"generated_text": full_text(valid, finished.generated_text)}
+        body: api.GenerateResponse = {"generated_text": full_text(valid, finished.generated_text)}
         if valid.parameters.details:
             body["details"] = details_json(details(valid, finished, response.events, response.prefill))
         return body
@@ -204,8 +207,8 @@ class HttpServer:
                 await send_sse(response, self._stream_json(valid, event, index))
             return response
 
-    def _stream_json(self, valid: ValidRequest, event: TokenEvent, index: int) -> dict[str, Any]:
-        body: dict[str, Any] = {
+    def _stream_json(self, valid: ValidRequest, event: TokenEvent, index: int) -> api.StreamEvent:
+        body: api.StreamEvent = {
             "index": index,
             "token": token_json(event.token),
             "generated_text": None,
@@ -226,7 +229,8 @@ class HttpServer:
         except REQUEST_ERRORS as exc:
             return error_response(exc)
         tokens = await self.validation.off_loop(self.validation.token_offsets, valid)
-        return web.json_response([dict(zip(("id", "text", "start", "stop"), t)) for t in tokens])
+        offsets: list[api.TokenOffset] = [{"id": i, "text": t, "start": a, "stop": b} for i, t, a, b in tokens]
+        return web.json_response(offsets)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:  # a load balancer must stop sending here while in-flight requests finish
@@ -237,7 +241,8 @@ class HttpServer:
             return json_error(503, f"unhealthy: {exc}", "healthcheck")
         if self.infer.scheduler.recovering:
             return json_error(503, "unhealthy: the shards are being restarted", "healthcheck")
-        return web.json_response({"status": "ok"})
+        healthy: api.Health = {"status": "ok"}
+        return web.json_response(healthy)
 
     @web.middleware
     async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from conveyor.router.events import ErrorEvent, Event, Finished, Token, TokenEvent
 from conveyor.router.metrics import Metrics
+from conveyor.router.request import ValidRequest
 from conveyor.router.scheduler import Scheduler
 from conveyor.router.sequence import Sequence
-from conveyor.router.validation import ValidRequest
 from opentelemetry import trace
 
 from conveyor import tracing

@@ -13,9 +13,10 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from conveyor.router.api.base import ValidationError
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.infer import GenerationError, OverloadedError, UnavailableError
-from conveyor.router.validation import ValidationError, ValidRequest
+from conveyor.router.request import ValidRequest
 
 
 @dataclass(frozen=True)

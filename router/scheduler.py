@@ -24,11 +24,11 @@ from conveyor.router.connect import Connection
 from conveyor.router.events import ErrorEvent, events_from_generation
 from conveyor.router.metrics import Metrics
 from conveyor.router.queue import Queue
+from conveyor.router.request import Parameters
 from conveyor.router.sequence import Sequence, SequenceStatus
 from conveyor.router.settle import Settle
 from conveyor.router.shard_client import Metadata, ShardedClient, ShardError, StepResult
 from conveyor.router.step_planner import PlannerConfig, StepPlan, StepPlanner
-from conveyor.router.validation import Parameters
 from conveyor.v1 import shard_pb2 as pb
 
 from conveyor import tracing
@@ -345,8 +345,8 @@ def request_pb(sequence: Sequence) -> pb.Request:
 def sampling_pb(p: Parameters) -> pb.SamplingParameters:
     """Every sampling field under its own name (the proto uses the router's names, so a new sampling parameter
     needs nothing here); `do_sample` is the resolved rule, and a greedy request's seed is 0."""
-    values = {f.name: getattr(p, f.name) for f in pb.SamplingParameters.DESCRIPTOR.fields}
-    values.update(do_sample=p.sampling, seed=p.seed or 0)
+    values = {f.name: getattr(p.sampling, f.name) for f in pb.SamplingParameters.DESCRIPTOR.fields}
+    values.update(do_sample=p.sampling.samples, seed=p.seed or 0)
     return pb.SamplingParameters(**values)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from conveyor.router.events import Event
-from conveyor.router.validation import ValidRequest
+from conveyor.router.request import ValidRequest
 from opentelemetry.trace import Span
 
 

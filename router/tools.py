@@ -17,14 +17,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.router.api.base import ValidationError
+from conveyor.router.api.openai import ChatRequest
 from conveyor.router.structured import build
-from conveyor.router.validation import ValidationError
 
 from conveyor.grammar import Constraint
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for function names, matched whole ("$" admits "f\n")
 ANY_OBJECT = {"type": "object"}
 
 
@@ -123,74 +123,25 @@ class ToolUse:
         return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def parse_tool_use(body: dict[str, Any]) -> ToolUse | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat body; None when the model gets no tools."""
-    raw_tools = body.get("tools")
-    choice = body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls")
-    parallel = True if parallel is None else parallel  # null is unset, as for every other field
-    if not isinstance(parallel, bool):
-        raise ValidationError("`parallel_tool_calls` must be a boolean")
-    if raw_tools is None or raw_tools == []:
-        if choice not in (None, "none"):
-            raise ValidationError("`tool_choice` needs `tools`")
+def tool_use(request: ChatRequest) -> ToolUse | None:
+    """The tools of a chat request and what the model may do with them; None when the model gets none. The
+    schema checked each tool's shape; what it cannot say of a list is checked here."""
+    if not request.tools or request.tool_choice == "none":
         return None
-    if not isinstance(raw_tools, list):
-        raise ValidationError("`tools` must be a list")
-    tools = tuple(_tool(t) for t in raw_tools)
-    if len({t.name for t in tools}) < len(tools):
-        raise ValidationError("`tools` has two functions of the same name")
-    if choice is None or choice == "auto":
-        return ToolUse(tools, "auto", parallel=parallel)
-    if choice == "none":
-        return None
-    if choice == "required":
-        return ToolUse(tools, "required", parallel=parallel)
-    name = _named_choice(choice)
-    if name not in {t.name for t in tools}:
-        raise ValidationError(f"`tool_choice` names the function `{name}`, which is not in `tools`")
-    return ToolUse(tools, "named", name=name, parallel=parallel)
-
-
-def _tool(raw: object) -> Tool:
-    if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(raw.get("function"), dict):
-        raise ValidationError('each tool must be {"type": "function", "function": {"name": ..., ...}}')
-    _known(raw, {"type", "function"}, "a tool")
-    function = raw["function"]
-    _known(function, {"name", "description", "parameters", "strict"}, "a tool's `function`")
-    name = function.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValidationError("a tool's `function.name` must be 1-64 letters, digits, '_', '.' or '-'")
-    if not isinstance(function.get("description", ""), str):
-        raise ValidationError(f"tool `{name}`: `description` must be a string")
-    if function.get("strict") is not None and not isinstance(function["strict"], bool):
-        raise ValidationError(f"tool `{name}`: `strict` must be a boolean")
-    parameters = function.get("parameters")
-    if parameters is not None and not isinstance(parameters, dict):  # `0` or `[]` is not "no parameters"
-        raise ValidationError(f"tool `{name}`: `parameters` must be a JSON schema object")
-    return Tool(name, parameters or ANY_OBJECT, raw)
-
-
-def _known(value: dict, fields: set[str], where: str) -> None:
-    """Unknown fields are refused, not ignored, as everywhere in the API."""
-    unknown = sorted(set(value) - fields)
-    if unknown:
-        raise ValidationError(f"unknown field `{unknown[0]}` in {where}")
-
-
-def _named_choice(choice: object) -> str | None:
-    if (
-        isinstance(choice, dict)
-        and choice.get("type") == "function"
-        and isinstance(choice.get("function"), dict)
-        and isinstance(choice["function"].get("name"), str)
-    ):
-        _known(choice, {"type", "function"}, "`tool_choice`")
-        _known(choice["function"], {"name"}, "`tool_choice.function`")
-        return choice["function"]["name"]
-    raise ValidationError(
-        '`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    tools = tuple(
+        Tool(t.function.name, t.function.parameters or ANY_OBJECT, t.model_dump(exclude_unset=True))
+        for t in request.tools
     )
+    names = {t.name for t in tools}
+    if len(names) < len(tools):
+        raise ValidationError("`tools` has two functions of the same name")
+    choice = request.tool_choice
+    parallel = request.parallel_tool_calls
+    if choice is None or choice == "auto" or choice == "required":
+        return ToolUse(tools, choice or "auto", parallel=parallel)
+    if choice.function.name not in names:
+        raise ValidationError(f"`tool_choice` names the function `{choice.function.name}`, which is not in `tools`")
+    return ToolUse(tools, "named", name=choice.function.name, parallel=parallel)
 
 
 class ToolStream:

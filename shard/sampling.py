@@ -30,6 +30,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     typical_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
     do_sample: bool = False
     seed: int = 0
     repetition_penalty: float = 1.0  # CTRL's: seen tokens' positive logits divided, negative ones multiplied
@@ -44,6 +45,7 @@ class SamplingParams:
             top_k=pb.top_k,
             top_p=pb.top_p or 1.0,
             typical_p=pb.typical_p or 1.0,
+            min_p=pb.min_p,
             do_sample=pb.do_sample,
             seed=pb.seed,
             repetition_penalty=pb.repetition_penalty or 1.0,
@@ -54,7 +56,14 @@ class SamplingParams:
     @property
     def sampling(self) -> bool:
         """TGI's rule: asking to reshape the distribution only makes sense if we then draw from it."""
-        return self.do_sample or self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
+        return (
+            self.do_sample
+            or self.temperature != 1.0
+            or self.top_k > 0
+            or self.top_p < 1.0
+            or self.typical_p < 1.0
+            or self.min_p > 0.0
+        )
 
     @property
     def uses_repetition_penalty(self) -> bool:
@@ -137,11 +146,13 @@ class Sampler:
         self.top_k = torch.tensor([max(x.top_k, 0) for x in p], dtype=torch.long, device=d)
         self.top_p = _column([x.top_p for x in p], d)
         self.typical_p = _column([x.typical_p for x in p], d)
+        self.min_p = _column([x.min_p for x in p], d)
         self.sampling_rows = [i for i, x in enumerate(p) if x.sampling]
         self.any_temperature = any(x.temperature != 1.0 for x in p)
         self.any_top_k = any(x.top_k > 0 for x in p)
         self.any_top_p = any(x.top_p < 1.0 for x in p)
         self.any_typical_p = any(x.typical_p < 1.0 for x in p)
+        self.any_min_p = any(x.min_p > 0.0 for x in p)
 
     @classmethod
     def build(
@@ -196,6 +207,8 @@ class Sampler:
             scores = _top_k(scores, self.top_k)
         if self.any_top_p:
             scores = _top_p(scores, self.top_p)
+        if self.any_min_p:
+            scores = _min_p(scores, self.min_p)
         if self.any_typical_p:
             scores = _typical_p(scores, self.typical_p)
         return scores
@@ -284,6 +297,18 @@ def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop[:, -1] = False
     drop &= top_p < 1.0  # rows with the warper off stay bit-for-bit untouched
     return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+
+
+def _min_p(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the tokens at least min_p times as likely as the best one: unlike a fixed top-k or top-p, the cut
+    scales with the model's confidence, so a flat distribution keeps many tokens and a peaked one few. The best
+    token is kept explicitly, as HF does, so even a min_p above 1 cannot leave a row with nothing to draw."""
+    probs = scores.softmax(dim=-1)
+    best, argmax = probs.max(dim=-1, keepdim=True)
+    drop = probs < min_p * best
+    drop.scatter_(1, argmax, False)
+    drop &= min_p > 0.0  # rows with the warper off stay bit-for-bit untouched
+    return scores.masked_fill(drop, NEG_INF)
 
 
 def _typical_p(scores: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:

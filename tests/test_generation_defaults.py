@@ -12,15 +12,16 @@ import httpx
 import pytest
 import torch
 from conftest import ORACLE_PROMPTS, Server, _load, greedy_reference, start_server
+from conveyor.router.api.base import parse
+from conveyor.router.api.tgi import Sampling
 from conveyor.router.generation_defaults import GenerationDefaults
 
 DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.5}
 
 
 def checker(name: str, value: object) -> object:
-    if name == "top_k" and value == 0:
-        raise ValueError("`top_k` must be strictly positive")
-    return value
+    """A request's rule for one sampling parameter (what `Validation.check_parameter` does)."""
+    return getattr(parse(Sampling, {name: value}), name)
 
 
 def write_config(folder: Path, **fields: object) -> Path:
@@ -38,17 +39,20 @@ def test_warpers_apply_only_where_the_file_samples(tmp_path: Path) -> None:
 
 def test_a_request_keeps_what_it_sets(tmp_path: Path) -> None:
     defaults = GenerationDefaults.read(write_config(tmp_path, **DEFAULTS), checker)
-    assert defaults.apply({}) == DEFAULTS
-    assert defaults.apply({"temperature": 1.3})["temperature"] == 1.3
-    assert defaults.apply({"top_k": 5})["top_p"] == 0.9
+    assert defaults.apply(Sampling()) == Sampling(**DEFAULTS)
+    assert defaults.apply(Sampling(temperature=1.3)).temperature == 1.3
+    assert defaults.apply(Sampling(temperature=1.0)).temperature == 1.0  # set, though to the schema's default
+    assert defaults.apply(Sampling(top_k=5)).top_p == 0.9
     # Greedy asked for: no warper comes back, the penalty still applies (as in generate()).
-    assert defaults.apply({"do_sample": False}) == {"do_sample": False, "repetition_penalty": 1.5}
-    assert defaults.apply({"do_sample": False, "repetition_penalty": 1.0})["repetition_penalty"] == 1.0
+    assert defaults.apply(Sampling(do_sample=False)) == Sampling(do_sample=False, repetition_penalty=1.5)
+    assert defaults.apply(Sampling(do_sample=False, repetition_penalty=1.0)).repetition_penalty == 1.0
 
 
 def test_a_refused_value_is_dropped(tmp_path: Path) -> None:
-    defaults = GenerationDefaults.read(write_config(tmp_path, do_sample=True, top_k=0, temperature=0.7), checker)
+    defaults = GenerationDefaults.read(write_config(tmp_path, do_sample=True, top_k=-1, temperature=0.7), checker)
     assert defaults.to_json() == {"do_sample": True, "temperature": 0.7}
+    off = GenerationDefaults.read(write_config(tmp_path, do_sample=True, top_k=0, min_p=0.05), checker)
+    assert off.to_json() == {"do_sample": True, "top_k": 0, "min_p": 0.05}  # top_k 0 is "off", and kept
 
 
 @pytest.fixture(scope="module")

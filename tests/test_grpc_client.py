@@ -71,15 +71,29 @@ async def test_async_stream_cancelled_mid_way(server: Server) -> None:
 
 def test_errors_are_exceptions(server: Server) -> None:
     with Client(server.grpc, timeout=60) as client:
-        with pytest.raises(ValidationError, match="max_new_tokens"):
+        with pytest.raises(ValidationError, match=r"^`parameters.max_new_tokens` must be at most 511 on this server"):
             client.generate("x", max_new_tokens=100_000)
-        with pytest.raises(ValidationError, match="temperature"):
+        with pytest.raises(ValidationError, match=r"^`parameters.temperature`: Input should be greater than 0"):
             list(client.generate_stream("x", temperature=-1.0))
+        with pytest.raises(ValidationError, match=r"^`parameters.min_p`: Input should be less than or equal to 1"):
+            client.generate("x", min_p=1.5)
         with pytest.raises(ValidationError):
             client.generate("")
     with Client("127.0.0.1:1", timeout=5) as nowhere:
         with pytest.raises(ConnectionError):
             nowhere.generate("x")
+
+
+def test_min_p_and_top_k_zero(server: Server) -> None:
+    """`min_p` is a gRPC parameter; `top_k: 0` is off, so greedy stays greedy."""
+    with Client(server.grpc, timeout=60) as client:
+        greedy = client.generate("def add(a, b):", max_new_tokens=4, top_k=0)
+        assert greedy.details.seed is None
+        assert [t.id for t in greedy.details.tokens] == greedy_reference(server.model_dir, "def add(a, b):", 4)
+        sampled = dict(max_new_tokens=4, min_p=0.05, seed=3)
+        first = client.generate("x = ", **sampled)
+        assert first.details.seed == 3  # min_p is a warper: it implies sampling
+        assert client.generate("x = ", **sampled).generated_text == first.generated_text
 
 
 def test_standard_grpc_health_service(server: Server) -> None:

@@ -144,6 +144,16 @@ def test_sampling_without_seed_reports_the_seed_it_used(server: Server) -> None:
     assert generate(server, body).json()["generated_text"] == first["generated_text"]
 
 
+def test_top_k_zero_is_off(server: Server) -> None:
+    """vLLM's reading: no top-k at all, so a request that sets nothing else stays greedy."""
+    body = {"inputs": "def f():", "parameters": {"max_new_tokens": 4, "top_k": 0, "details": True}}
+    r = generate(server, body)
+    assert r.status_code == 200, r.text
+    details = r.json()["details"]
+    assert details["seed"] is None
+    assert [t["id"] for t in details["tokens"]] == greedy_reference(server.model_dir, "def f():", 4)
+
+
 BAD_BODIES = [
     pytest.param({"inputs": ""}, id="empty-inputs"),
     pytest.param({"inputs": "word " * 600}, id="inputs-too-long"),
@@ -152,7 +162,7 @@ BAD_BODIES = [
     pytest.param({"inputs": "x", "parameters": {"temperature": -1.0}}, id="temperature-negative"),
     pytest.param({"inputs": "x", "parameters": {"top_p": 0}}, id="top-p-zero"),
     pytest.param({"inputs": "x", "parameters": {"top_p": 1.5}}, id="top-p-over-one"),
-    pytest.param({"inputs": "x", "parameters": {"top_k": 0}}, id="top-k-zero"),
+    pytest.param({"inputs": "x", "parameters": {"top_k": -1}}, id="top-k-negative"),
     pytest.param({"inputs": "x", "parameters": {"typical_p": 2}}, id="typical-p-over-one"),
     pytest.param({"inputs": "x", "parameters": {"repetition_penalty": 0}}, id="repetition-penalty-zero"),
     pytest.param({"inputs": "x", "parameters": {"max_new_tokens": 0}}, id="max-new-tokens-zero"),

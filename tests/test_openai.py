@@ -126,7 +126,8 @@ def test_openai_errors_have_openai_shape(client: openai.OpenAI, server: Server) 
     with pytest.raises(openai.UnprocessableEntityError) as error:
         client.completions.create(model=model_id(server), prompt="x", max_tokens=10_000)
     body = error.value.body
-    assert body["type"] == "invalid_request_error" and "max_new_tokens" in body["message"]
+    assert body["type"] == "invalid_request_error"
+    assert body["message"].startswith("`max_tokens` must be at most ") and "(max_total_tokens)" in body["message"]
     for bad in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]}, {"messages": "hi"}):
         r = httpx.post(f"{server.url}/v1/chat/completions", json=bad)
         assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request_error"
@@ -154,3 +155,58 @@ def test_top_n_tokens_on_generate_and_stream(server: Server) -> None:
         assert len(top) == 2 and top[0]["id"] == token["id"]  # greedy: the chosen token is the most likely
         assert top[0]["logprob"] >= top[1]["logprob"]
     assert [t["id"] for t in details["tokens"]] == greedy_reference(server.model_dir, "def f():", 3)
+
+
+HI = [{"role": "user", "content": "hi"}]
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+# (route, body, the message's start): each refusal names the field as the body spells it. `{...}` are /info's.
+REFUSALS = [
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 10_000}, "`max_tokens` must be at most {max_new} on this server"),
+    (CHAT, {"messages": HI, "max_completion_tokens": 10_000}, "`max_completion_tokens` must be at most {max_new} on"),
+    (CHAT, {"messages": HI, "stop": ["a"] * 9}, "`stop` must be at most {max_stop_sequences} items on this server"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 99}, "`logprobs` must be at most {max_top_n_tokens} on this server"),
+    (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 99}, "`top_logprobs` must be at most {max_top_n_tokens}"),
+    (CHAT, {"messages": HI, "temperature": 3}, "`temperature`: Input should be less than or equal to 2. Given: 3"),
+    (CHAT, {"messages": HI, "top_k": -1}, "`top_k`: Input should be greater than or equal to 0. Given: -1"),
+    (COMPLETIONS, {"prompt": "x", "min_p": 2}, "`min_p`: Input should be less than or equal to 1. Given: 2"),
+    (CHAT, {"messages": HI, "top_q": 0.5}, "`top_q`: unknown field: Conveyor does not support it"),
+    (COMPLETIONS, {"prompt": "x", "echo": True}, "`echo`: is not supported"),
+    (COMPLETIONS, {"prompt": "x", "suffix": "y"}, "`suffix`: is not supported"),
+    (COMPLETIONS, {"prompt": "x", "best_of": 2}, "`best_of`: is not supported"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"1": 100}}, "`logit_bias`: is not supported"),
+    (CHAT, {"messages": HI, "functions": [{"name": "f"}]}, "`functions`: is not supported"),
+    (CHAT, {"messages": HI, "function_call": "auto"}, "`function_call`: is not supported"),
+    (CHAT, {"messages": []}, "`messages`: List should have at least 1 item"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "`messages.0.role`: Input should be 'system'"),
+    (CHAT, {"messages": HI, "top_logprobs": 2}, "`top_logprobs` needs `logprobs` set to true"),
+    (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "`stream_options` is only allowed when"),
+    (COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 3}, "at most 8 choices (prompts times `n`) per request"),
+    # Fields of more than one type (a string or a list, an option or an object, a schema or its text): the path
+    # is the body's, and the problem is that of the type the value has.
+    (COMPLETIONS, {"prompt": []}, "`prompt`: List should have at least 1 item"),
+    (COMPLETIONS, {"prompt": [""]}, "`prompt.0`: String should have at least 1 character"),
+    (CHAT, {"messages": HI, "stop": [""]}, "`stop.0`: String should have at least 1 character"),
+    (
+        CHAT,
+        {"messages": HI, "tools": TOOLS, "tool_choice": {"type": "function"}},
+        "`tool_choice.function`: missing field",
+    ),
+    (
+        CHAT,
+        {"messages": HI, "response_format": {"type": "json_schema"}},
+        "`response_format.json_schema`: missing field",
+    ),
+    (COMPLETIONS, {"prompt": "x", "guided_json": 5}, "`guided_json`: "),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "message"), REFUSALS, ids=[m.split("`")[1] for _, _, m in REFUSALS])
+def test_openai_refusals_name_the_field(server: Server, route: str, body: dict, message: str) -> None:
+    info = httpx.get(f"{server.url}/info").json()
+    expected = message.format(**info, max_new=info["max_total_tokens"] - 1)
+    r = httpx.post(f"{server.url}{route}", json=body)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(expected), error["message"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import jsonschema
+import pytest
 from conftest import Server
 from conveyor.router.http import HttpServer
 from openapi_spec_validator import validate
@@ -126,21 +127,117 @@ def test_the_document_refuses_what_the_server_refuses() -> None:
     components = document("test")["components"]
     refused = {
         "ChatRequest": [
-            {"messages": HI, "tool_choice": "required"},  # no tools
-            {"messages": HI, "tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},  # forced and a regex
-            {"messages": [{"role": "tool", "content": "1"}]},  # no tool_call_id
-            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
             {"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "x": 1}}]},
             {"messages": HI, "response_format": {"type": "json_object", "schema": {}}},
+            {"messages": HI, "tools": [{"type": "function", "function": {"name": "get weather"}}]},
+            {"messages": [{"role": "robot", "content": "x"}]},
+            {"messages": HI, "top_q": 0.5},
         ],
         "CompletionRequest": [
-            {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
-            {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}},
             {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+            {"prompt": "x", "echo": True},
+            {"prompt": []},
         ],
-        "GenerateRequest": [{"inputs": "x", "parameters": {"grammar": {"type": "regex"}}}],
+        "GenerateRequest": [
+            {"inputs": "x", "parameters": {"grammar": {"type": "regex"}}},
+            {"inputs": "x", "parameters": {"min_q": 0.1}},
+            {"inputs": "x", "parameters": {"top_k": -1}},
+        ],
     }
     for name, bodies in refused.items():
         validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": components})
         for body in bodies:
             assert not validator.is_valid(body), body
+
+
+IN_WORDS = [
+    # (schema, a body the server refuses for a rule between fields, the words that state the rule there)
+    ("ChatRequest", {"messages": HI, "tool_choice": "required"}, "needs `tools`"),
+    ("ChatRequest", {"messages": HI, "top_logprobs": 2}, "`top_logprobs` needs `logprobs: true`"),
+    ("ChatRequest", {"messages": HI, "max_tokens": 2, "max_completion_tokens": 3}, "are equal"),
+    ("ChatRequest", {"messages": HI, "stream_options": {"include_usage": True}}, "`stream_options`"),
+    ("ChatRequest", {"messages": HI, "guided_regex": "a", "guided_choice": ["a"]}, "cannot come with another"),
+    ("CompletionRequest", {"prompt": "x", "stream_options": {"include_usage": True}}, "`stream_options`"),
+    ("CompletionRequest", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "constraint"),
+    ("StructuredOutputs", {"regex": "a", "choice": ["a"]}, "one of"),
+    ("Message", {"role": "tool", "content": "1"}, "`tool_call_id`"),
+    ("Message", {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}, "assistant"),
+    ("Message", {"role": "user"}, "needs a string `content`"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "words"), IN_WORDS, ids=[f"{n}-{w}" for n, _, w in IN_WORDS])
+def test_rules_between_fields_are_stated_in_words(name: str, body: dict, words: str) -> None:
+    """Rules between fields are not in the schemas (schema-based generators could not draw from them): the
+    server refuses such bodies, and the schema's description states the rule (a 422 from one of them is among the
+    answers `tests/faults/test_fuzz_api.py` expects for a body the document allows)."""
+    from conveyor.router.api import constraints, openai
+    from conveyor.router.api.base import ValidationError, parse
+    from conveyor.router.openapi import document
+
+    components = document("test")["components"]["schemas"]
+    models = {
+        "ChatRequest": openai.ChatRequest,
+        "CompletionRequest": openai.CompletionRequest,
+        "StructuredOutputs": constraints.StructuredOutputs,
+        "Message": openai.Message,
+    }
+    with pytest.raises(ValidationError):
+        parse(models[name], body)
+    assert words in " ".join(components[name].get("description", "").split())
+
+
+LIMITS_BODIES = [
+    # (schema, body, whether the server takes it), with Limits(32, 64, max_stop_sequences=2, max_top_n_tokens=3)
+    ("GenerateRequest", {"inputs": "x", "parameters": {"top_k": 0, "min_p": 0.1}}, True),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"top_k": -1}}, False),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"min_q": 0.1}}, False),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"best_of": 2}}, False),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"best_of": 1, "watermark": False, "adapter_id": None}}, True),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"stop": ["a", "b"], "max_new_tokens": 63}}, True),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"stop": ["a", "b", "c"]}}, False),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"max_new_tokens": 64}}, False),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"truncate": 33}}, False),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"top_n_tokens": 4}}, False),
+    ("GenerateRequest", {"inputs": "x", "parameters": {"temperature": None, "top_k": None}}, True),
+    ("ChatRequest", {"messages": HI, "top_k": 5, "min_p": 0.1, "typical_p": 0.9, "repetition_penalty": 1.1}, True),
+    ("ChatRequest", {"messages": HI, "top_q": 5}, False),
+    ("ChatRequest", {"messages": HI, "temperature": 0, "top_k": 0}, True),
+    ("ChatRequest", {"messages": HI, "stop": ["a", "b", "c"]}, False),
+    ("ChatRequest", {"messages": HI, "max_tokens": 64}, False),
+    ("ChatRequest", {"messages": HI, "max_completion_tokens": 63}, True),
+    ("ChatRequest", {"messages": HI, "logprobs": True, "top_logprobs": 4}, False),
+    ("ChatRequest", {"messages": HI, "logit_bias": {"1": 1}}, False),
+    ("ChatRequest", {"messages": HI, "functions": [{"name": "f"}]}, False),
+    ("CompletionRequest", {"prompt": "x", "logprobs": 3, "stop": "abc"}, True),
+    ("CompletionRequest", {"prompt": "x", "logprobs": 4}, False),
+    ("CompletionRequest", {"prompt": "x", "echo": True}, False),
+]
+
+
+def test_the_document_states_the_deployments_limits_as_the_server_applies_them() -> None:
+    """The `limited` bounds written in from the deployment's limits, refused and unsupported fields, and the
+    sampling fields both APIs share: the document and the server's two stages (schema, then `check_limits`) give
+    the same verdict."""
+    from conveyor.router.api import openai, tgi
+    from conveyor.router.api.base import ValidationError, parse
+    from conveyor.router.openapi import document
+    from conveyor.router.validation import Limits, check_limits
+
+    limits = Limits(max_input_tokens=32, max_total_tokens=64, max_stop_sequences=2, max_top_n_tokens=3)
+    components = document("test", limits)["components"]
+    models = {"GenerateRequest": tgi.GenerateRequest, "ChatRequest": openai.ChatRequest}
+    models["CompletionRequest"] = openai.CompletionRequest
+    for name, body, taken in LIMITS_BODIES:
+        validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": components})
+        assert validator.is_valid(body) == taken, body
+        try:
+            request = parse(models[name], body)
+            if name == "GenerateRequest":
+                check_limits(request.parameters, limits, "parameters.")
+            else:
+                check_limits(request, limits)
+        except ValidationError:
+            assert not taken, body
+        else:
+            assert taken, body

@@ -9,6 +9,14 @@ import pytest
 import torch
 from conveyor.shard.sampling import Sampler, SamplingParams
 from conveyor.v1 import shard_pb2 as pb
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 CPU = torch.device("cpu")
 VOCAB = 16
@@ -45,10 +53,14 @@ def test_from_pb_reads_proto_zeros_as_unset() -> None:
     params = SamplingParams.from_pb(pb.SamplingParameters(top_k=3, seed=9, frequency_penalty=0.5))
     assert params == SamplingParams(top_k=3, seed=9, frequency_penalty=0.5)
     # Values float32 holds exactly: the proto fields are floats.
-    full = pb.SamplingParameters(temperature=0.5, top_p=0.75, typical_p=0.875, do_sample=True, repetition_penalty=1.25)
-    assert SamplingParams.from_pb(full) == SamplingParams(
-        temperature=0.5, top_p=0.75, typical_p=0.875, do_sample=True, repetition_penalty=1.25
+    full = pb.SamplingParameters(
+        temperature=0.5, top_p=0.75, typical_p=0.875, min_p=0.125, do_sample=True, repetition_penalty=1.25
     )
+    assert SamplingParams.from_pb(full) == SamplingParams(
+        temperature=0.5, top_p=0.75, typical_p=0.875, min_p=0.125, do_sample=True, repetition_penalty=1.25
+    )
+    # min_p's off value is 0, which proto3 sends as unset: nothing to map.
+    assert SamplingParams.from_pb(pb.SamplingParameters(min_p=0.0)) == SamplingParams()
 
 
 @pytest.mark.parametrize(
@@ -61,6 +73,8 @@ def test_from_pb_reads_proto_zeros_as_unset() -> None:
         (SamplingParams(top_k=5), True),
         (SamplingParams(top_p=0.9), True),
         (SamplingParams(typical_p=0.9), True),
+        (SamplingParams(min_p=0.1), True),
+        (SamplingParams(min_p=0.0), False),
     ],
 )
 def test_any_warper_means_sampling(params: SamplingParams, expected: bool) -> None:
@@ -124,6 +138,73 @@ def test_typical_p_drops_atypical_tokens() -> None:
 
 def test_typical_p_near_one_keeps_the_likely_tokens() -> None:
     assert sampled(SamplingParams(typical_p=0.999, seed=4), from_probs(0.4, 0.3, 0.3)) == {0, 1, 2}
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best() -> None:
+    scores = from_probs(0.4, 0.25, 0.15, 0.12, 0.08)
+    assert sampled(SamplingParams(min_p=0.5, seed=7), scores) == {0, 1}  # cut at 0.2
+    assert sampled(SamplingParams(min_p=0.25, seed=7), scores) == {0, 1, 2, 3}  # cut at 0.1
+
+
+def test_min_p_one_is_the_argmax() -> None:
+    scores = logits(seed=1)
+    assert sampled(SamplingParams(min_p=1.0, seed=3), scores, 30) == {int(scores.argmax())}
+
+
+def test_min_p_above_one_still_keeps_the_best_token() -> None:
+    scores = logits(seed=5)
+    assert sampled(SamplingParams(min_p=1.5, seed=2), scores, 30) == {int(scores.argmax())}
+
+
+def test_min_p_masks_its_row_only() -> None:
+    scores = logits(2, seed=15) / 3  # flat enough that min_p keeps several tokens
+    plain = SamplingParams(do_sample=True, seed=2)
+    s = sampler(plain, SamplingParams(min_p=0.3, seed=1))
+    first = s(scores)
+    plain_rows, min_p_rows = draws(s, scores, 300)
+    probs = scores[1].softmax(-1)
+    allowed = set((probs >= 0.3 * probs.max()).nonzero().view(-1).tolist())
+    assert 1 < len(allowed) < VOCAB and set(min_p_rows) <= allowed
+    # The row without min_p is bit-for-bit what it is alone: same distribution, same draws.
+    alone_sampler = sampler(plain)
+    assert torch.equal(first.distribution[0], alone_sampler(scores[:1]).distribution[0])
+    assert plain_rows == draws(alone_sampler, scores[:1], 300)[0]
+    assert len(set(plain_rows)) > len(allowed)
+
+
+def test_min_p_keeps_what_transformers_min_p_warper_keeps() -> None:
+    generator = torch.Generator().manual_seed(16)
+    vocab = 1000
+    scores = torch.randn((8, vocab), generator=generator) * 2
+    # The proto carries min_p as a float32: give transformers the very same values.
+    min_ps = [float(torch.tensor(m, dtype=torch.float32)) for m in (0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 0.9, 1.0)]
+    s = Sampler.build([SamplingParams(min_p=m, seed=1) for m in min_ps], [[0]] * 8, vocab, CPU)
+    kept = s(scores).distribution.isfinite()
+    for row, m in enumerate(min_ps):
+        assert torch.equal(kept[row], MinPLogitsWarper(m)(None, scores[row : row + 1]).isfinite()[0]), f"min_p={m}"
+    counts = kept.sum(-1).tolist()
+    assert counts[0] == vocab and all(1 < n < vocab for n in counts[1:6]), counts  # real cuts were compared
+
+
+def test_min_p_sits_in_transformers_warper_order() -> None:
+    """`generate()` applies temperature, top-k, top-p, min-p, then typical-p; typical-p's entropy depends on what
+    min-p left, so the order shows."""
+    generator = torch.Generator().manual_seed(17)
+    vocab = 200
+    scores = torch.randn((4, vocab), generator=generator) * 2
+    temperature, top_k, top_p, min_p, typical_p = 0.75, 50, 0.875, 0.125, 0.5
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, seed=1)
+    kept = Sampler.build([params] * 4, [[0]] * 4, vocab, CPU)(scores).distribution.isfinite()
+    theirs = LogitsProcessorList(
+        [
+            TemperatureLogitsWarper(temperature),
+            TopKLogitsWarper(top_k),
+            TopPLogitsWarper(top_p),
+            MinPLogitsWarper(min_p),
+            TypicalLogitsWarper(typical_p),
+        ]
+    )(None, scores).isfinite()
+    assert torch.equal(kept, theirs)
 
 
 def test_temperature_reshapes_the_distribution_the_logprob_comes_from() -> None:

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.metrics import Metrics
+from conveyor.router.request import Parameters, ValidRequest
 from conveyor.router.scheduler import Scheduler
 from conveyor.router.sequence import Sequence
 from conveyor.router.settle import LOOKS_PER_GAP, SETTLE_QUIET_SECONDS, SETTLE_SECONDS, Settle
 from conveyor.router.shard_client import ShardError
 from conveyor.router.step_planner import PlannerConfig
-from conveyor.router.validation import Parameters, ValidRequest
 from conveyor.v1 import shard_pb2 as pb
 
 
@@ -121,25 +121,29 @@ def test_the_scheduler_settles_on_the_real_clock_by_default() -> None:
 
 
 def test_every_sampling_parameter_reaches_the_shard_under_its_name() -> None:
+    from conveyor.router.api.tgi import Sampling
     from conveyor.router.scheduler import sampling_pb
-    from conveyor.router.validation import Parameters
 
-    p = Parameters(
+    # A field of the schema the shard proto lacks would be dropped on the way.
+    assert set(Sampling.model_fields) <= {f.name for f in pb.SamplingParameters.DESCRIPTOR.fields}
+    sampling = Sampling(
         temperature=0.5,
         top_k=7,
         top_p=0.9,
         typical_p=0.8,
+        min_p=0.05,
         seed=11,
         repetition_penalty=1.2,
         frequency_penalty=0.3,
         presence_penalty=0.4,
     )
-    message = sampling_pb(p)
+    message = sampling_pb(Parameters(sampling=sampling))
     assert message.do_sample  # temperature != 1 implies sampling (TGI's rule)
-    for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-        assert abs(getattr(message, name) - getattr(p, name)) < 1e-6, name
+    for name in [n for n, v in sampling if isinstance(v, float)]:
+        assert abs(getattr(message, name) - getattr(sampling, name)) < 1e-6, name
     assert (message.top_k, message.seed) == (7, 11)
     assert sampling_pb(Parameters()).seed == 0 and not sampling_pb(Parameters()).do_sample
+    assert sampling_pb(Parameters(sampling=Sampling(min_p=0.1))).do_sample  # min_p is a warper: it samples
 
 
 def _running(s: Scheduler, count: int) -> list[Sequence]:

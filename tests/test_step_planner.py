@@ -11,9 +11,9 @@ import pytest
 from conveyor.router import step_planner
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.queue import Queue
+from conveyor.router.request import Parameters, ValidRequest
 from conveyor.router.sequence import Sequence, SequenceStatus
 from conveyor.router.step_planner import PlannerConfig, Scheduling, StepPlan, StepPlanner
-from conveyor.router.validation import Parameters, ValidRequest
 
 
 def make_sequence(

@@ -504,10 +504,10 @@ BAD_GRAMMARS = [
     ({"type": "json", "value": {"type": "nope"}}, "invalid json schema"),
     ({"type": "json", "value": "{not json"}, "not valid JSON"),
     ({"type": "regex", "value": "(ab"}, "invalid regex"),
-    ({"type": "xml", "value": "<a/>"}, "`grammar.type` must be one of"),
+    ({"type": "xml", "value": "<a/>"}, "`parameters.grammar`: Input tag 'xml' found using 'type' does not match"),
     ({"type": "grammar", "value": "start: (\n"}, "invalid grammar"),
     ({"type": "grammar", "value": "start: undefined_rule\n"}, "invalid grammar"),
-    ({"type": "choice", "value": []}, "choices must be a non-empty list"),
+    ({"type": "choice", "value": []}, "List should have at least 1 item"),
 ]
 
 

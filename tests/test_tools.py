@@ -18,7 +18,9 @@ import jsonschema
 import openai
 import pytest
 from conftest import Server
-from conveyor.router.tools import ToolStream, parse_tool_use
+from conveyor.router.api.base import ValidationError, parse
+from conveyor.router.api.openai import ChatRequest
+from conveyor.router.tools import ToolStream, tool_use
 from pydantic import BaseModel, Field
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -273,7 +275,33 @@ def test_what_cannot_be_enforced_is_a_422(client: openai.OpenAI, server: Server,
 
 # --- auto mode's parser (no server) -----------------------------------------------------------------------------
 
-AUTO = parse_tool_use({"tools": TOOLS})
+
+def _tool_use(**fields: Any) -> Any:
+    return tool_use(parse(ChatRequest, {"messages": MESSAGES, **fields}))
+
+
+AUTO = _tool_use(tools=TOOLS)
+
+
+def test_tool_use_reads_tools_and_tool_choice() -> None:
+    assert AUTO.choice == "auto" and [t.name for t in AUTO.tools] == ["get_weather", "set_alarm"]
+    assert AUTO.template_tools() == TOOLS  # the tools as sent, for the chat template
+    assert _tool_use() is None and _tool_use(tools=TOOLS, tool_choice="none") is None
+    named = _tool_use(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "set_alarm"}})
+    assert (named.choice, named.name) == ("named", "set_alarm")
+    required = _tool_use(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert (required.choice, required.parallel) == ("required", False)
+    bare = _tool_use(tools=[{"type": "function", "function": {"name": "ping"}}])
+    assert bare.tools[0].parameters == {"type": "object"}  # no parameters: any JSON object
+
+
+def test_tool_use_refuses_what_the_schema_cannot_say() -> None:
+    with pytest.raises(ValidationError, match="^`tools` has two functions of the same name$"):
+        _tool_use(tools=[WEATHER, WEATHER])
+    with pytest.raises(ValidationError, match="`tool_choice` names the function `nope`, which is not in `tools`"):
+        _tool_use(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
 HERMES = (
     "Let me check. "
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>'

@@ -45,7 +45,7 @@ NEW_TOKENS = 8  # valid requests generate at most this many tokens, so that a fe
 
 POST_ROUTES = ["/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions"]
 GET_ROUTES = ["/v1/models", "/health", "/info", "/metrics"]
-# 422s that schema-valid requests may get, for the rules JSON Schema cannot state (router/openapi.py lists them).
+# 422s that schema-valid requests may get: the token limits, and the rules the schemas give in words only.
 TOKEN_RULES = (
     "`inputs` must have less than",
     "tokens + `max_new_tokens` must be <=",
@@ -59,8 +59,17 @@ TOKEN_RULES = (
     "invalid grammar: ",
     "the JSON schema is not valid JSON",
     "a JSON schema must be a JSON object",
-    # stated in words only on the chat route (see router/openapi.py)
+    # rules between fields, which the schemas state in words only (router/api/openai.py's docstrings)
     "at most one constraint per request",
+    "`structured_outputs`: takes one constraint",
+    "`stream_options` is only allowed when `stream` is true",
+    "`top_logprobs` needs `logprobs` set to true",
+    "`tool_choice` needs `tools`",
+    "cannot be combined with this `tool_choice`",
+    "name one limit: give one, or equal values",
+    "a message of role tool needs",
+    "only assistant messages carry `tool_calls`",
+    "each message needs a string `content`",
     # tools: what a schema cannot say of a list (unique names) or of one field given another
     "a tool call's `arguments` must be JSON text",
     "`tools` has two functions of the same name",

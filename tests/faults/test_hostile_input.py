@@ -308,7 +308,7 @@ CORPUS: list[tuple[str, str, bytes, dict[str, str], int]] = [
     ),
     ("logit-bias", COMPLETIONS, _body({"prompt": "x", "logit_bias": {"1": 100}}), JSON, 422),
     ("echo", COMPLETIONS, _body({"prompt": "x", "echo": True}), JSON, 422),
-    ("unknown-openai-field", CHAT, _body({"messages": HI, "top_k": 5}), JSON, 422),
+    ("unknown-openai-field", CHAT, _body({"messages": HI, "top_q": 5}), JSON, 422),
     ("unknown-message-field", CHAT, _body({"messages": [{"role": "user", "content": "x", "x": 1}]}), JSON, 422),
     (
         "stream-options-without-stream",
@@ -317,7 +317,7 @@ CORPUS: list[tuple[str, str, bytes, dict[str, str], int]] = [
         JSON,
         422,
     ),
-    ("unknown-tgi-parameter", "/generate", _body({"inputs": "x", "parameters": {"min_p": 0.1}}), JSON, 422),
+    ("unknown-tgi-parameter", "/generate", _body({"inputs": "x", "parameters": {"min_q": 0.1}}), JSON, 422),
     # bodies that are not JSON
     ("text-plain", "/generate", _body({"inputs": "x"}), {"Content-Type": "text/plain"}, 415),
     ("form", "/generate_stream", b"inputs=x", {"Content-Type": "application/x-www-form-urlencoded"}, 415),
@@ -427,6 +427,18 @@ ACCEPTED = [
         _body({"prompt": "x", "max_tokens": 2, "model": "any", "user": "u", "logit_bias": {}, "best_of": 1}),
         JSON,
         id="ignored-fields",
+    ),
+    pytest.param(
+        CHAT,
+        _body({"messages": HI, "max_tokens": 2, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1}),
+        JSON,
+        id="tgi-sampling-fields-on-chat",
+    ),
+    pytest.param(
+        "/generate",
+        _body({"inputs": "x", "parameters": {"max_new_tokens": 2, "min_p": 0.1, "top_k": 0}}),
+        JSON,
+        id="min-p-and-top-k-zero",
     ),
     pytest.param(
         "/generate",

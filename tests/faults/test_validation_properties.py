@@ -20,22 +20,23 @@ from typing import Any
 
 import pytest
 import torch
-from conveyor.router.openai import CHAT_FIELDS, COMPLETION_FIELDS, Choice, OpenAIRoutes
-from conveyor.router.scheduler import sampling_pb
-from conveyor.router.structured import VLLM_FIELDS
-from conveyor.router.validation import (
+from conveyor.router.api.constraints import ConstraintFields
+from conveyor.router.api.openai import ChatRequest, CompletionRequest, Message
+from conveyor.router.api.tgi import (
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
     MIN_POSITIVE,
-    Limits,
-    Validation,
-    ValidationError,
-    ValidRequest,
-    parse_json,
+    WARPERS,
+    GenerateParameters,
 )
+from conveyor.router.openai import Choice, OpenAIRoutes
+from conveyor.router.request import ValidRequest
+from conveyor.router.scheduler import sampling_pb
+from conveyor.router.validation import Limits, Validation, ValidationError, parse_json
 from conveyor.shard.sampling import Sampler, SamplingParams
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 EXAMPLES = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "0"))
 LIMITS = Limits(max_input_tokens=32, max_total_tokens=64, max_stop_sequences=3, max_top_n_tokens=4)
@@ -179,16 +180,21 @@ TOOL_CALLS = st.lists(
 )
 
 # Values each field accepts (some at the edges of its range), so that a good share of the requests pass.
-TGI_VALID = {
-    "temperature": POSITIVE,
-    "top_k": st.integers(1, 2**32 - 1),
+# The sampling fields TGI's and OpenAI's routes share (`SharedSampling`).
+SHARED_VALID = {
+    "top_k": st.integers(0, 2**32 - 1),
     "top_p": FRACTION,
     "typical_p": FRACTION,
-    "do_sample": st.booleans(),
+    "min_p": st.one_of(st.floats(min_value=0.0, max_value=1.0), st.sampled_from([0.0, 1e-50, 1.0])),
     "seed": st.integers(0, 2**64 - 1),
     "repetition_penalty": POSITIVE,
     "frequency_penalty": PENALTY,
     "presence_penalty": PENALTY,
+}
+TGI_VALID = {
+    **SHARED_VALID,
+    "temperature": POSITIVE,
+    "do_sample": st.booleans(),
     "max_new_tokens": st.integers(1, 40),
     "stop": st.lists(STOP, max_size=3),
     "ignore_eos": st.booleans(),
@@ -203,18 +209,15 @@ TGI_VALID = {
     "adapter_id": st.none(),
 }
 OPENAI_VALID = {
+    **SHARED_VALID,
     "model": st.text(max_size=8),
     "user": st.text(max_size=8),
     "max_tokens": st.integers(1, 30),
-    "temperature": st.floats(min_value=0.0, max_value=2.0),
-    "top_p": FRACTION,
+    "temperature": st.one_of(st.floats(min_value=0.0, max_value=2.0), st.just(0)),
     "n": st.integers(1, 3),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "stop": st.one_of(STOP, st.lists(STOP, max_size=3)),
-    "presence_penalty": PENALTY,
-    "frequency_penalty": PENALTY,
-    "seed": st.integers(0, 2**64 - 1),
     "logit_bias": st.just({}),
     "ignore_eos": st.booleans(),
     **CONSTRAINTS,
@@ -258,6 +261,8 @@ TGI_BODIES = often(
     ),
     JSON_VALUES,
 )
+# A message's fields, each with what it takes (the fuzz below also sends them with any JSON value).
+_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 MESSAGES = st.lists(
     often(
         st.one_of(
@@ -307,27 +312,31 @@ def validation(tiny_model: Path) -> Validation:
 # --- properties -------------------------------------------------------------------------------------------------
 
 
-def test_every_field_is_fuzzed() -> None:
-    from conveyor.router import validation
+def _names(model: type[BaseModel]) -> set[str]:
+    """A model's fields as a body names them."""
+    return {info.alias or name for name, info in model.model_fields.items()}
 
-    assert set(TGI_VALID) == set(validation._CHECKS) | set(validation._UNSUPPORTED)
-    assert set(COMPLETION_VALID) == COMPLETION_FIELDS - {"prompt"}
-    assert set(CHAT_VALID) == CHAT_FIELDS - {"messages"}
+
+def test_every_field_is_fuzzed() -> None:
+    assert set(TGI_VALID) == _names(GenerateParameters)
+    assert set(COMPLETION_VALID) == _names(CompletionRequest) - {"prompt"}
+    assert set(CHAT_VALID) == _names(ChatRequest) - {"messages"}
+    assert set(_MESSAGE_FIELDS) == _names(Message)
 
 
 def check_valid(valid: ValidRequest) -> None:
     """What any request that passed validation satisfies."""
-    p = valid.parameters
+    p, s = valid.parameters, valid.parameters.sampling
     assert valid.inputs and 1 <= len(valid.input_ids) <= LIMITS.max_input_tokens
     assert p.max_new_tokens >= 1 and len(valid.input_ids) + p.max_new_tokens <= LIMITS.max_total_tokens
-    assert MIN_POSITIVE <= p.temperature <= MAX_TEMPERATURE
-    assert MIN_POSITIVE <= p.repetition_penalty <= MAX_REPETITION_PENALTY
-    assert MIN_POSITIVE <= p.top_p <= 1.0 and MIN_POSITIVE <= p.typical_p <= 1.0
-    assert -2.0 <= p.frequency_penalty <= 2.0 and -2.0 <= p.presence_penalty <= 2.0
-    assert 0 <= p.top_k < 2**32 and 0 <= p.top_n_tokens <= LIMITS.max_top_n_tokens
-    assert len(p.stop) <= LIMITS.max_stop_sequences and all(isinstance(s, str) and s for s in p.stop)
-    assert (p.seed is not None or not p.sampling) and (p.seed is None or 0 <= p.seed < 2**64)
-    assert all(isinstance(getattr(p, f), bool) for f in ("do_sample", "details", "ignore_eos", "return_full_text"))
+    assert MIN_POSITIVE <= s.temperature <= MAX_TEMPERATURE
+    assert MIN_POSITIVE <= s.repetition_penalty <= MAX_REPETITION_PENALTY
+    assert MIN_POSITIVE <= s.top_p <= 1.0 and MIN_POSITIVE <= s.typical_p <= 1.0 and 0.0 <= s.min_p <= 1.0
+    assert -2.0 <= s.frequency_penalty <= 2.0 and -2.0 <= s.presence_penalty <= 2.0
+    assert 0 <= s.top_k < 2**32 and 0 <= p.top_n_tokens <= LIMITS.max_top_n_tokens
+    assert len(p.stop) <= LIMITS.max_stop_sequences and all(isinstance(x, str) and x for x in p.stop)
+    assert (p.seed is not None or not s.samples) and (p.seed is None or 0 <= p.seed < 2**64)
+    assert all(isinstance(x, bool) for x in (s.do_sample, p.details, p.ignore_eos, p.return_full_text))
     for text in (valid.inputs, *p.stop):
         text.encode("utf-8")  # no lone surrogate reaches the tokenizer or protobuf
     sampling_pb(p)  # every value fits its protobuf field
@@ -380,7 +389,15 @@ def accepted(parse, body: dict, stream: bool) -> list[Choice] | None:
     for choice in choices:
         check_valid(choice.request)
         assert (choice.request.parameters.grammar is not None) == _asks_for_a_constraint(body)
+        sampling = choice.request.parameters.sampling
+        if body.get("temperature") == 0:  # greedy: every warper dropped, none turns sampling back on
+            assert not sampling.samples and all(getattr(sampling, name) == WARPERS[name] for name in WARPERS)
+        else:  # unset or positive: sampled, as OpenAI and vLLM do
+            assert sampling.samples
     return choices
+
+
+GUIDED_FIELDS = [name for name in ConstraintFields.model_fields if name.startswith("guided_")]
 
 
 def _asks_for_a_constraint(body: dict) -> bool:
@@ -388,7 +405,7 @@ def _asks_for_a_constraint(body: dict) -> bool:
     given = [
         (body.get("response_format") or {}).get("type") in ("json_object", "json_schema"),
         any(v is not None and v is not False for v in (body.get("structured_outputs") or {}).values()),
-        *(body.get(name) is not None for name in VLLM_FIELDS),
+        *(body.get(name) is not None for name in GUIDED_FIELDS),
         bool(body.get("tools"))
         and (body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict)),
     ]
@@ -426,6 +443,7 @@ SAMPLING = st.fixed_dictionaries(
         "top_k": st.integers(0, 100),
         "top_p": st.one_of(st.floats(min_value=0, max_value=1), st.sampled_from(EXTREMES)),
         "typical_p": st.one_of(st.floats(min_value=0, max_value=1), st.sampled_from(EXTREMES)),
+        "min_p": st.one_of(st.floats(min_value=0, max_value=1), st.sampled_from([*EXTREMES, 1.0])),
         "repetition_penalty": st.one_of(st.floats(min_value=0, max_value=200), st.sampled_from(EXTREMES)),
         "frequency_penalty": st.floats(min_value=-2, max_value=2),
         "presence_penalty": st.floats(min_value=-2, max_value=2),
@@ -454,7 +472,7 @@ def test_every_accepted_sampling_configuration_samples_a_real_token(
     assert all(
         math.isfinite(x) for x in (params.temperature, params.top_p, params.typical_p, params.repetition_penalty)
     )
-    assert params.sampling == valid.parameters.sampling
+    assert params.sampling == valid.parameters.sampling.samples
     generator = torch.Generator().manual_seed(logits_seed)
     logits = torch.randn((1, VOCAB), generator=generator) * scale
     sampler = Sampler.build([params], [[1, 2, 3, 2]], VOCAB, torch.device("cpu"), generated_ids=[[2]])

@@ -1,0 +1,199 @@
+"""TGI's API: `/generate`, `/generate_stream`, `/` and `/tokenize`, their answers, and `/info` and `/health`.
+
+`Sampling` holds the sampling parameters under TGI's names, which are also the router's and the shards' names:
+a field added here reaches the shards (`scheduler.sampling_pb` copies each one the shard proto has), the gRPC
+front door (`grpc_server.parameters_from_pb` reads each one its proto has) and, through `SharedSampling`, the
+OpenAI routes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from conveyor.router.api.base import (
+    UINT32_MAX,
+    Penalty,
+    Probability,
+    Schema,
+    Seed,
+    Text,
+    limited,
+    refused,
+)
+from conveyor.router.api.constraints import TgiGrammar
+from pydantic import AfterValidator, Field
+from typing_extensions import NotRequired, TypedDict
+
+# Sampling floats travel to the shards as float32, where a positive value below ~1e-45 is 0, which the shard
+# reads as "unset" (1.0): `temperature: 1e-50` sampled at temperature 1, `top_p: 1e-50` from the whole
+# vocabulary. So smaller values of temperature, top_p, typical_p and repetition_penalty are taken as this floor,
+# where the shard already picks the most likely token (it clamps temperature there itself).
+MIN_POSITIVE = 1e-6
+# `temperature: 1e308` is no request anyone means, and on the float32 wire it is infinity (NaN logits).
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+
+
+def _floor(value: float) -> float:
+    return max(value, MIN_POSITIVE)
+
+
+class _Warper:
+    """Marks a sampling field that reshapes the distribution: set away from its default, it implies sampling
+    (TGI's rule), greedy decoding drops it, and a model's generation_config.json default applies only when the
+    model samples."""
+
+
+WARPER = _Warper()
+FloorProbability = Annotated[Probability, AfterValidator(_floor)]
+
+
+class SharedSampling(Schema):
+    """The sampling fields TGI's and OpenAI's routes both take, under one name and one rule (OpenAI's own
+    temperature differs: 0 there means greedy)."""
+
+    top_k: Annotated[int, Field(ge=0, le=UINT32_MAX, description="Only the k most likely tokens (0: off)"), WARPER] = 0
+    top_p: Annotated[FloorProbability, Field(description="Nucleus sampling"), WARPER] = 1.0
+    typical_p: Annotated[FloorProbability, Field(description="Locally typical sampling"), WARPER] = 1.0
+    min_p: Annotated[
+        float,
+        Field(ge=0.0, le=1.0, description="Drops tokens less likely than min_p times the most likely one (0: off)"),
+        WARPER,
+    ] = 0.0
+    seed: Annotated[Seed, Field(description="A sampling request without one gets one, which its details report")] = None  # type: ignore[assignment]
+    repetition_penalty: Annotated[
+        float,
+        Field(gt=0.0, le=MAX_REPETITION_PENALTY, description="CTRL's: > 1 discourages repeats"),
+        AfterValidator(_floor),
+    ] = 1.0
+    frequency_penalty: Annotated[Penalty, Field(description="OpenAI's: minus penalty * times generated")] = 0.0
+    presence_penalty: Annotated[Penalty, Field(description="OpenAI's: minus penalty if generated at all")] = 0.0
+
+
+class Sampling(SharedSampling):
+    """TGI's sampling parameters: what the shards get, under the same names."""
+
+    temperature: Annotated[float, Field(gt=0.0, le=MAX_TEMPERATURE), AfterValidator(_floor), WARPER] = 1.0
+    do_sample: bool = False
+
+    @property
+    def samples(self) -> bool:
+        """TGI's rule: any warper that reshapes the distribution implies sampling from it, not argmax."""
+        return self.do_sample or any(getattr(self, name) != default for name, default in WARPERS.items())
+
+
+WARPERS: dict[str, Any] = {
+    name: info.default for name, info in Sampling.model_fields.items() if WARPER in info.metadata
+}
+
+
+class GenerateParameters(Sampling):
+    max_new_tokens: Annotated[
+        int, Field(ge=1, description="Default: what the total token limit leaves"), limited("max_total_tokens", 1)
+    ] = None  # type: ignore[assignment]
+    stop: Annotated[list[Text], limited("max_stop_sequences", description="Stop sequences (--max-stop-sequences)")] = []
+    truncate: Annotated[int, Field(ge=1, description="Keep the last n prompt tokens"), limited("max_input_tokens")] = (
+        None  # type: ignore[assignment]
+    )
+    details: bool = False
+    decoder_input_details: Annotated[bool, Field(description="Prompt log-probabilities; not with streaming")] = False
+    return_full_text: bool = False
+    top_n_tokens: Annotated[int, Field(ge=0), limited("max_top_n_tokens", description="Alternatives per token")] = 0
+    ignore_eos: bool = False
+    grammar: TgiGrammar | None = None
+    # TGI's parameters Conveyor does not implement.
+    best_of: refused(1, why="Conveyor has no best-of sampling") = None
+    watermark: refused(False, why="Conveyor does not watermark") = None
+    adapter_id: refused(why="Conveyor serves no adapters") = None
+
+
+class GenerateRequest(Schema):
+    inputs: Annotated[Text, Field(description="The prompt (its token limits are the server's: /info)")]
+    parameters: GenerateParameters = GenerateParameters()
+    stream: Annotated[bool, Field(description="On `/`: server-sent events")] = False  # huggingface_hub sends it
+
+
+# --- answers ---------------------------------------------------------------------------------------------------
+
+
+class Error(TypedDict):
+    error: str
+    error_type: str
+
+
+class Token(TypedDict):
+    id: int
+    text: str
+    logprob: Annotated[float | None, Field(description="null where there is none (-inf, or the first prompt token)")]
+    special: NotRequired[bool]
+
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class Details(TypedDict):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[Token]
+    tokens: list[Token]
+    top_tokens: NotRequired[list[list[Token]]]
+
+
+class GenerateResponse(TypedDict):
+    generated_text: str
+    details: NotRequired[Details]
+
+
+class StreamDetails(TypedDict):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class StreamEvent(TypedDict):
+    """One `data:` line per token; the last has generated_text (and details when asked). A stream that fails
+    after it started ends with an `Error` event instead."""
+
+    index: int
+    token: Token
+    top_tokens: NotRequired[list[Token]]
+    generated_text: str | None
+    details: StreamDetails | None
+
+
+class TokenOffset(TypedDict):
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class Info(TypedDict):
+    model_id: str
+    model_dtype: str
+    engine: str
+    max_concurrent_requests: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_stop_sequences: int
+    max_top_n_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    max_batch_size: int | None
+    num_shard: int
+    generation_defaults: Annotated[
+        dict[str, Any],
+        Field(description="The model's generation_config.json sampling, for what a request leaves unset"),
+    ]
+    weight_bytes: Annotated[int, Field(description="Rank 0's weights in memory, as loaded")]
+    quantize: Annotated[str | None, Field(description="Weight quantization (--quantize), or null")]
+    router: str
+    version: str
+    kv_blocks_free: NotRequired[int]
+    kv_blocks_total: NotRequired[int]
+
+
+class Health(TypedDict):
+    status: Literal["ok"]
