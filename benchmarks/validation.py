@@ -120,8 +120,10 @@ CORPUS: dict[str, tuple[str, dict]] = {
 def front_door(model_dir: Path) -> Callable[[str, bytes], object]:
     """A call from (route, raw body) to the internal request(s), as the routes make them (their request parsing,
     not their handlers: nothing is queued). The one place to change when the front door's code does."""
+    from conveyor.router.api.base import parse
+    from conveyor.router.api.openai import ChatRequest, CompletionRequest
     from conveyor.router.openai import OpenAIRoutes
-    from conveyor.router.validation import Limits, Validation, parse_json
+    from conveyor.router.validation import Limits, Validation
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -131,8 +133,9 @@ def front_door(model_dir: Path) -> Callable[[str, bytes], object]:
     def call(route: str, raw: bytes) -> object:
         if route == "generate":
             return validation.validate_json(raw, stream=False)
-        body = parse_json(raw)
-        return openai._completion_choices(body, False) if route == "completions" else openai._chat_choices(body, False)
+        if route == "completions":
+            return openai._completion_choices(parse(CompletionRequest, raw))
+        return openai._chat_choices(parse(ChatRequest, raw))
 
     return call
 

@@ -62,7 +62,12 @@ def span(
     links: list[Span] | None = None,
     **attributes,
 ) -> Iterator[Span]:
-    """A span under `parent` (a span, a context, or the current span when None)."""
+    """A span under `parent` (a span, a context, or the current span when None). With no tracer provider set
+    (no `--otlp-endpoint`), a span under the current one would be the current one again, unrecorded: it is
+    yielded as it is, which saves the ~9 us the no-op tracer takes to make it (a request's validation, a step)."""
+    if parent is None and not links and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        yield trace.get_current_span()
+        return
     ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
     span_links = [Link(s.get_span_context()) for s in links or []]
     with tracer().start_as_current_span(

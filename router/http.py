@@ -10,7 +10,8 @@ from typing import Any
 from aiohttp import web
 from conveyor.router import openapi
 from conveyor.router.api import tgi as api
-from conveyor.router.api.base import ValidationError
+from conveyor.router.api.base import ValidationError, parse
+from conveyor.router.api.tgi import GenerateRequest
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
 from conveyor.router.middleware import (
@@ -37,7 +38,7 @@ from conveyor.router.responses import (
     open_sse,
     send_sse,
 )
-from conveyor.router.validation import Limits, Validation, parse_json
+from conveyor.router.validation import Limits, Validation
 
 from conveyor import __version__
 
@@ -175,10 +176,10 @@ class HttpServer:
         """TGI's `POST /`: `stream` in the body picks streaming; the non-streaming answer is a one-item list.
         Hugging Face's `text-generation` client speaks only this route."""
         try:
-            body = await self.validation.off_loop(parse_json, await request.read())
+            body = await self.validation.off_loop(parse, GenerateRequest, await request.read())
         except ValidationError:
-            body = None
-        if isinstance(body, dict) and body.get("stream") is True:
+            body = None  # the route it goes to answers the error
+        if body is not None and body.stream:
             return await self.generate_stream(request)
         return await self.generate(request, as_list=True)
 

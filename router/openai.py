@@ -19,7 +19,14 @@ from typing import Any
 from aiohttp import web
 from conveyor.router.api import openai as api
 from conveyor.router.api.base import ValidationError, parse
-from conveyor.router.api.openai import MAX_CHOICES, ChatRequest, CompletionRequest, Message, MessageToolCall
+from conveyor.router.api.openai import (
+    MAX_CHOICES,
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    MessageToolCall,
+    OpenAIRequest,
+)
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
 from conveyor.router.request import ValidRequest, from_openai
@@ -32,7 +39,7 @@ from conveyor.router.responses import (
     send_sse,
 )
 from conveyor.router.tools import ToolStream, ToolUse, tool_use
-from conveyor.router.validation import Validation, check_limits, parse_json
+from conveyor.router.validation import Validation, check_limits
 
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 
@@ -73,8 +80,7 @@ class OpenAIRoutes:
 
     # --- request parsing ----------------------------------------------------------------------------------
 
-    def _completion_choices(self, body: object, stream: bool) -> list[Choice]:
-        request = parse(CompletionRequest, body)
+    def _completion_choices(self, request: CompletionRequest) -> list[Choice]:
         prompts = request.prompts
         if len(prompts) * request.n > MAX_CHOICES:
             raise ValidationError(f"at most {MAX_CHOICES} choices (prompts times `n`) per request")
@@ -82,13 +88,12 @@ class OpenAIRoutes:
         parameters = from_openai(request, request.max_tokens, request.logprobs, request.constraint())
         choices = []
         for p in prompts:
-            valid = self.validation.validate_prompt(p, parameters, stream=stream)
+            valid = self.validation.validate_prompt(p, parameters, stream=request.stream)
             for i in range(request.n):
                 choices.append(Choice(len(choices), _with_seed(valid, i)))
         return choices
 
-    def _chat_choices(self, body: object, stream: bool) -> list[Choice]:
-        request = parse(ChatRequest, body)
+    def _chat_choices(self, request: ChatRequest) -> list[Choice]:
         check_limits(request, self.validation.limits)
         tools = tool_use(request)
         prompt = self._render_chat([_message(m) for m in request.messages], tools)
@@ -103,7 +108,7 @@ class OpenAIRoutes:
                 )
             grammar = forced
         parameters = from_openai(request, request.max_new_tokens, top, grammar)
-        valid = self.validation.validate_prompt(prompt, parameters, stream=stream, add_special_tokens=False)
+        valid = self.validation.validate_prompt(prompt, parameters, stream=request.stream, add_special_tokens=False)
         return [Choice(i, _with_seed(valid, i), tools) for i in range(request.n)]
 
     def _render_chat(self, messages: list[dict], tools: ToolUse | None) -> str:
@@ -118,28 +123,32 @@ class OpenAIRoutes:
     # --- handlers -----------------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, self._completion_choices, CompletionFormat(self.model_id))
+        return await self._handle(request, CompletionRequest, self._completion_choices, CompletionFormat(self.model_id))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, self._chat_choices, ChatFormat(self.model_id))
+        return await self._handle(request, ChatRequest, self._chat_choices, ChatFormat(self.model_id))
 
-    async def _handle(self, request: web.Request, choices_of: Callable, fmt: Format) -> web.StreamResponse:
+    async def _handle(
+        self, request: web.Request, model: type[OpenAIRequest], choices_of: Callable, fmt: Format
+    ) -> web.StreamResponse:
+        def read(raw: bytes) -> tuple[OpenAIRequest, list[Choice]]:
+            body = parse(model, raw)
+            return body, choices_of(body)
+
         try:
-            body = await self.validation.off_loop(parse_json, await request.read())
-            stream = isinstance(body, dict) and body.get("stream") is True  # checked with the rest by the schema
-            choices = await self.validation.off_loop(choices_of, body, stream)
+            body, choices = await self.validation.off_loop(read, await request.read())
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
         wants_logprobs = any(c.request.parameters.top_n_tokens for c in choices)
-        if stream:
-            options = body.get("stream_options") or {}
-            return await self._stream(request, choices, fmt, options.get("include_usage") is True, wants_logprobs)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage is True
+            return await self._stream(request, choices, fmt, usage, wants_logprobs)
         try:
             responses = await asyncio.gather(*(self.infer.generate(c.request) for c in choices))
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
-        body = fmt.response([(c, r) for c, r in zip(choices, responses)], wants_logprobs)
-        return web.json_response(body)
+        answer = fmt.response([(c, r) for c, r in zip(choices, responses)], wants_logprobs)
+        return web.json_response(answer)
 
     async def _stream(
         self, request: web.Request, choices: list[Choice], fmt: Format, include_usage: bool, logprobs: bool

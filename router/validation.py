@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import json
 import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +28,8 @@ from pydantic import BaseModel
 from conveyor import tracing
 from conveyor.grammar import Constraint, GrammarCache, GrammarError
 
-__all__ = ["Limits", "Validation", "ValidationError", "parse_json"]
+__all__ = ["Limits", "Validation", "ValidationError"]
 
-# Deeper JSON than any real request needs; deeper bodies are refused before anything walks them recursively.
-MAX_JSON_DEPTH = 32
 # Threads that tokenize and validate, off the event loop (TGI's validation workers).
 VALIDATION_WORKERS = 2
 
@@ -47,35 +44,6 @@ class Limits:
 
 
 # --- Body shape -----------------------------------------------------------------------------------------------
-
-
-def parse_json(raw: bytes) -> object:
-    """A request body as JSON, or a ValidationError: malformed, not UTF-8, or nested deeper than MAX_JSON_DEPTH
-    (the parser itself recurses, so a body nested 100k deep would otherwise end in a RecursionError)."""
-    try:
-        body = json.loads(raw, parse_constant=_not_json)
-    except RecursionError:
-        raise ValidationError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as exc:  # malformed, not UTF-8, NaN or Infinity, an integer of over 4300 digits
-        raise ValidationError(f"request body is not valid JSON: {exc}") from None
-    _check_depth(body)
-    return body
-
-
-def _not_json(constant: str) -> None:
-    """Python's parser accepts NaN, Infinity and -Infinity, which JSON does not have."""
-    raise ValueError(f"{constant} is not a JSON value")
-
-
-def _check_depth(value: object) -> None:
-    """Iterative, so that checking a deep value cannot itself overflow the stack."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        if children and depth >= MAX_JSON_DEPTH:
-            raise ValidationError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
-        stack.extend((child, depth + 1) for child in children)
 
 
 # --- Token budget -------------------------------------------------------------------------------------------
@@ -154,10 +122,10 @@ class Validation:
         return await asyncio.get_running_loop().run_in_executor(self._workers, call)
 
     def validate_json(self, raw: bytes, *, stream: bool) -> ValidRequest:
-        return self.validate(parse_json(raw), stream=stream)
+        return self.validate(raw, stream=stream)
 
-    def validate(self, body: object, *, stream: bool) -> ValidRequest:
-        """A TGI body: `/generate`, `/generate_stream`, `/` and `/tokenize`."""
+    def validate(self, body: bytes | object, *, stream: bool) -> ValidRequest:
+        """A TGI body (`/generate`, `/generate_stream`, `/` and `/tokenize`), as bytes or Python values."""
         request = parse(GenerateRequest, body)
         return self.validate_tgi(request.inputs, request.parameters, stream=stream)
 

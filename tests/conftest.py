@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -185,10 +186,40 @@ def eos_probe(tiny_model: Path) -> EosProbe:
     return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and below the kernel's ephemeral range. A launcher binds its ports seconds after it is
+    given them (its shards start first); a port from the ephemeral range could meanwhile become the local end of
+    some outgoing connection (it did: the router failed with "address already in use"), one below it cannot.
+    Each port is given once per session."""
+    low = _ephemeral_low()
+    if low - PORTS_FROM < 1000:  # an unusual ephemeral range: take one the kernel picks
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for port in random.Random().sample(range(PORTS_FROM, low), min(400, low - PORTS_FROM)):
+        if port in _GIVEN_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN_PORTS.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORTS_FROM}-{low}")
+
+
+PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 @dataclass

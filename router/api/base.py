@@ -4,6 +4,7 @@ field Conveyor refuses, and pydantic's errors turned into Conveyor's one-line me
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -64,6 +65,13 @@ class Schema(BaseModel):
         return {k: v for k, v in value.items() if v is not None or k not in known}
 
 
+class Part(BaseModel):
+    """A part of a request that clients repeat many times (a chat message, a tool): as strict as `Schema`, but its
+    optional fields say `| None` themselves, which spares each part `Schema`'s pass over its values."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
 @functools.cache
 def _names(model: type[BaseModel]) -> frozenset[str]:
     """The names a body may use for `model`'s fields (an alias where one is set)."""
@@ -95,11 +103,28 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 def parse(model: type[Model], value: Any, where: str = "") -> Model:
-    """`value` as `model`, or a ValidationError naming the problem's field: "`parameters.top_k`: ..."."""
+    """`value` (a request body as bytes, or as Python values) as `model`, or a ValidationError naming the
+    problem's field: "`parameters.top_k`: ...". Bytes are parsed and checked in one pass, without building the
+    body as Python objects first (about half the cost); their JSON nests at most 200 levels deep."""
     try:
+        if isinstance(value, bytes):
+            return model.model_validate_json(value)
         return model.model_validate(value)
     except pydantic.ValidationError as exc:
-        raise ValidationError(problem(exc.errors(include_url=False), value, where)) from None
+        errors = exc.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            raise ValidationError(f"request body is not valid JSON: {errors[0]['ctx']['error']}") from None
+        body = _loads(value) if isinstance(value, bytes) else value
+        raise ValidationError(problem(errors, body, where)) from None
+
+
+def _loads(raw: bytes) -> Any:
+    """The body's JSON, whose keys name the fields in a message (None if Python's parser differs from pydantic's
+    and refuses it)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def problem(errors: list[Any], body: Any, where: str = "") -> str:
@@ -168,6 +193,7 @@ def limited(name: str, minus: int = 0, **kwargs: Any) -> Any:
     return Field(json_schema_extra={LIMIT: [name, minus]}, **kwargs)
 
 
+@functools.cache
 def limits_of(model: type[BaseModel]) -> dict[str, tuple[str, int]]:
     """The fields of `model` with a deployment's bound: name -> (the `Limits` field, less what)."""
     found = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from conveyor.router.api.base import Schema, Text, limited, refused
+from conveyor.router.api.base import Part, Text, limited, refused
 from conveyor.router.api.constraints import ConstraintFields
 from conveyor.router.api.tgi import MIN_POSITIVE, SharedSampling
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -94,16 +94,16 @@ class MessageToolCall(_Open):
     function: CalledFunction
 
 
-class Message(Schema):
+class Message(Part):
     """A message: system, user, assistant or tool. An assistant's may carry `tool_calls` instead of content (as
     OpenAI returns them: arguments as JSON text); any other message needs a string `content`; a tool's answers
     one of those calls by its `tool_call_id`."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: Annotated[str, Field(description="Required (a string) unless tool calls")] = None  # type: ignore[assignment]
-    name: str = None  # type: ignore[assignment]
-    tool_calls: Annotated[list[MessageToolCall], Field(description="Only on assistant messages")] = None  # type: ignore[assignment]
-    tool_call_id: Annotated[str, Field(description="Required on tool messages")] = None  # type: ignore[assignment]
+    content: Annotated[str | None, Field(description="Required (a string) unless tool calls")] = None
+    name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall] | None, Field(description="Only on assistant messages")] = None
+    tool_call_id: Annotated[str | None, Field(description="Required on tool messages")] = None
 
     @model_validator(mode="after")
     def _rules(self) -> Message:
@@ -121,25 +121,25 @@ FunctionName = Annotated[
 ]
 
 
-class FunctionSpec(Schema):
+class FunctionSpec(Part):
     name: FunctionName
-    description: str = None  # type: ignore[assignment]
+    description: str | None = None
     parameters: Annotated[
-        dict[str, Any], Field(description="The JSON Schema of the arguments (default: any JSON object)")
-    ] = None  # type: ignore[assignment]
+        dict[str, Any] | None, Field(description="The JSON Schema of the arguments (default: any JSON object)")
+    ] = None
     strict: bool | None = None
 
 
-class Tool(Schema):
+class Tool(Part):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(Schema):
+class NamedFunction(Part):
     name: Annotated[str, Field(description="One of `tools`")]
 
 
-class NamedToolChoice(Schema):
+class NamedToolChoice(Part):
     type: Literal["function"]
     function: NamedFunction
 

@@ -109,7 +109,7 @@ class GenerateParameters(Sampling):
 
 class GenerateRequest(Schema):
     inputs: Annotated[Text, Field(description="The prompt (its token limits are the server's: /info)")]
-    parameters: GenerateParameters = GenerateParameters()
+    parameters: Annotated[GenerateParameters, Field(default_factory=GenerateParameters)]  # a default is deep-copied
     stream: Annotated[bool, Field(description="On `/`: server-sent events")] = False  # huggingface_hub sends it
 
 

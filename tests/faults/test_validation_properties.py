@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from conveyor.router.api.base import parse
 from conveyor.router.api.constraints import ConstraintFields
 from conveyor.router.api.openai import ChatRequest, CompletionRequest, Message
 from conveyor.router.api.tgi import (
@@ -32,7 +33,7 @@ from conveyor.router.api.tgi import (
 from conveyor.router.openai import Choice, OpenAIRoutes
 from conveyor.router.request import ValidRequest
 from conveyor.router.scheduler import sampling_pb
-from conveyor.router.validation import Limits, Validation, ValidationError, parse_json
+from conveyor.router.validation import Limits, Validation, ValidationError
 from conveyor.shard.sampling import Sampler, SamplingParams
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -368,18 +369,18 @@ def test_any_tgi_body_is_valid_or_a_validation_error(validation: Validation, bod
         st.builds(lambda digits: b'{"a": ' + b"9" * digits + b"}", st.integers(1, 10_000)),
     )
 )
-def test_any_bytes_are_json_or_a_validation_error(raw: bytes) -> None:
+def test_any_bytes_are_a_request_or_a_validation_error(validation: Validation, raw: bytes) -> None:
     try:
-        parse_json(raw)
+        validation.validate(raw, stream=False)
     except ValidationError as exc:
         assert str(exc)
 
 
-def accepted(parse, body: dict, stream: bool) -> list[Choice] | None:
+def accepted(choices_of, model: type, body: dict, stream: bool) -> list[Choice] | None:
     """An OpenAI body parses into 1 to 8 valid requests, or is refused with a ValidationError; the choices if
     accepted. A constraint the body asks for is never accepted and ignored."""
     try:
-        choices = parse(body, stream)
+        choices = choices_of(parse(model, {"stream": stream, **body}))
     except ValidationError as exc:
         assert str(exc)
         event("refused")
@@ -416,14 +417,14 @@ def _asks_for_a_constraint(body: dict) -> bool:
 @given(body=COMPLETION_BODIES, stream=st.booleans())
 def test_any_completion_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
     routes = OpenAIRoutes(None, validation, "m")  # parsing only: no queue, no shards
-    accepted(routes._completion_choices, body, stream)
+    accepted(routes._completion_choices, CompletionRequest, body, stream)
 
 
 @examples(200)
 @given(body=CHAT_BODIES, stream=st.booleans())
 def test_any_chat_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
     routes = OpenAIRoutes(None, validation, "m")
-    choices = accepted(routes._chat_choices, body, stream)
+    choices = accepted(routes._chat_choices, ChatRequest, body, stream)
     if choices is not None:
         for name in ("functions", "logit_bias"):
             assert body.get(name) in (None, [], {})  # never accepted and ignored
