@@ -165,18 +165,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         return pb.TokenizeResponse(tokens=[pb.TokenOffset(id=i, text=t, start=a, stop=b) for i, t, a, b in tokens])
 
     async def Info(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
+        """`/info`'s fields that the message has, by name."""
         info = self.info.to_json()
-        return pb.ServerInfoResponse(
-            model_id=info["model_id"],
-            model_dtype=info["model_dtype"],
-            engine=info["engine"],
-            max_input_tokens=info["max_input_tokens"],
-            max_total_tokens=info["max_total_tokens"],
-            max_concurrent_requests=info["max_concurrent_requests"],
-            max_batch_total_tokens=info["max_batch_total_tokens"],
-            num_shard=info["num_shard"],
-            version=info["version"],
-        )
+        return pb.ServerInfoResponse(**{name: info[name] for name in pb.ServerInfoResponse.DESCRIPTOR.fields_by_name})
 
 
 @dataclass(frozen=True)

@@ -180,9 +180,11 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
             "title": "Conveyor",
             "version": version,
             "description": "LLM text generation with continuous batching: TGI's API and OpenAI's. Request bodies "
-            "are JSON (Content-Type application/json, or none). The schemas are the server's rules, except the "
-            "token limits: a prompt of more tokens than max_input_tokens, or inputs + new tokens beyond "
-            "max_total_tokens, is a 422. An integer is a JSON integer: 5.0 is refused where one is expected.",
+            "are JSON (Content-Type application/json, or none). The schemas are the server's own types, with this "
+            "deployment's limits; what they cannot state is a 422 too: a prompt of more tokens than "
+            "max_input_tokens, inputs + new tokens beyond max_total_tokens, and the rules between fields given in "
+            "each request's description. An integer is a JSON integer: 5.0 is refused where one is expected. A "
+            "null in an optional field is the same as leaving the field out.",
         },
         "paths": {
             "/": _post("TGI compatibility route (stream picks the shape)", "GenerateRequest", compat),
