@@ -33,6 +33,7 @@ class Parameters:
     top_n_tokens: int = 0
     truncate: int | None = None
     grammar: Constraint | None = None  # structured output: what the text must match
+    priority: int = 0  # lower is served first
 
     @property
     def seed(self) -> int | None:
@@ -69,6 +70,7 @@ def from_tgi(p: GenerateParameters) -> Parameters:
         top_n_tokens=p.top_n_tokens,
         truncate=p.truncate,
         grammar=p.grammar.constraint() if p.grammar is not None else None,
+        priority=p.priority,
     )
 
 
@@ -91,4 +93,5 @@ def from_openai(
         ignore_eos=request.ignore_eos,
         top_n_tokens=top_n_tokens,
         grammar=grammar,
+        priority=request.priority,
     )

@@ -57,6 +57,12 @@ class Sequence:
     queue_span: Span | None = None
 
     @property
+    def order(self) -> tuple[int, int]:
+        """Its place in the queue and in the running set: the lowest priority value first (vLLM's convention),
+        then the earliest arrival (ids are handed out as requests arrive)."""
+        return (self.request.parameters.priority, self.id)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.input_ids)
 

@@ -3,11 +3,11 @@
 There is no prefill phase and no decode phase, only steps (vLLM's view). Each step every running request gets
 tokens to compute: one for a decoding request, a chunk of its prompt for one still reading it, within a budget
 of `max_batch_prefill_tokens` prompt tokens per step (`prefill_chunk_tokens` while any request is decoding).
-Blocks are handed out as sequences grow into them; when none is left the newest running request is preempted
-(its blocks freed, back to the front of the queue, later recomputed from its prompt and the tokens it had
-generated), which the oldest requests never are, so they
-always progress. Waiting requests join only in a step that preempted nobody, reusing the blocks of their
-longest cached prefix and reading the rest in chunks.
+Blocks are handed out as sequences grow into them; when none is left the running request with the highest
+`priority` value, the newest among equals, is preempted (its blocks freed, back in the queue at its own place,
+later recomputed from its prompt and the tokens it had generated), which the oldest requests of the lowest value
+never are, so they always progress. Waiting requests join in (priority, arrival) order, only in a step that
+preempted nobody, reusing the blocks of their longest cached prefix and reading the rest in chunks.
 
 The planner mutates block tables and the queue as it decides; the scheduler sends the plan to the shards and
 advances each sequence's `num_computed_tokens` when the step succeeds.
@@ -15,6 +15,7 @@ advances each sequence's `num_computed_tokens` when the step succeeds.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -65,7 +66,9 @@ class StepPlan:
 
 
 class StepPlanner:
-    """Owns the running set (in admission order: the newest is preempted first) and the blocks it holds."""
+    """Owns the running set and the blocks it holds. The set is in (priority, arrival) order, which is admission
+    order among equals: sequences grow in that order, and the last, the highest priority value and newest among
+    equals, is preempted first."""
 
     def __init__(self, config: PlannerConfig, allocator: BlockAllocator, queue: Queue) -> None:
         self.config = config
@@ -139,8 +142,8 @@ class StepPlanner:
         plan.preempted.append(sequence)
 
     def requeue(self, sequence: Sequence) -> None:
-        """Back to the front of the queue holding nothing, to be recomputed from its prompt and the tokens it
-        had generated: after a preemption, or after a failed step."""
+        """Back in the queue (ahead of those of its priority who came later) holding nothing, to be recomputed
+        from its prompt and the tokens it had generated: after a preemption, or after a failed step."""
         if sequence in self.running:
             self.running.remove(sequence)
         self.release(sequence)
@@ -171,7 +174,7 @@ class StepPlanner:
                 break
             self.queue.popleft()
             sequence.status = SequenceStatus.RUNNING
-            self.running.append(sequence)
+            bisect.insort(self.running, sequence, key=lambda s: s.order)
             plan.admitted.append(sequence)
             budget -= sequence.step_tokens
             if sequence.suspect:

@@ -22,13 +22,16 @@ def make_sequence(
     max_new_tokens: int = 10,
     decoder_input_details: bool = False,
     queued_at: float | None = None,
+    priority: int = 0,
 ) -> Sequence:
     """A request whose prompt is `prompt` (or, given a length, tokens unique to this request)."""
     ids = tuple(range(n * 10_000, n * 10_000 + prompt)) if isinstance(prompt, int) else tuple(prompt)
     request = ValidRequest(
         inputs="x" * len(ids),
         input_ids=ids,
-        parameters=Parameters(max_new_tokens=max_new_tokens, decoder_input_details=decoder_input_details),
+        parameters=Parameters(
+            max_new_tokens=max_new_tokens, decoder_input_details=decoder_input_details, priority=priority
+        ),
     )
     sequence = Sequence(id=n, request=request)
     if queued_at is not None:
@@ -281,6 +284,28 @@ def test_the_newest_request_is_preempted_when_a_decode_needs_a_block() -> None:
     assert b.generated_ids[: len(b_generated)] == b_generated and len(b.generated_ids) == len(b_generated) + 1
 
 
+def test_the_lowest_priority_value_joins_first_then_arrival() -> None:
+    sim = Sim(max_batch_size=1)
+    late = [make_sequence(n, 2, max_new_tokens=1, priority=p) for n, p in enumerate([5, 0, 5, -1, 0])]
+    sim.submit(*late)
+    assert sim.queue.ordered() == [late[3], late[1], late[4], late[0], late[2]]
+    admitted = [sim.step().admitted for _ in range(5)]
+    assert admitted == [[late[3]], [late[1]], [late[4]], [late[0]], [late[2]]]
+
+
+def test_the_highest_priority_value_is_preempted_first_not_the_newest() -> None:
+    # As in the test above, but the newest (b) matters more: a, the older, is the one preempted.
+    sim = Sim(block_size=4, num_blocks=2, prefix_caching=False, max_batch_size=2)
+    a = make_sequence(0, 2, max_new_tokens=4, priority=1)
+    b = make_sequence(1, 4, max_new_tokens=3, priority=0)
+    sim.submit(a, b)
+    plan = sim.step()
+    assert plan.admitted == [b, a] and sim.planner.running == [b, a]  # the running set in (priority, arrival)
+    plan = sim.step()  # b's first decode needs a second block, which only a's can be
+    assert plan.preempted == [a] and sim.planner.running == [b]
+    assert sim.queue.peek() is a
+
+
 def test_a_request_preempts_itself_when_it_is_the_newest() -> None:
     sim = Sim(block_size=4, num_blocks=3, prefix_caching=False)
     a, b = make_sequence(0, 4, max_new_tokens=4), make_sequence(1, 4, max_new_tokens=4)
@@ -342,7 +367,7 @@ def _check_invariants(sim: Sim):
         running = sim.planner.running
         assert [s.id for s in running] == sorted(s.id for s in running)  # admission order
         assert all(s.status is SequenceStatus.RUNNING for s in running)
-        queued = list(sim.queue._sequences)
+        queued = sim.queue.ordered()
         assert [s.id for s in queued] == sorted(s.id for s in queued)  # preempted ones went back ahead of the rest
         assert all(s.status is SequenceStatus.WAITING and not s.block_table for s in queued)
         held: list[int] = []

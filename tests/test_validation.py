@@ -470,6 +470,7 @@ ODD_VALUES: list[Any] = [
 ]
 
 TGI_PARAMETER_NAMES = [
+    "priority",
     "temperature",
     "top_k",
     "top_p",

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from conveyor.router.api.base import Part, Text, limited, refused
 from conveyor.router.api.constraints import ConstraintFields
-from conveyor.router.api.tgi import MIN_POSITIVE, SharedSampling
+from conveyor.router.api.tgi import MIN_POSITIVE, Queueing, SharedSampling
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from typing_extensions import NotRequired, TypedDict
 
@@ -28,7 +28,7 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class OpenAIRequest(SharedSampling, ConstraintFields):
+class OpenAIRequest(SharedSampling, ConstraintFields, Queueing):
     """What both OpenAI routes take (each route's docstring gives the rules between fields)."""
 
     model: Annotated[str, Field(description="Any name: the server serves one model")] = None  # type: ignore[assignment]

@@ -87,7 +87,21 @@ WARPERS: dict[str, Any] = {
 }
 
 
-class GenerateParameters(Sampling):
+class Queueing(Schema):
+    """Where a request waits, on every front door."""
+
+    priority: Annotated[
+        int,
+        Field(
+            ge=-(2**31),
+            le=2**31 - 1,
+            description="Lower is served first (vLLM's convention): the queue admits the lowest (priority, "
+            "arrival), and when KV runs out the highest value is preempted first",
+        ),
+    ] = 0
+
+
+class GenerateParameters(Sampling, Queueing):
     max_new_tokens: Annotated[
         int, Field(ge=1, description="Default: what the total token limit leaves"), limited("max_total_tokens", 1)
     ] = None  # type: ignore[assignment]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63onveyor/v1/generate.proto\x12\x0b\x63onveyor.v1\"\xb1\x05\n\nParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x16\n\ttypical_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x16\n\tdo_sample\x18\x05 \x01(\x08H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\x0f\n\x07\x64\x65tails\x18\r \x01(\x08\x12\x1d\n\x15\x64\x65\x63oder_input_details\x18\x0e \x01(\x08\x12\x18\n\x10return_full_text\x18\x0f \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x10 \x01(\r\x12\x15\n\x08truncate\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12+\n\nconstraint\x18\x12 \x01(\x0b\x32\x17.conveyor.v1.Constraint\x12\x12\n\x05min_p\x18\x13 \x01(\x02H\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x0c\n\n_do_sampleB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x11\n\x0f_max_new_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_truncateB\x08\n\x06_min_p\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8e\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.conveyor.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"N\n\x0fGenerateRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12+\n\nparameters\x18\x02 \x01(\x0b\x32\x17.conveyor.v1.Parameters\"T\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07special\x18\x04 \x01(\x08\x42\n\n\x08_logprob\"/\n\tTopTokens\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.conveyor.v1.Token\"\xe1\x01\n\x07\x44\x65tails\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12#\n\x07prefill\x18\x04 \x03(\x0b\x32\x12.conveyor.v1.Token\x12\"\n\x06tokens\x18\x05 \x03(\x0b\x32\x12.conveyor.v1.Token\x12*\n\ntop_tokens\x18\x06 \x03(\x0b\x32\x16.conveyor.v1.TopTokens\x12\x14\n\x0cinput_length\x18\x07 \x01(\rB\x07\n\x05_seed\"b\n\x10GenerateResponse\x12\x16\n\x0egenerated_text\x18\x01 \x01(\t\x12*\n\x07\x64\x65tails\x18\x02 \x01(\x0b\x32\x14.conveyor.v1.DetailsH\x00\x88\x01\x01\x42\n\n\x08_details\"\xd2\x01\n\x0eStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12!\n\x05token\x18\x02 \x01(\x0b\x32\x12.conveyor.v1.Token\x12&\n\ntop_tokens\x18\x03 \x03(\x0b\x32\x12.conveyor.v1.Token\x12\x1b\n\x0egenerated_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12*\n\x07\x64\x65tails\x18\x05 \x01(\x0b\x32\x14.conveyor.v1.DetailsH\x01\x88\x01\x01\x42\x11\n\x0f_generated_textB\n\n\x08_details\"!\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\"D\n\x0bTokenOffset\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\"<\n\x10TokenizeResponse\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.conveyor.v1.TokenOffset\"\x13\n\x11ServerInfoRequest\"\xe4\x01\n\x12ServerInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x05 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x06 \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x07 \x01(\r\x12\x11\n\tnum_shard\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t2\xba\x02\n\x0eTextGeneration\x12G\n\x08Generate\x12\x1c.conveyor.v1.GenerateRequest\x1a\x1d.conveyor.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1c.conveyor.v1.GenerateRequest\x1a\x1b.conveyor.v1.StreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.conveyor.v1.TokenizeRequest\x1a\x1d.conveyor.v1.TokenizeResponse\x12G\n\x04Info\x12\x1e.conveyor.v1.ServerInfoRequest\x1a\x1f.conveyor.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63onveyor/v1/generate.proto\x12\x0b\x63onveyor.v1\"\xd5\x05\n\nParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x16\n\ttypical_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x16\n\tdo_sample\x18\x05 \x01(\x08H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\n\x88\x01\x01\x12\x0f\n\x07\x64\x65tails\x18\r \x01(\x08\x12\x1d\n\x15\x64\x65\x63oder_input_details\x18\x0e \x01(\x08\x12\x18\n\x10return_full_text\x18\x0f \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x10 \x01(\r\x12\x15\n\x08truncate\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12+\n\nconstraint\x18\x12 \x01(\x0b\x32\x17.conveyor.v1.Constraint\x12\x12\n\x05min_p\x18\x13 \x01(\x02H\x0c\x88\x01\x01\x12\x15\n\x08priority\x18\x14 \x01(\x05H\r\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x0c\n\n_do_sampleB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x11\n\x0f_max_new_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_truncateB\x08\n\x06_min_pB\x0b\n\t_priority\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8e\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.conveyor.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"N\n\x0fGenerateRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12+\n\nparameters\x18\x02 \x01(\x0b\x32\x17.conveyor.v1.Parameters\"T\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07special\x18\x04 \x01(\x08\x42\n\n\x08_logprob\"/\n\tTopTokens\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.conveyor.v1.Token\"\xe1\x01\n\x07\x44\x65tails\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12#\n\x07prefill\x18\x04 \x03(\x0b\x32\x12.conveyor.v1.Token\x12\"\n\x06tokens\x18\x05 \x03(\x0b\x32\x12.conveyor.v1.Token\x12*\n\ntop_tokens\x18\x06 \x03(\x0b\x32\x16.conveyor.v1.TopTokens\x12\x14\n\x0cinput_length\x18\x07 \x01(\rB\x07\n\x05_seed\"b\n\x10GenerateResponse\x12\x16\n\x0egenerated_text\x18\x01 \x01(\t\x12*\n\x07\x64\x65tails\x18\x02 \x01(\x0b\x32\x14.conveyor.v1.DetailsH\x00\x88\x01\x01\x42\n\n\x08_details\"\xd2\x01\n\x0eStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12!\n\x05token\x18\x02 \x01(\x0b\x32\x12.conveyor.v1.Token\x12&\n\ntop_tokens\x18\x03 \x03(\x0b\x32\x12.conveyor.v1.Token\x12\x1b\n\x0egenerated_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12*\n\x07\x64\x65tails\x18\x05 \x01(\x0b\x32\x14.conveyor.v1.DetailsH\x01\x88\x01\x01\x42\x11\n\x0f_generated_textB\n\n\x08_details\"!\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\"D\n\x0bTokenOffset\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\"<\n\x10TokenizeResponse\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.conveyor.v1.TokenOffset\"\x13\n\x11ServerInfoRequest\"\xe4\x01\n\x12ServerInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x05 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x06 \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x07 \x01(\r\x12\x11\n\tnum_shard\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t2\xba\x02\n\x0eTextGeneration\x12G\n\x08Generate\x12\x1c.conveyor.v1.GenerateRequest\x1a\x1d.conveyor.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1c.conveyor.v1.GenerateRequest\x1a\x1b.conveyor.v1.StreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.conveyor.v1.TokenizeRequest\x1a\x1d.conveyor.v1.TokenizeResponse\x12G\n\x04Info\x12\x1e.conveyor.v1.ServerInfoRequest\x1a\x1f.conveyor.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'conveyor.v1.generate_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PARAMETERS']._serialized_start=44
-  _globals['_PARAMETERS']._serialized_end=733
-  _globals['_CHOICES']._serialized_start=735
-  _globals['_CHOICES']._serialized_end=761
-  _globals['_CONSTRAINT']._serialized_start=764
-  _globals['_CONSTRAINT']._serialized_end=906
-  _globals['_GENERATEREQUEST']._serialized_start=908
-  _globals['_GENERATEREQUEST']._serialized_end=986
-  _globals['_TOKEN']._serialized_start=988
-  _globals['_TOKEN']._serialized_end=1072
-  _globals['_TOPTOKENS']._serialized_start=1074
-  _globals['_TOPTOKENS']._serialized_end=1121
-  _globals['_DETAILS']._serialized_start=1124
-  _globals['_DETAILS']._serialized_end=1349
-  _globals['_GENERATERESPONSE']._serialized_start=1351
-  _globals['_GENERATERESPONSE']._serialized_end=1449
-  _globals['_STREAMRESPONSE']._serialized_start=1452
-  _globals['_STREAMRESPONSE']._serialized_end=1662
-  _globals['_TOKENIZEREQUEST']._serialized_start=1664
-  _globals['_TOKENIZEREQUEST']._serialized_end=1697
-  _globals['_TOKENOFFSET']._serialized_start=1699
-  _globals['_TOKENOFFSET']._serialized_end=1767
-  _globals['_TOKENIZERESPONSE']._serialized_start=1769
-  _globals['_TOKENIZERESPONSE']._serialized_end=1829
-  _globals['_SERVERINFOREQUEST']._serialized_start=1831
-  _globals['_SERVERINFOREQUEST']._serialized_end=1850
-  _globals['_SERVERINFORESPONSE']._serialized_start=1853
-  _globals['_SERVERINFORESPONSE']._serialized_end=2081
-  _globals['_TEXTGENERATION']._serialized_start=2084
-  _globals['_TEXTGENERATION']._serialized_end=2398
+  _globals['_PARAMETERS']._serialized_end=769
+  _globals['_CHOICES']._serialized_start=771
+  _globals['_CHOICES']._serialized_end=797
+  _globals['_CONSTRAINT']._serialized_start=800
+  _globals['_CONSTRAINT']._serialized_end=942
+  _globals['_GENERATEREQUEST']._serialized_start=944
+  _globals['_GENERATEREQUEST']._serialized_end=1022
+  _globals['_TOKEN']._serialized_start=1024
+  _globals['_TOKEN']._serialized_end=1108
+  _globals['_TOPTOKENS']._serialized_start=1110
+  _globals['_TOPTOKENS']._serialized_end=1157
+  _globals['_DETAILS']._serialized_start=1160
+  _globals['_DETAILS']._serialized_end=1385
+  _globals['_GENERATERESPONSE']._serialized_start=1387
+  _globals['_GENERATERESPONSE']._serialized_end=1485
+  _globals['_STREAMRESPONSE']._serialized_start=1488
+  _globals['_STREAMRESPONSE']._serialized_end=1698
+  _globals['_TOKENIZEREQUEST']._serialized_start=1700
+  _globals['_TOKENIZEREQUEST']._serialized_end=1733
+  _globals['_TOKENOFFSET']._serialized_start=1735
+  _globals['_TOKENOFFSET']._serialized_end=1803
+  _globals['_TOKENIZERESPONSE']._serialized_start=1805
+  _globals['_TOKENIZERESPONSE']._serialized_end=1865
+  _globals['_SERVERINFOREQUEST']._serialized_start=1867
+  _globals['_SERVERINFOREQUEST']._serialized_end=1886
+  _globals['_SERVERINFORESPONSE']._serialized_start=1889
+  _globals['_SERVERINFORESPONSE']._serialized_end=2117
+  _globals['_TEXTGENERATION']._serialized_start=2120
+  _globals['_TEXTGENERATION']._serialized_end=2434
 # @@protoc_insertion_point(module_scope)

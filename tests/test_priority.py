@@ -1,0 +1,92 @@
+"""`priority` through the real processes: on a one-row batch, a request of a lower priority value sent after four
+others waiting is served before the ones still waiting, on TGI's and OpenAI's routes and over gRPC.
+
+(Admission and preemption by priority, step by step, are in tests/test_step_planner.py.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Server, start_server, wait_for
+from conveyor.client import Client
+
+LONG = 200  # tokens each low-priority request generates: the queue stays full while the urgent one is sent
+
+
+@pytest.fixture(scope="module")
+def one_row(tiny_model: Path) -> Iterator[Server]:
+    server = start_server(tiny_model, "--max-batch-size", "1", "--max-total-tokens", "512")
+    yield server
+    assert server.stop() == 0
+
+
+def _queue_size(server: Server) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("conveyor_queue_size "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _served_in_order(server: Server, urgent: Callable[[], None]) -> list[str]:
+    """Four low-priority requests (one runs, three wait), then `urgent`: the order in which they finished."""
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def low(name: str) -> None:
+        body = {"inputs": "x", "parameters": {"max_new_tokens": LONG, "ignore_eos": True, "priority": 5}}
+        assert httpx.post(f"{server.url}/generate", json=body, timeout=300).status_code == 200
+        with lock:
+            finished.append(name)
+
+    def high() -> None:
+        urgent()
+        with lock:
+            finished.append("urgent")
+
+    lows = [threading.Thread(target=low, args=(f"low{i}",)) for i in range(4)]
+    for thread in lows:
+        thread.start()
+    wait_for(lambda: _queue_size(server) >= 3, 120, "three low-priority requests waiting")
+    urgent_thread = threading.Thread(target=high)
+    urgent_thread.start()
+    for thread in [*lows, urgent_thread]:
+        thread.join(300)
+    return finished
+
+
+def test_tgi_route(one_row: Server) -> None:
+    def urgent() -> None:
+        body = {"inputs": "y", "parameters": {"max_new_tokens": 4, "priority": -1}}
+        assert httpx.post(f"{one_row.url}/generate", json=body, timeout=300).status_code == 200
+
+    order = _served_in_order(one_row, urgent)
+    assert len(order) == 5 and order.index("urgent") <= 1, order  # after the one running at most
+
+
+def test_openai_route(one_row: Server) -> None:
+    def urgent() -> None:
+        body = {"prompt": "y", "max_tokens": 4, "priority": -1}
+        assert httpx.post(f"{one_row.url}/v1/completions", json=body, timeout=300).status_code == 200
+
+    order = _served_in_order(one_row, urgent)
+    assert len(order) == 5 and order.index("urgent") <= 1, order
+
+
+def test_grpc_front_door(one_row: Server) -> None:
+    def urgent() -> None:
+        with Client(one_row.grpc, timeout=300) as client:
+            client.generate("y", max_new_tokens=4, priority=-1)
+
+    order = _served_in_order(one_row, urgent)
+    assert len(order) == 5 and order.index("urgent") <= 1, order
+
+
+def test_a_priority_out_of_range_is_a_422(one_row: Server) -> None:
+    body = {"inputs": "y", "parameters": {"priority": 2**31}}
+    response = httpx.post(f"{one_row.url}/generate", json=body)
+    assert response.status_code == 422 and "priority" in response.json()["error"]
