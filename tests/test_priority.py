@@ -33,7 +33,10 @@ def _queue_size(server: Server) -> float:
 
 
 def _served_in_order(server: Server, urgent: Callable[[], None]) -> list[str]:
-    """Four low-priority requests (one runs, three wait), then `urgent`: the order in which they finished."""
+    """Four low-priority requests (one runs, three wait), then `urgent`: the order in which they finished.
+    Served first come, first served, `urgent` would finish last; by priority it finishes right after the one
+    running when it came (second, or third if that one finished and the next started before `urgent` reached
+    the queue: a slow machine's allowance; each low one generates LONG tokens)."""
     finished: list[str] = []
     lock = threading.Lock()
 
@@ -65,7 +68,7 @@ def test_tgi_route(one_row: Server) -> None:
         assert httpx.post(f"{one_row.url}/generate", json=body, timeout=300).status_code == 200
 
     order = _served_in_order(one_row, urgent)
-    assert len(order) == 5 and order.index("urgent") <= 1, order  # after the one running at most
+    assert len(order) == 5 and order.index("urgent") <= 2, order
 
 
 def test_openai_route(one_row: Server) -> None:
@@ -74,7 +77,7 @@ def test_openai_route(one_row: Server) -> None:
         assert httpx.post(f"{one_row.url}/v1/completions", json=body, timeout=300).status_code == 200
 
     order = _served_in_order(one_row, urgent)
-    assert len(order) == 5 and order.index("urgent") <= 1, order
+    assert len(order) == 5 and order.index("urgent") <= 2, order
 
 
 def test_grpc_front_door(one_row: Server) -> None:
@@ -83,7 +86,7 @@ def test_grpc_front_door(one_row: Server) -> None:
             client.generate("y", max_new_tokens=4, priority=-1)
 
     order = _served_in_order(one_row, urgent)
-    assert len(order) == 5 and order.index("urgent") <= 1, order
+    assert len(order) == 5 and order.index("urgent") <= 2, order
 
 
 def test_a_priority_out_of_range_is_a_422(one_row: Server) -> None:

@@ -191,6 +191,8 @@ SHARED_VALID = {
     "repetition_penalty": POSITIVE,
     "frequency_penalty": PENALTY,
     "presence_penalty": PENALTY,
+    # Not sampling, but on both APIs alike (`Queueing`).
+    "priority": st.integers(-(2**31), 2**31 - 1),
 }
 TGI_VALID = {
     **SHARED_VALID,
