@@ -132,7 +132,7 @@ def front_door(model_dir: Path) -> Callable[[str, bytes], object]:
 
     def call(route: str, raw: bytes) -> object:
         if route == "generate":
-            return validation.validate_json(raw, stream=False)
+            return validation.validate(raw, stream=False)
         if route == "completions":
             return openai._completion_choices(parse(CompletionRequest, raw))
         return openai._chat_choices(parse(ChatRequest, raw))

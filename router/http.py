@@ -161,7 +161,7 @@ class HttpServer:
 
     async def _validated(self, request: web.Request, stream: bool) -> ValidRequest:
         raw = await request.read()
-        return await self.validation.off_loop(self.validation.validate_json, raw, stream=stream)
+        return await self.validation.off_loop(self.validation.validate, raw, stream=stream)
 
     async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
         try:

@@ -121,9 +121,6 @@ class Validation:
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._workers, call)
 
-    def validate_json(self, raw: bytes, *, stream: bool) -> ValidRequest:
-        return self.validate(raw, stream=stream)
-
     def validate(self, body: bytes | object, *, stream: bool) -> ValidRequest:
         """A TGI body (`/generate`, `/generate_stream`, `/` and `/tokenize`), as bytes or Python values."""
         request = parse(GenerateRequest, body)

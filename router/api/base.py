@@ -44,16 +44,22 @@ def _null_is_unset(schema: dict[str, Any]) -> None:
             schema["properties"][name] = _nullable(field)
 
 
-class Schema(BaseModel):
+class Part(BaseModel):
+    """A part of a request that clients repeat many times (a chat message, a tool): JSON's types taken strictly,
+    unknown fields refused (see `Schema`), but its optional fields say `| None` themselves, which spares each part
+    `Schema`'s pass over its values."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Schema(Part):
     """A request body (or a part of one). JSON's types are taken strictly, as TGI does: `true` is not a number,
     `5.0` is not an integer, NaN and infinity are not numbers. An unknown field is refused rather than ignored,
     since an ignored field the client meant (a misspelt `temprature`) would silently answer another request. A
     null is "unset" (clients such as huggingface_hub send every parameter, most as null), so it takes the
     default, and `model_fields_set` tells what the request gave."""
 
-    model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=True, allow_inf_nan=False, json_schema_extra=_null_is_unset
-    )
+    model_config = ConfigDict(json_schema_extra=_null_is_unset)
 
     @model_validator(mode="before")
     @classmethod
@@ -63,13 +69,6 @@ class Schema(BaseModel):
             return value
         known = _names(cls)
         return {k: v for k, v in value.items() if v is not None or k not in known}
-
-
-class Part(BaseModel):
-    """A part of a request that clients repeat many times (a chat message, a tool): as strict as `Schema`, but its
-    optional fields say `| None` themselves, which spares each part `Schema`'s pass over its values."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 @functools.cache

@@ -138,17 +138,19 @@ class StructuredOutputs(Schema):
             raise ValueError(f"takes one constraint. Given: {', '.join(given)}")
         return self
 
+    def _values(self) -> dict[str, Any]:
+        """Each kind's value under its name in the body (`json`, not the attribute's `json_`)."""
+        return {info.alias or name: getattr(self, name) for name, info in type(self).model_fields.items()}
+
     def given(self) -> list[str]:
-        return [
-            k for k, unset in _UNSET.items() if getattr(self, k + ("_" if k == "json" else "")) not in (None, unset)
-        ]
+        values = self._values()
+        return [kind for kind, unset in _UNSET.items() if values[kind] not in (None, unset)]
 
     def constraint(self) -> Constraint | None:
         given = self.given()
         if not given:
             return None
-        value = getattr(self, given[0] + ("_" if given[0] == "json" else ""))
-        return build(given[0], value, f"structured_outputs.{given[0]}")
+        return build(given[0], self._values()[given[0]], f"structured_outputs.{given[0]}")
 
 
 class ConstraintFields(Schema):

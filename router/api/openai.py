@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from conveyor.router.api.base import Part, Text, limited, refused
 from conveyor.router.api.constraints import ConstraintFields
 from conveyor.router.api.tgi import MIN_POSITIVE, Queueing, SharedSampling
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 from typing_extensions import NotRequired, TypedDict
 
 MAX_CHOICES = 8  # n, and prompts per completion request, at most
@@ -23,8 +23,7 @@ def _greedy_or_floor(temperature: float) -> float:
     return temperature if temperature == 0 else max(temperature, MIN_POSITIVE)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+class StreamOptions(Part):
     include_usage: bool | None = None
 
 
@@ -76,11 +75,11 @@ class CompletionRequest(OpenAIRequest):
 # --- chat --------------------------------------------------------------------------------------------------------
 
 
-class _Open(BaseModel):
+class _Open(Part):
     """A part of a message as OpenAI returns it, which clients send back whole: fields beyond those named pass
     to the chat template."""
 
-    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow")
 
 
 class CalledFunction(_Open):

@@ -73,7 +73,7 @@ async def test_validation_runs_on_a_worker_with_the_callers_context(tiny_model) 
     name, seen = await validation.off_loop(where)
     assert name.startswith("validation") and name != threading.current_thread().name
     assert seen == "caller"
-    valid = await validation.off_loop(validation.validate_json, b'{"inputs": "def f():"}', stream=False)
+    valid = await validation.off_loop(validation.validate, b'{"inputs": "def f():"}', stream=False)
     assert valid.input_ids
     assert asyncio.get_running_loop().is_running()
 
