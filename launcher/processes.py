@@ -135,11 +135,26 @@ class Deployment:
                 self.config.master_addr, self.config.master_port, self.config.node_rank == 0, timeout
             )
             self.epoch = self.store.epoch
-        self._start_shards(deadline, should_stop)
+        self._start_group(deadline, should_stop)
         if self.config.node_rank == 0:
             argv = replace(self.config, shard_address=self.addresses[0].url).to_argv()
             self.router = self._spawn("router", "conveyor.router.main", argv, dict(os.environ))
             self._wait(self.router, lambda: _http_ok(f"{self.router_url}/health"), deadline, should_stop)
+
+    def _start_group(self, deadline: float, should_stop: Callable[[], bool]) -> None:
+        """Starts this node's ranks. With several nodes, a node that starts (or comes back) while another node
+        restarts the group can start its ranks in an epoch that is already over: they die meeting peers that are
+        gone, or the epoch moves under them. Then they start again in the current epoch, until the deadline."""
+        while True:
+            try:
+                return self._start_shards(deadline, should_stop)
+            except (EpochMoved, ChildDied) as exc:
+                if self.store is None or isinstance(exc, StartupTimeout) or time.monotonic() > deadline:
+                    raise
+                log.warning("group start overtaken; starting again", extra={"cause": str(exc)})
+                self._group_failure()  # a rank of this node died: move the epoch on, so that the others follow
+                self._kill_shards()
+                self.epoch = self.store.epoch
 
     def _start_shards(self, deadline: float, should_stop: Callable[[], bool]) -> None:
         argv, world_size = self.config.to_argv(), self.config.nnodes * self.num_shard
@@ -229,10 +244,7 @@ class Deployment:
         """Kills what is left of the group (its survivors may wait in a collective for ever) and starts it anew.
         With several nodes, a start that another node's restart overtakes, or that loses a rank while the nodes
         meet, is one more failure for `watch` to count."""
-        for shard in self.shards:
-            shard.kill()
-        self.shards = []
-        self._remove_sockets()
+        self._kill_shards()
         if self.store is not None:
             self.epoch = self.store.epoch
         try:
@@ -243,6 +255,12 @@ class Deployment:
             log.warning("group restart interrupted", extra={"cause": str(exc)})
             return
         log.warning("shards restarted", extra={"epoch": self.epoch})
+
+    def _kill_shards(self) -> None:
+        for shard in self.shards:
+            shard.kill()
+        self.shards = []
+        self._remove_sockets()
 
     def stop(self, timeout: float) -> None:
         if self.router is not None:
