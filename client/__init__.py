@@ -3,11 +3,13 @@ own transport to its shards is not public API and lives with it (`conveyor.route
 
 from conveyor.client.client import (
     AsyncClient,
+    CancelledError,
     Client,
     ConnectionError,
     ConveyorError,
     Details,
     GenerationError,
+    NotFoundError,
     OverloadedError,
     Response,
     StreamResponse,
@@ -19,11 +21,13 @@ from conveyor.client.client import (
 
 __all__ = [
     "AsyncClient",
+    "CancelledError",
     "Client",
     "ConnectionError",
     "ConveyorError",
     "Details",
     "GenerationError",
+    "NotFoundError",
     "OverloadedError",
     "Response",
     "StreamResponse",

@@ -41,6 +41,14 @@ class UnauthorizedError(ConveyorError):
     """Missing or wrong API key (HTTP 401)."""
 
 
+class CancelledError(ConveyorError):
+    """The request was cancelled by its id (`cancel`, or HTTP's `DELETE /v1/requests/{id}`) before it finished."""
+
+
+class NotFoundError(ConveyorError):
+    """No request of that id is queued or running for this API key (HTTP 404)."""
+
+
 class ConnectionError(ConveyorError):  # noqa: A001 - the name users expect beside the others
     """The server could not be reached, or the call timed out."""
 
@@ -51,6 +59,8 @@ _ERRORS = {
     grpc.StatusCode.UNAVAILABLE: GenerationError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthorizedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: ConnectionError,
+    grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
 }
 
 
@@ -190,9 +200,10 @@ class _Options:
     root_certificates: bytes | None = None
     metadata: list[tuple[str, str]] = field(default_factory=list)
 
-    def call_metadata(self) -> list[tuple[str, str]]:
+    def call_metadata(self, request_id: str | None = None) -> list[tuple[str, str]]:
         auth = [("authorization", f"Bearer {self.api_key}")] if self.api_key else []
-        return [*auth, *self.metadata]
+        named = [("x-request-id", request_id)] if request_id else []
+        return [*auth, *named, *self.metadata]
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.root_certificates)
@@ -225,18 +236,19 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _kwargs(self) -> dict:
-        return {"timeout": self._options.timeout, "metadata": self._options.call_metadata()}
+    def _kwargs(self, request_id: str | None = None) -> dict:
+        return {"timeout": self._options.timeout, "metadata": self._options.call_metadata(request_id)}
 
-    def generate(self, prompt: str, **parameters) -> Response:
+    def generate(self, prompt: str, *, request_id: str | None = None, **parameters) -> Response:
+        """`request_id` names the request, so that it can be listed and cancelled while it runs."""
         try:
-            return _response(self._stub.Generate(_request(prompt, **parameters), **self._kwargs()))
+            return _response(self._stub.Generate(_request(prompt, **parameters), **self._kwargs(request_id)))
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
-    def generate_stream(self, prompt: str, **parameters) -> Iterator[StreamResponse]:
+    def generate_stream(self, prompt: str, *, request_id: str | None = None, **parameters) -> Iterator[StreamResponse]:
         """Leaving the loop early cancels the call, and the server frees the request's batch slot."""
-        call = self._stub.GenerateStream(_request(prompt, **parameters), **self._kwargs())
+        call = self._stub.GenerateStream(_request(prompt, **parameters), **self._kwargs(request_id))
         try:
             for message in call:
                 yield _stream_response(message)
@@ -255,6 +267,20 @@ class Client:
     def info(self) -> pb.ServerInfoResponse:
         try:
             return self._stub.Info(pb.ServerInfoRequest(), **self._kwargs())
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def list_requests(self) -> list[pb.RequestState]:
+        """This key's requests queued or running (every key's, for an admin key)."""
+        try:
+            return list(self._stub.ListRequests(pb.ListRequestsRequest(), **self._kwargs()).requests)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def cancel(self, request_id: str) -> None:
+        """Cancels a queued or running request of this key (any key's, for an admin key); NotFoundError if none."""
+        try:
+            self._stub.CancelRequest(pb.CancelRequestRequest(id=request_id), **self._kwargs())
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -286,17 +312,19 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _kwargs(self) -> dict:
-        return {"timeout": self._options.timeout, "metadata": self._options.call_metadata()}
+    def _kwargs(self, request_id: str | None = None) -> dict:
+        return {"timeout": self._options.timeout, "metadata": self._options.call_metadata(request_id)}
 
-    async def generate(self, prompt: str, **parameters) -> Response:
+    async def generate(self, prompt: str, *, request_id: str | None = None, **parameters) -> Response:
         try:
-            return _response(await self._stub.Generate(_request(prompt, **parameters), **self._kwargs()))
+            return _response(await self._stub.Generate(_request(prompt, **parameters), **self._kwargs(request_id)))
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
-    async def generate_stream(self, prompt: str, **parameters) -> AsyncIterator[StreamResponse]:
-        call = self._stub.GenerateStream(_request(prompt, **parameters), **self._kwargs())
+    async def generate_stream(
+        self, prompt: str, *, request_id: str | None = None, **parameters
+    ) -> AsyncIterator[StreamResponse]:
+        call = self._stub.GenerateStream(_request(prompt, **parameters), **self._kwargs(request_id))
         try:
             async for message in call:
                 yield _stream_response(message)
@@ -315,5 +343,17 @@ class AsyncClient:
     async def info(self) -> pb.ServerInfoResponse:
         try:
             return await self._stub.Info(pb.ServerInfoRequest(), **self._kwargs())
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    async def list_requests(self) -> list[pb.RequestState]:
+        try:
+            return list((await self._stub.ListRequests(pb.ListRequestsRequest(), **self._kwargs())).requests)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    async def cancel(self, request_id: str) -> None:
+        try:
+            await self._stub.CancelRequest(pb.CancelRequestRequest(id=request_id), **self._kwargs())
         except grpc.RpcError as exc:
             raise _error(exc) from None

@@ -91,6 +91,11 @@ class Config:
     api_key: str | None = flag(
         None, "required as 'Authorization: Bearer KEY' on POST routes (default: $CONVEYOR_API_KEY)"
     )
+    api_keys_file: str | None = flag(
+        None,
+        "JSON file of API keys, each with a name and optionally a weight (fair share), max_concurrent, top_priority "
+        "and admin (README: Keys and fair shares)",
+    )
     payload_limit: int = flag(2_000_000, "largest request body in bytes (413 above)")
     max_concurrent_requests: int = flag(128, "requests in flight at once; more are refused with 429")
     # Token limits (defaults from the model, see router/limits.py)

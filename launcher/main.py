@@ -21,6 +21,7 @@ from pathlib import Path
 
 from conveyor.launcher.model_source import resolve_model
 from conveyor.launcher.processes import ChildDied, Deployment
+from conveyor.router.keys import load_keys
 
 from conveyor import config
 from conveyor import log as conveyor_log
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     conveyor_log.setup("launcher", args.log_level)
     args = check_nodes(args)
+    load_keys(args.api_keys_file, args.api_key)  # a bad keys file stops here, before any shard starts
     # The children read secrets from the environment, which keeps them out of `ps`.
     for name, variable in config.SECRET.items():
         if getattr(args, name):

@@ -18,14 +18,17 @@ from conveyor.router.api.tgi import GenerateParameters
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.http import ServerInfo
 from conveyor.router.infer import Infer, Response
+from conveyor.router.keys import ApiKey, KeyRing
+from conveyor.router.middleware import name_request
 from conveyor.router.request import Parameters, ValidRequest
+from conveyor.router.request_control import rows
 from conveyor.router.responses import (
+    CANCELLED,
     GENERATION,
     REQUEST_ERRORS,
     UNAUTHORIZED,
     VALIDATION,
     Details,
-    authorized,
     details,
     failure_of,
     full_text,
@@ -85,22 +88,21 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 class TextGenerationService(pb_grpc.TextGenerationServicer):
-    def __init__(self, infer: Infer, validation: Validation, info: ServerInfo, api_key: str | None) -> None:
+    def __init__(self, infer: Infer, validation: Validation, info: ServerInfo, keys: KeyRing | None = None) -> None:
         self.infer = infer
         self.validation = validation
         self.info = info
-        self.api_key = api_key
+        self.keys = keys or KeyRing()
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if not self.api_key:
-            return
-        given = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not authorized(given, self.api_key):
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> ApiKey:
+        key = self.keys.identify(dict(context.invocation_metadata() or ()).get("authorization", ""))
+        if key is None:
             self.infer.metrics.requests.labels(UNAUTHORIZED.error_type).inc()
             await context.abort(UNAUTHORIZED.grpc_code, "a valid API key is required: Bearer <key>")
+        assert key is not None
+        return key
 
     async def _validate(self, request: pb.GenerateRequest, context, stream: bool) -> ValidRequest:
-        await self._authorize(context)
         try:
             parameters, constraint = parameters_from_pb(request.parameters)
             return await self.validation.off_loop(
@@ -116,9 +118,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             return await self._generate(request, context)
 
     async def _generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        key = await self._authorize(context)
         valid = await self._validate(request, context, stream=False)
         try:
-            response: Response = await self.infer.generate(valid)
+            response: Response = await self.infer.generate(valid, key, await _request_id(context))
         except REQUEST_ERRORS as exc:
             await _abort(context, exc)
         finished = response.finished
@@ -133,16 +136,18 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 yield message
 
     async def _generate_stream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.StreamResponse]:
+        key = await self._authorize(context)
         valid = await self._validate(request, context, stream=True)
         async with AsyncExitStack() as stack:  # leaving it, a cancelled call leaves the batch at the next step
             try:
-                events = await stack.enter_async_context(self.infer.stream(valid))
+                events = await stack.enter_async_context(self.infer.stream(valid, key, await _request_id(context)))
             except REQUEST_ERRORS as exc:
                 await _abort(context, exc)
             index = 0
             async for event in events:
                 if isinstance(event, ErrorEvent):
-                    await context.abort(GENERATION.grpc_code, event.message)
+                    code = CANCELLED.grpc_code if event.error_type == CANCELLED.error_type else GENERATION.grpc_code
+                    await context.abort(code, event.message)
                 index += 1
                 yield self._stream_message(valid, event, index)
 
@@ -164,10 +169,29 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         tokens = await self.validation.off_loop(self.validation.token_offsets, valid)
         return pb.TokenizeResponse(tokens=[pb.TokenOffset(id=i, text=t, start=a, stop=b) for i, t, a, b in tokens])
 
+    async def ListRequests(self, request: pb.ListRequestsRequest, context) -> pb.ListRequestsResponse:
+        key = await self._authorize(context)
+        return pb.ListRequestsResponse(requests=[pb.RequestState(**row) for row in rows(self.infer.of(key))])
+
+    async def CancelRequest(self, request: pb.CancelRequestRequest, context) -> pb.CancelRequestResponse:
+        key = await self._authorize(context)
+        if not self.infer.cancel(request.id, key):
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no request {request.id!r} is queued or running for this key"
+            )
+        return pb.CancelRequestResponse(id=request.id, status="cancelled")
+
     async def Info(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
         """`/info`'s fields that the message has, by name."""
         info = self.info.to_json()
         return pb.ServerInfoResponse(**{name: info[name] for name in pb.ServerInfoResponse.DESCRIPTOR.fields_by_name})
+
+
+async def _request_id(context: grpc.aio.ServicerContext) -> str:
+    """The call's `x-request-id` if it is a safe token, else a new one; sent back in the initial metadata."""
+    name = name_request(dict(context.invocation_metadata() or ()).get("x-request-id", ""))
+    await context.send_initial_metadata((("x-request-id", name),))
+    return name
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,24 @@ from conveyor.router import openapi
 from conveyor.router.api import tgi as api
 from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.tgi import GenerateRequest
+from conveyor.router.dashboard import Dashboard
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
+from conveyor.router.keys import KeyRing
 from conveyor.router.middleware import (
-    api_key_middleware,
+    caller,
     draining_middleware,
     json_body_middleware,
     json_errors_middleware,
     json_protocol_errors,
+    key_middleware,
+    request_id,
+    send_request_id,
     trace_middleware,
 )
 from conveyor.router.openai import OpenAIRoutes
 from conveyor.router.request import ValidRequest
+from conveyor.router.request_control import RequestControl
 from conveyor.router.responses import (
     REQUEST_ERRORS,
     UNAUTHORIZED,
@@ -125,13 +131,13 @@ class HttpServer:
         infer: Infer,
         validation: Validation,
         info: ServerInfo,
-        api_key: str | None = None,
+        keys: KeyRing | None = None,
         payload_limit: int = 2_000_000,
     ) -> None:
         self.infer = infer
         self.validation = validation
         self.info = info
-        self.api_key = api_key
+        self.keys = keys or KeyRing()
         self.payload_limit = payload_limit
         self.draining = False
 
@@ -143,11 +149,12 @@ class HttpServer:
                 trace_middleware,
                 self._count_refusals,
                 json_errors_middleware,
-                api_key_middleware(self.api_key),
+                key_middleware(self.keys),
                 draining_middleware(lambda: self.draining),
                 json_body_middleware,
             ],
         )
+        app.on_response_prepare.append(send_request_id)
         app.router.add_post("/", self.compat)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/generate_stream", self.generate_stream)
@@ -157,6 +164,8 @@ class HttpServer:
         app.router.add_get("/metrics", self.get_metrics)
         app.router.add_get("/openapi.json", self.get_openapi)
         OpenAIRoutes(self.infer, self.validation, self.info.model_id).register(app)
+        RequestControl(self.infer).register(app)
+        Dashboard(self.infer, self.info).register(app)
         return app
 
     async def _validated(self, request: web.Request, stream: bool) -> ValidRequest:
@@ -166,7 +175,7 @@ class HttpServer:
     async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
         try:
             valid = await self._validated(request, stream=False)
-            response = await self.infer.generate(valid)
+            response = await self.infer.generate(valid, caller(request), request_id(request))
         except REQUEST_ERRORS as exc:
             return error_response(exc)
         body = self._generate_json(valid, response)
@@ -195,7 +204,7 @@ class HttpServer:
         async with AsyncExitStack() as stack:
             try:
                 valid = await self._validated(request, stream=True)
-                events = await stack.enter_async_context(self.infer.stream(valid))
+                events = await stack.enter_async_context(self.infer.stream(valid, caller(request), request_id(request)))
             except REQUEST_ERRORS as exc:
                 return error_response(exc)
             response = await open_sse(request, proxy_buffering=False)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from conveyor.router.events import ErrorEvent, Event, Finished, Token, TokenEvent
+from conveyor.router.keys import ANONYMOUS, ApiKey
+from conveyor.router.live_stats import LiveStats
 from conveyor.router.metrics import Metrics
 from conveyor.router.request import ValidRequest
 from conveyor.router.scheduler import Scheduler
@@ -27,6 +30,13 @@ class GenerationError(RuntimeError):
 
 class UnavailableError(RuntimeError):
     """The server stopped before the request could finish."""
+
+
+class RequestCancelled(RuntimeError):
+    """Someone cancelled the request by its id (`DELETE /v1/requests/{id}`) before it finished."""
+
+
+_ERRORS = {"unavailable": UnavailableError, "cancelled": RequestCancelled}
 
 
 @dataclass
@@ -53,64 +63,120 @@ class Infer:
         self.scheduler = scheduler
         self.max_concurrent_requests = max_concurrent_requests
         self.metrics = metrics
-        self.in_flight = 0
+        self.sequences: dict[int, Sequence] = {}  # every request queued or running, by its sequence id
+        self._by_key: Counter[str] = Counter()  # how many of them each key has
+        self.live = LiveStats()  # the last minute's tokens and latencies, for the dashboard
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.sequences)
 
     @asynccontextmanager
-    async def stream(self, request: ValidRequest) -> AsyncIterator[AsyncIterator[Event]]:
-        """Queues the request and yields its events; leaving the block early cancels it.
+    async def stream(
+        self, request: ValidRequest, key: ApiKey = ANONYMOUS, request_id: str = ""
+    ) -> AsyncIterator[AsyncIterator[Event]]:
+        """Queues the request, made with `key` and named `request_id` by its caller, and yields its events;
+        leaving the block early cancels it.
 
         The slot is taken here, before anything is awaited, so the 429 answer is immediate.
         """
-        if self.in_flight >= self.max_concurrent_requests:
-            self.metrics.requests.labels("overloaded").inc()
-            raise OverloadedError("Model is overloaded")
-        self.in_flight += 1
+        self._admit(key)
         if request.parameters.grammar is not None:
             self.metrics.constrained_requests.labels(request.parameters.grammar.kind).inc()
-        sequence = Sequence(id=self.scheduler.new_request_id(), request=request, span=trace.get_current_span())
+        if (priority := key.priority(request.parameters.priority)) != request.parameters.priority:
+            request = replace(request, parameters=replace(request.parameters, priority=priority))
+        sequence = Sequence(
+            id=self.scheduler.new_request_id(),
+            request=request,
+            key=key,
+            request_id=request_id,
+            span=trace.get_current_span(),
+        )
         sequence.queue_span = tracing.tracer().start_span("queue", context=trace.set_span_in_context(sequence.span))
+        self.sequences[sequence.id] = sequence
+        self._by_key[key.name] += 1
+        self.metrics.key_in_flight.labels(key.name).inc()
         try:
             self.scheduler.submit(sequence)
-            yield _events(sequence, self.metrics)
+            yield _events(sequence, self.metrics, self.live)
         finally:
             if not sequence.is_finished:
                 sequence.cancelled = True  # the scheduler filters it out at its next step
-                self.metrics.requests.labels("cancelled").inc()
+                self._count("cancelled", key)
             if sequence.queue_span.is_recording():
                 sequence.queue_span.end()  # left before it was ever batched
-            self.in_flight -= 1
+            del self.sequences[sequence.id]
+            self._by_key[key.name] -= 1
+            self.metrics.key_in_flight.labels(key.name).dec()
 
-    async def generate(self, request: ValidRequest) -> Response:
+    def _admit(self, key: ApiKey) -> None:
+        """Refuses (429) a request past the server's limit or its key's cap, saying which."""
+        if self.in_flight >= self.max_concurrent_requests:
+            self._count("overloaded", key)
+            raise OverloadedError(
+                f"Model is overloaded: {self.in_flight} requests in flight, the server's cap "
+                f"(--max-concurrent-requests {self.max_concurrent_requests})"
+            )
+        if key.max_concurrent is not None and self._by_key[key.name] >= key.max_concurrent:
+            self._count("overloaded", key)
+            raise OverloadedError(
+                f"API key {key.name!r} has {self._by_key[key.name]} requests in flight, its cap "
+                f"(max_concurrent {key.max_concurrent})"
+            )
+
+    def _count(self, outcome: str, key: ApiKey) -> None:
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.key_requests.labels(key.name, outcome).inc()
+
+    def of(self, caller: ApiKey) -> list[Sequence]:
+        """The requests in flight that `caller` may see and cancel, oldest first."""
+        return [s for s in self.sequences.values() if caller.may_manage(s.key)]
+
+    def cancel(self, request_id: str, caller: ApiKey) -> list[Sequence]:
+        """Ends the requests in flight named `request_id` that `caller` may cancel, with a `cancelled` error
+        event; a waiting one never runs, a running one leaves the batch (and its blocks) at the next step."""
+        cancelled = [s for s in self.of(caller) if s.request_id == request_id and not s.is_finished]
+        for sequence in cancelled:
+            sequence.fail(f"request {request_id} was cancelled by {caller.name!r}", "cancelled")
+            sequence.cancelled = True
+        return cancelled
+
+    async def generate(self, request: ValidRequest, key: ApiKey = ANONYMOUS, request_id: str = "") -> Response:
         response = Response()
-        async with self.stream(request) as events:
+        async with self.stream(request, key, request_id) as events:
             async for event in events:
                 if isinstance(event, ErrorEvent):
-                    kind = UnavailableError if event.error_type == "unavailable" else GenerationError
-                    raise kind(event.message)
+                    raise _ERRORS.get(event.error_type, GenerationError)(event.message)
                 if event.prefill:
                     response.prefill = event.prefill
                 response.events.append(event)
         return response
 
 
-async def _events(sequence: Sequence, metrics: Metrics) -> AsyncIterator[Event]:
+async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> AsyncIterator[Event]:
     """The sequence's events as they arrive, timed: first token, gaps between tokens, whole request."""
     last: float | None = None
+    key = sequence.key.name
     while True:
         event = await sequence.events.get()
         now = time.monotonic()
         if isinstance(event, ErrorEvent):
             metrics.requests.labels(event.error_type).inc()
+            metrics.key_requests.labels(key, event.error_type).inc()
             yield event
             return
         metrics.generated_tokens.inc()
+        metrics.key_generated_tokens.labels(key).inc()
         if last is None:
             metrics.ttft.observe(now - sequence.queued_at)
+            live.first_token(now, now - sequence.queued_at)
         else:
             metrics.itl.observe(now - last)
+            live.next_token(now, now - last)
         last = now
         if event.finished is not None:
             metrics.requests.labels("success").inc()
+            metrics.key_requests.labels(key, "success").inc()
             metrics.duration.observe(now - sequence.queued_at)
         yield event
         if event.finished is not None:

@@ -24,6 +24,7 @@ from conveyor.router.connect import Connection, connect, first_connect, shard_ad
 from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
+from conveyor.router.keys import load_keys
 from conveyor.router.limits import LimitError
 from conveyor.router.metrics import Metrics
 from conveyor.router.scheduler import Reconnect, Scheduler
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 async def run(args: Config) -> None:
     from transformers import AutoTokenizer
 
+    keys = load_keys(args.api_keys_file, args.api_key)
     tokenizer = AutoTokenizer.from_pretrained(args.model_id)
     security = Security.from_config(args)
     group = GroupStore(args.master_addr, args.master_port, False, args.startup_timeout) if args.nnodes > 1 else None
@@ -72,7 +74,7 @@ async def run(args: Config) -> None:
             weight_bytes=shard_info.weight_bytes,
             quantize=shard_info.quantize or None,
         ),
-        api_key=args.api_key,
+        keys=keys,
         payload_limit=args.payload_limit,
     )
     stop = asyncio.Event()
@@ -84,7 +86,7 @@ async def run(args: Config) -> None:
 
     grpc_server = None
     if args.grpc_port:
-        service = TextGenerationService(infer, server.validation, server.info, args.api_key)
+        service = TextGenerationService(infer, server.validation, server.info, keys)
         grpc_server = await grpc_front_door.start(service, args.hostname, args.grpc_port)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

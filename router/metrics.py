@@ -58,6 +58,16 @@ class Metrics:
         self.ttft = self._histogram("conveyor_time_to_first_token_seconds", "Time from arrival to the first token")
         self.itl = self._histogram("conveyor_inter_token_latency_seconds", "Time between two tokens of a stream")
         self.duration = self._histogram("conveyor_request_duration_seconds", "Time from arrival to the last token")
+        # Per API key, by the key's name (never the key itself): a shared server's tenants side by side.
+        self.key_requests = Counter(
+            "conveyor_key_requests", "Requests by API key name and outcome", ["key", "outcome"], registry=r
+        )
+        self.key_generated_tokens = Counter(
+            "conveyor_key_generated_tokens", "Tokens generated and sent, by API key name", ["key"], registry=r
+        )
+        self.key_in_flight = Gauge(
+            "conveyor_key_in_flight", "Requests queued or running, by API key name", ["key"], registry=r
+        )
         self.step = Histogram(
             "conveyor_batch_step_duration_seconds",
             "Prefill and decode steps, RPC included",

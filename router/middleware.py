@@ -1,17 +1,20 @@
-"""The aiohttp middlewares every route shares: the trace of each generation call, the API key on generation
-routes, the JSON Content-Type of request bodies, and JSON bodies for the errors aiohttp raises itself (an
-oversized body, an unknown route, a body that does not decompress, a request it cannot even parse), so that
-every error has one shape."""
+"""The aiohttp middlewares every route shares: the trace of each generation call, the API key (which tenant
+calls) and the request's id, the JSON Content-Type of request bodies, and JSON bodies for the errors aiohttp
+raises itself (an oversized body, an unknown route, a body that does not decompress, a request it cannot even
+parse), so that every error has one shape."""
 
 from __future__ import annotations
 
 import logging
+import re
+import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
-from conveyor.router.responses import UNAUTHORIZED, authorized, error_body, json_error
+from conveyor.router.keys import ApiKey, KeyRing
+from conveyor.router.responses import UNAUTHORIZED, error_body, json_error
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
@@ -34,15 +37,47 @@ async def trace_middleware(request: web.Request, handler: Handler) -> web.Stream
         return response
 
 
-def api_key_middleware(api_key: str | None) -> Middleware:
-    """POST routes (generation, tokenization) need `Authorization: Bearer <key>`; GET routes (health, info,
-    metrics, models, the OpenAPI document) stay open for probes and scrapers."""
+# GET routes that show requests or their owners: behind the API key like every POST and DELETE route. The other
+# GET routes (health, info, metrics, models, the OpenAPI document, the dashboard's page) stay open for probes and
+# scrapers; the dashboard's page reads its figures from /dashboard/state.
+PRIVATE_GETS = frozenset({"/v1/requests", "/dashboard/state"})
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:~-]{1,128}")
+
+
+def name_request(given: str) -> str:
+    """A request's id, sent back to its caller and used to cancel it: the caller's own (`X-Request-Id`, gRPC's
+    `x-request-id`) if it is a safe token (at most 128 letters, digits or `._:~-`), else a new one."""
+    return given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+def request_id(request: web.Request) -> str:
+    if "request_id" not in request:
+        request["request_id"] = name_request(request.headers.get("X-Request-Id", ""))
+    return request["request_id"]
+
+
+async def send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response carries `X-Request-Id`, streams (whose headers leave before the handler ends) and errors
+    included: an `on_response_prepare` signal, not a middleware."""
+    response.headers["X-Request-Id"] = request_id(request)
+
+
+def caller(request: web.Request) -> ApiKey:
+    """The key a request came with (`key_middleware` checked it)."""
+    return request["key"]
+
+
+def key_middleware(keys: KeyRing) -> Middleware:
+    """Which API key calls (`Authorization: Bearer <key>`), for POST and DELETE routes and `PRIVATE_GETS`; an open
+    server (no key) lets everyone in as "anonymous"."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method == "POST" and not authorized(request.headers.get("Authorization", ""), api_key):
+        key = keys.identify(request.headers.get("Authorization", ""))
+        if key is None and (request.method in ("POST", "DELETE") or request.path in PRIVATE_GETS):
             message = "a valid API key is required: Authorization: Bearer <key>"
             return json_error(UNAUTHORIZED.status, message, UNAUTHORIZED.error_type, openai=_openai(request))
+        request["key"] = key
         return await handler(request)
 
     return middleware

@@ -29,6 +29,7 @@ from conveyor.router.api.openai import (
 )
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
+from conveyor.router.middleware import caller, request_id
 from conveyor.router.request import ValidRequest, from_openai
 from conveyor.router.responses import (
     REQUEST_ERRORS,
@@ -144,7 +145,8 @@ class OpenAIRoutes:
             usage = body.stream_options is not None and body.stream_options.include_usage is True
             return await self._stream(request, choices, fmt, usage, wants_logprobs)
         try:
-            responses = await asyncio.gather(*(self.infer.generate(c.request) for c in choices))
+            key, name = caller(request), request_id(request)
+            responses = await asyncio.gather(*(self.infer.generate(c.request, key, name) for c in choices))
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
         answer = fmt.response([(c, r) for c, r in zip(choices, responses)], wants_logprobs)
@@ -155,7 +157,8 @@ class OpenAIRoutes:
     ) -> web.StreamResponse:
         async with AsyncExitStack() as stack:
             try:
-                streams = [await stack.enter_async_context(self.infer.stream(c.request)) for c in choices]
+                key, name = caller(request), request_id(request)
+                streams = [await stack.enter_async_context(self.infer.stream(c.request, key, name)) for c in choices]
             except REQUEST_ERRORS as exc:
                 return error_response(exc, openai=True)
             response = await open_sse(request)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from conveyor.router.api import openai, tgi
+from conveyor.router.api import openai, service, tgi
 from conveyor.router.api.base import LIMIT
 from conveyor.router.validation import Limits
 from pydantic import TypeAdapter
@@ -43,6 +43,9 @@ SCHEMAS: dict[str, Any] = {
     "ChatCompletionChunk": openai.ChatCompletionChunk,
     "Models": openai.Models,
     "OpenAIError": openai.OpenAIError,
+    "RequestList": service.RequestList,
+    "Cancelled": service.Cancelled,
+    "DashboardState": service.DashboardState,
 }
 
 
@@ -135,7 +138,10 @@ def _errors(openai: bool) -> dict:
         "415": _error("The body is declared as something other than JSON", openai),
         "422": _error("Invalid input, or a prompt too long in tokens for the limits", openai),
         "424": _error("The generation failed", openai),
-        "429": _error("Too many requests in flight (--max-concurrent-requests)", openai),
+        "429": _error(
+            "Too many requests in flight (--max-concurrent-requests, or the API key's max_concurrent)", openai
+        ),
+        "499": _error("Cancelled by its id (DELETE /v1/requests/{id}) before it finished", openai),
         "503": _error("The server is shutting down, or its shards are restarting", openai),
     }
 
@@ -208,6 +214,32 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
             "/metrics": _get(
                 "Prometheus metrics",
                 {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            ),
+            "/v1/requests": _get(
+                "The caller's requests queued or running (every key's, for an admin key)",
+                _json(_ref("RequestList")),
+                **{"401": _error("Missing or wrong API key", False)},
+            ),
+            "/v1/requests/{id}": {
+                "delete": {
+                    "summary": "Cancel a queued or running request by its X-Request-Id",
+                    "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {
+                        "200": _json(_ref("Cancelled")),
+                        "401": _error("Missing or wrong API key", False),
+                        "404": _error("No such request in flight for this API key", False),
+                    },
+                }
+            },
+            "/dashboard": _get(
+                "The live dashboard: one self-contained HTML page that polls /dashboard/state",
+                {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},
+            ),
+            "/dashboard/state": _get(
+                "What the dashboard shows: the model, queue, batch, KV pool, throughput, latencies and the "
+                "caller's requests (every key's, for an admin key)",
+                _json(_ref("DashboardState")),
+                **{"401": _error("Missing or wrong API key", False)},
             ),
             "/openapi.json": _get(
                 "This document",

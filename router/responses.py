@@ -1,10 +1,9 @@
 """What the front doors (TGI's HTTP routes, the OpenAI routes, gRPC) answer, written once so that they cannot
 drift apart: the status each of the router's errors gets, the JSON error body, a finished generation's details,
-server-sent events, and the API key check."""
+and server-sent events."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ import grpc
 from aiohttp import web
 from conveyor.router.api.base import ValidationError
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
-from conveyor.router.infer import GenerationError, OverloadedError, UnavailableError
+from conveyor.router.infer import GenerationError, OverloadedError, RequestCancelled, UnavailableError
 from conveyor.router.request import ValidRequest
 
 
@@ -35,12 +34,15 @@ OVERLOADED = Failure(429, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, "ove
 GENERATION = Failure(424, "generation", grpc.StatusCode.UNAVAILABLE)
 UNAUTHORIZED = Failure(401, "unauthorized", grpc.StatusCode.UNAUTHENTICATED)
 UNAVAILABLE = Failure(503, "unavailable", grpc.StatusCode.UNAVAILABLE)
+# Cancelled by its id: 499, the status Google's API design maps gRPC's CANCELLED to (nginx's "client closed").
+CANCELLED = Failure(499, "cancelled", grpc.StatusCode.CANCELLED, "cancelled")
 
 _FAILURES: dict[type[Exception], Failure] = {
     ValidationError: VALIDATION,
     OverloadedError: OVERLOADED,
     GenerationError: GENERATION,
     UnavailableError: UNAVAILABLE,
+    RequestCancelled: CANCELLED,
 }
 REQUEST_ERRORS = tuple(_FAILURES)  # what validating, queueing or generating a request can raise
 
@@ -147,16 +149,3 @@ async def open_sse(request: web.Request, proxy_buffering: bool = True) -> web.St
 
 async def send_sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-
-# --- the API key --------------------------------------------------------------------------------------------
-
-
-def authorized(authorization: str, api_key: str | None) -> bool:
-    """Whether an `Authorization` value (HTTP header or gRPC metadata) is `Bearer <api_key>`; without a key
-    everyone is. The key is compared in constant time, so the answer's timing does not tell how much of a guess
-    was right."""
-    if not api_key:
-        return True
-    scheme, _, given = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), api_key.encode())

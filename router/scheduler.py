@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.connect import Connection
-from conveyor.router.events import ErrorEvent, events_from_generation
+from conveyor.router.events import events_from_generation
 from conveyor.router.metrics import Metrics
 from conveyor.router.queue import Queue
 from conveyor.router.request import Parameters
@@ -276,7 +276,7 @@ class Scheduler:
             sequence.num_replays += sequence in blamed
             if sequence.num_replays > self.max_request_retries:
                 self.planner.remove(sequence)
-                _end(sequence, f"the request was in {sequence.num_replays} failed steps, the last: {message}")
+                sequence.fail(f"the request was in {sequence.num_replays} failed steps, the last: {message}")
                 continue
             sequence.suspect = True
             self.planner.requeue(sequence)
@@ -306,7 +306,7 @@ class Scheduler:
         for sequence in [*self.running, *self.queue.take_all()]:
             self.planner.remove(sequence)
             if not sequence.is_finished:
-                _end(sequence, message, "unavailable")
+                sequence.fail(message, "unavailable")
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -314,11 +314,6 @@ class Scheduler:
         self.metrics.batch_size.set(len(self.running))
         self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
         self.metrics.kv_blocks_used.set(self.allocator.num_blocks - self.allocator.free_blocks)
-
-
-def _end(sequence: Sequence, message: str, error_type: str = "generation") -> None:
-    sequence.status = SequenceStatus.FINISHED
-    sequence.events.put_nowait(ErrorEvent(message, error_type))
 
 
 def request_pb(sequence: Sequence) -> pb.Request:

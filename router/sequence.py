@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from conveyor.router.events import Event
+from conveyor.router.events import ErrorEvent, Event
+from conveyor.router.keys import ANONYMOUS, ApiKey
 from conveyor.router.request import ValidRequest
 from opentelemetry.trace import Span
 
@@ -27,6 +28,8 @@ class Sequence:
     id: int
     request: ValidRequest
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    key: ApiKey = ANONYMOUS  # who made it: its share of the queue, and who may see and cancel it
+    request_id: str = ""  # the caller's name for it (X-Request-Id), by which it is listed and cancelled
     status: SequenceStatus = SequenceStatus.WAITING
     # Set by the front door when the client goes away; the loop drops the sequence at its next step.
     cancelled: bool = False
@@ -57,10 +60,14 @@ class Sequence:
     queue_span: Span | None = None
 
     @property
+    def priority(self) -> int:
+        return self.request.parameters.priority
+
+    @property
     def order(self) -> tuple[int, int]:
-        """Its place in the queue and in the running set: the lowest priority value first (vLLM's convention),
-        then the earliest arrival (ids are handed out as requests arrive)."""
-        return (self.request.parameters.priority, self.id)
+        """Its place in the running set: the lowest priority value first (vLLM's convention), then the earliest
+        arrival (ids are handed out as requests arrive)."""
+        return (self.priority, self.id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,6 +89,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def fail(self, message: str, error_type: str = "generation") -> None:
+        """Ends it with an error event: its stream's last."""
+        self.status = SequenceStatus.FINISHED
+        self.events.put_nowait(ErrorEvent(message, error_type))
 
     def plan_step(self, tokens: int, new_blocks: list[int] = ()) -> None:
         self.step_tokens = tokens

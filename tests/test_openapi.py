@@ -7,6 +7,7 @@ import jsonschema
 import pytest
 from conftest import Server
 from conveyor.router.http import HttpServer
+from conveyor.router.keys import KeyRing
 from openapi_spec_validator import validate
 
 
@@ -28,7 +29,7 @@ def test_it_lists_every_route_the_app_serves(server: Server) -> None:
     app = HttpServer.__new__(HttpServer)  # the routing table only: no model, no shards
     app.infer = app.validation = None
     app.info = type("Info", (), {"model_id": "m"})()
-    app.api_key, app.payload_limit, app.draining = None, 1, False
+    app.keys, app.payload_limit, app.draining = KeyRing(), 1, False
     served = {
         (route.resource.canonical, route.method.lower())
         for route in app.app().router.routes()

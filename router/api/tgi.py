@@ -96,7 +96,8 @@ class Queueing(Schema):
             ge=-(2**31),
             le=2**31 - 1,
             description="Lower is served first (vLLM's convention): the queue admits the lowest (priority, "
-            "arrival), and when KV runs out the highest value is preempted first",
+            "arrival), and when KV runs out the highest value is preempted first. An API key's top_priority "
+            "bounds it: a more urgent value is served at the key's",
         ),
     ] = 0
 

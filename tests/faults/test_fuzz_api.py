@@ -44,7 +44,8 @@ CALL_TIMEOUT = 60  # seconds: a request that takes longer is a hang
 NEW_TOKENS = 8  # valid requests generate at most this many tokens, so that a few hundred of them stay quick
 
 POST_ROUTES = ["/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions"]
-GET_ROUTES = ["/v1/models", "/health", "/info", "/metrics"]
+GET_ROUTES = ["/v1/models", "/health", "/info", "/metrics", "/v1/requests", "/dashboard", "/dashboard/state"]
+DELETE_ROUTES = ["/v1/requests/{id}"]
 # 422s that schema-valid requests may get: the token limits, and the rules the schemas give in words only.
 TOKEN_RULES = (
     "`inputs` must have less than",
@@ -84,7 +85,9 @@ def api(server: Server):
 
 def test_every_route_is_fuzzed(api, server: Server) -> None:
     operations = {(r.ok().method.upper(), r.ok().path) for r in api.get_all_operations()}
-    expected = {("POST", p) for p in POST_ROUTES} | {("GET", p) for p in GET_ROUTES}
+    expected = (
+        {("POST", p) for p in POST_ROUTES} | {("GET", p) for p in GET_ROUTES} | {("DELETE", p) for p in DELETE_ROUTES}
+    )
     assert operations - {("GET", "/openapi.json")} == expected
     # The document's own route (schemathesis leaves it out; tests/test_openapi.py validates it) is the rest of
     # what the app serves, which tests/test_openapi.py checks against the routing table.
@@ -160,6 +163,12 @@ def test_fuzz_post_routes(api, server: Server, path: str, mode: GenerationMode) 
 @pytest.mark.parametrize("path", GET_ROUTES)
 def test_fuzz_get_routes(api, server: Server, path: str) -> None:
     _fuzz(api, server, "GET", path, GenerationMode.POSITIVE)
+
+
+@pytest.mark.parametrize("path", DELETE_ROUTES)
+def test_fuzz_delete_routes(api, server: Server, path: str) -> None:
+    """Any id: a 404 (none is in flight), never a 5xx."""
+    _fuzz(api, server, "DELETE", path, GenerationMode.POSITIVE)
 
 
 def test_the_server_is_healthy_after_the_fuzzing(server: Server) -> None:

@@ -185,3 +185,47 @@ class ServerInfoResponse(_message.Message):
     num_shard: int
     version: str
     def __init__(self, model_id: _Optional[str] = ..., model_dtype: _Optional[str] = ..., engine: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., num_shard: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RequestState(_message.Message):
+    __slots__ = ("id", "key", "state", "priority", "prompt_tokens", "generated_tokens", "max_new_tokens", "age_s")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    key: str
+    state: str
+    priority: int
+    prompt_tokens: int
+    generated_tokens: int
+    max_new_tokens: int
+    age_s: float
+    def __init__(self, id: _Optional[str] = ..., key: _Optional[str] = ..., state: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestState]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ...) -> None: ...
+
+class CancelRequestRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class CancelRequestResponse(_message.Message):
+    __slots__ = ("id", "status")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    status: str
+    def __init__(self, id: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...

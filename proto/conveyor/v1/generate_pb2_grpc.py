@@ -54,6 +54,16 @@ class TextGenerationStub:
                 request_serializer=conveyor_dot_v1_dot_generate__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_generate__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/conveyor.v1.TextGeneration/ListRequests',
+                request_serializer=conveyor_dot_v1_dot_generate__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_generate__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
+        self.CancelRequest = channel.unary_unary(
+                '/conveyor.v1.TextGeneration/CancelRequest',
+                request_serializer=conveyor_dot_v1_dot_generate__pb2.CancelRequestRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_generate__pb2.CancelRequestResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -85,6 +95,20 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """The caller's requests queued or running (every key's, for an admin key), oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelRequest(self, request, context):
+        """Cancels a queued or running request by its id: NOT_FOUND if none of that id is in flight for this key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +131,16 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=conveyor_dot_v1_dot_generate__pb2.ServerInfoRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_generate__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=conveyor_dot_v1_dot_generate__pb2.ListRequestsRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_generate__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'CancelRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelRequest,
+                    request_deserializer=conveyor_dot_v1_dot_generate__pb2.CancelRequestRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_generate__pb2.CancelRequestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +251,60 @@ class TextGeneration:
             '/conveyor.v1.TextGeneration/Info',
             conveyor_dot_v1_dot_generate__pb2.ServerInfoRequest.SerializeToString,
             conveyor_dot_v1_dot_generate__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.TextGeneration/ListRequests',
+            conveyor_dot_v1_dot_generate__pb2.ListRequestsRequest.SerializeToString,
+            conveyor_dot_v1_dot_generate__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.TextGeneration/CancelRequest',
+            conveyor_dot_v1_dot_generate__pb2.CancelRequestRequest.SerializeToString,
+            conveyor_dot_v1_dot_generate__pb2.CancelRequestResponse.FromString,
             options,
             channel_credentials,
             insecure,
