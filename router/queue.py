@@ -40,7 +40,10 @@ class Queue:
         self._clock = 0.0  # the clock of the last admission: where a key that starts waiting joins
 
     def __len__(self) -> int:
-        return sum(len(t.waiting) for t in self._tenants.values())
+        return sum(1 for s in self._waiting() if not s.cancelled)
+
+    def _waiting(self) -> list[Sequence]:
+        return [s for t in self._tenants.values() for _, s in t.waiting]
 
     def append(self, sequence: Sequence) -> None:
         tenant = self._tenants.setdefault(sequence.key.name, _Tenant(sequence.key.weight))
@@ -92,8 +95,8 @@ class Queue:
         return [s for _, s in sorted(entries, key=lambda entry: entry[0])]
 
     def by_priority(self) -> dict[int, int]:
-        """How many sequences wait at each priority."""
-        return dict(sorted(Counter(s.priority for t in self._tenants.values() for _, s in t.waiting).items()))
+        """How many sequences wait at each priority (those cancelled meanwhile are not counted)."""
+        return dict(sorted(Counter(s.priority for s in self._waiting() if not s.cancelled).items()))
 
     def take_all(self) -> list[Sequence]:
         """Empties the line (the server is stopping): every waiting sequence, in order."""

@@ -88,6 +88,7 @@ def test_cancelled_requests_leave_the_line() -> None:
     queue.append(gone)
     queue.append(stays)
     gone.cancelled = True
+    assert len(queue) == 1 and queue.by_priority() == {0: 1}  # counted out before admission looks again
     assert queue.peek() is stays and queue.popleft() is stays
     with pytest.raises(IndexError):
         queue.popleft()
