@@ -157,6 +157,7 @@ async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> Asyn
     """The sequence's events as they arrive, timed: first token, gaps between tokens, whole request."""
     last: float | None = None
     key = sequence.key.name
+    key_tokens = metrics.key_generated_tokens.labels(key)  # looked up once, not per token
     while True:
         event = await sequence.events.get()
         now = time.monotonic()
@@ -166,7 +167,7 @@ async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> Asyn
             yield event
             return
         metrics.generated_tokens.inc()
-        metrics.key_generated_tokens.labels(key).inc()
+        key_tokens.inc()
         if last is None:
             metrics.ttft.observe(now - sequence.queued_at)
             live.first_token(now, now - sequence.queued_at)

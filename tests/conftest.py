@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,6 +267,22 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=90)
+
+    @contextmanager
+    def shards_paused(self) -> Iterator[None]:
+        """SIGSTOPs every shard: the step in flight waits (far within its deadline) and nothing running finishes,
+        while the router still queues, lists and cancels. What a test sets up meanwhile is decided by the queue,
+        not by how fast this machine generates."""
+        import psutil
+
+        shards = [psutil.Process(pid) for pid in self.shard_pids()]
+        for shard in shards:
+            shard.suspend()
+        try:
+            yield
+        finally:
+            for shard in shards:
+                shard.resume()
 
 
 class StreamWatcher:

@@ -162,7 +162,7 @@ def test_the_dashboard_follows_the_load_and_cancels_a_request(page, deployment: 
         futures = {s.request_id: pool.submit(s.run) for s in streams}
         try:
             under_load(page, deployment)
-            cancel_from_the_page(page, futures)
+            cancel_from_the_page(page, deployment, futures)
             screenshot(page, Path(SCREENSHOT) if SCREENSHOT else tmp_path / "dashboard.png")
         finally:
             for stream in streams:  # the rest: 200, or 404 once one ended
@@ -196,21 +196,21 @@ def under_load(page, deployment: Server) -> None:
     check_schema(deployment, state)
 
 
-def cancel_from_the_page(page, futures: dict[str, Future]) -> None:
-    """Clicks Cancel on the running request that has generated least (the furthest from finishing on its own):
-    its stream ends with a `cancelled` error and its row goes."""
+def cancel_from_the_page(page, deployment: Server, futures: dict[str, Future]) -> None:
+    """Clicks Cancel on a running request, with the shard paused so that none finishes on its own meanwhile: its
+    stream ends with a `cancelled` error and its row goes; once the shard goes on, a queued request takes its
+    place."""
     from playwright.sync_api import expect
 
-    running = page.locator("#requests tr[data-state=running]").evaluate_all(
-        "rows => rows.map(row => [row.dataset.id, row.querySelector('progress').value])"
-    )
-    request_id = min(running, key=lambda row: row[1])[0]
-    page.locator(f'#requests tr[data-id="{request_id}"] button.cancel').click()
-    last = futures[request_id].result(timeout=TIMEOUT_MS / 1000)
-    assert last["error_type"] == "cancelled", last
-    expect(page.locator(f'#requests tr[data-id="{request_id}"]')).to_have_count(0)
-    expect(page.locator("#notice")).to_have_text("")
-    expect(page.locator("#batch-size")).to_have_text("2")  # a queued request took its place
+    with deployment.shards_paused():
+        rows = httpx.get(f"{deployment.url}/v1/requests", headers=bearer(OPS)).json()["data"]
+        request_id = next(row["id"] for row in rows if row["state"] == "running")  # the server's word, not a poll's
+        page.locator(f'#requests tr[data-id="{request_id}"] button.cancel').click()
+        last = futures[request_id].result(timeout=TIMEOUT_MS / 1000)
+        assert last["error_type"] == "cancelled", last
+        expect(page.locator(f'#requests tr[data-id="{request_id}"]')).to_have_count(0)
+        expect(page.locator("#notice")).to_have_text("")
+    expect(page.locator("#batch-size")).to_have_text("2")
 
 
 def screenshot(page, path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 from conftest import Server, start_server, wait_for
 from conveyor.client import Client
 
-LONG = 200  # tokens each low-priority request generates: the queue stays full while the urgent one is sent
+LONG = 200  # tokens each low-priority request generates
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,9 @@ def _queue_size(server: Server) -> float:
 
 
 def _served_in_order(server: Server, urgent: Callable[[], None]) -> list[str]:
-    """Four low-priority requests (one runs, three wait), then `urgent`: the order in which they finished.
-    Served first come, first served, `urgent` would finish last; by priority it finishes right after the one
-    running when it came (second, or third if that one finished and the next started before `urgent` reached
-    the queue: a slow machine's allowance; each low one generates LONG tokens)."""
+    """Four low-priority requests (one admitted, its step held by the paused shard; three waiting), then `urgent`:
+    the order in which they finished. Served first come, first served, `urgent` would finish last; by priority it
+    finishes second, right after the one admitted before it came."""
     finished: list[str] = []
     lock = threading.Lock()
 
@@ -51,13 +50,15 @@ def _served_in_order(server: Server, urgent: Callable[[], None]) -> list[str]:
         with lock:
             finished.append("urgent")
 
-    lows = [threading.Thread(target=low, args=(f"low{i}",)) for i in range(4)]
-    for thread in lows:
-        thread.start()
-    wait_for(lambda: _queue_size(server) >= 3, 120, "three low-priority requests waiting")
-    urgent_thread = threading.Thread(target=high)
-    urgent_thread.start()
-    for thread in [*lows, urgent_thread]:
+    threads = [threading.Thread(target=low, args=(f"low{i}",)) for i in range(4)]
+    with server.shards_paused():
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: _queue_size(server) >= 3, 120, "three low-priority requests waiting")
+        threads.append(threading.Thread(target=high))
+        threads[-1].start()
+        wait_for(lambda: _queue_size(server) >= 4, 120, "the urgent request waiting with them")
+    for thread in threads:
         thread.join(300)
     return finished
 
@@ -68,7 +69,7 @@ def test_tgi_route(one_row: Server) -> None:
         assert httpx.post(f"{one_row.url}/generate", json=body, timeout=300).status_code == 200
 
     order = _served_in_order(one_row, urgent)
-    assert len(order) == 5 and order.index("urgent") <= 2, order
+    assert len(order) == 5 and order.index("urgent") == 1, order
 
 
 def test_openai_route(one_row: Server) -> None:
@@ -77,7 +78,7 @@ def test_openai_route(one_row: Server) -> None:
         assert httpx.post(f"{one_row.url}/v1/completions", json=body, timeout=300).status_code == 200
 
     order = _served_in_order(one_row, urgent)
-    assert len(order) == 5 and order.index("urgent") <= 2, order
+    assert len(order) == 5 and order.index("urgent") == 1, order
 
 
 def test_grpc_front_door(one_row: Server) -> None:
@@ -86,7 +87,7 @@ def test_grpc_front_door(one_row: Server) -> None:
             client.generate("y", max_new_tokens=4, priority=-1)
 
     order = _served_in_order(one_row, urgent)
-    assert len(order) == 5 and order.index("urgent") <= 2, order
+    assert len(order) == 5 and order.index("urgent") == 1, order
 
 
 def test_a_priority_out_of_range_is_a_422(one_row: Server) -> None:

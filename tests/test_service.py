@@ -1,7 +1,9 @@
 """A server shared by several API keys, through the real processes: request ids, cancelling by id on every front
 door (queued and running, streaming and not), listing, per-key caps and priority ceilings, and fair shares.
 
-One deployment with a three-row batch: three long requests fill it, and the next one waits in the queue.
+One deployment with a three-row batch: three long requests fill it, and the next one waits in the queue. While a
+test sets up who is queued and who runs, the shard is paused (`Server.shards_paused`), so that nothing finishes
+on its own however fast this machine generates.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def fill_the_batch(server: Server, prefix: str, rows: int = ROWS) -> list[Stream
 
 
 def cancel_all(server: Server, streams: list[Stream]) -> None:
-    """The admin key may cancel anyone's request. (One that finished meanwhile, on a fast machine, is not found.)"""
+    """The admin key may cancel anyone's request. (Outside a pause, one that finished meanwhile is not found.)"""
     for stream in streams:
         request_id = stream.headers["X-Request-Id"] if stream.headers else ""
         status = delete(server, request_id, "ops").status_code
@@ -137,28 +139,22 @@ def test_every_response_carries_a_request_id(shared: Server) -> None:
 
 def test_cancel_a_running_tgi_stream_and_a_queued_tgi_request(shared: Server) -> None:
     blockers = fill_the_batch(shared, "tgi-block")
-    with ThreadPoolExecutor(1) as pool:
+    with shared.shards_paused(), ThreadPoolExecutor(1) as pool:
         body = {"inputs": "y", "parameters": LONG}
-        waiting = pool.submit(
-            httpx.post,
-            f"{shared.url}/generate",
-            json=body,
-            headers={**auth("alice"), "X-Request-Id": "tgi-q"},
-            timeout=300,
-        )
-        wait_for(queued(shared, "tgi-q"), 60, "the third request to wait")
+        headers = {**auth("alice"), "X-Request-Id": "tgi-q"}
+        waiting = pool.submit(httpx.post, f"{shared.url}/generate", json=body, headers=headers, timeout=300)
+        wait_for(queued(shared, "tgi-q"), 60, "the fourth request to wait")
         assert delete(shared, "tgi-q", "bob").status_code == 404  # another key's request is not even shown
         answer = delete(shared, "tgi-q", "alice")
         assert answer.status_code == 200 and answer.json() == {"id": "tgi-q", "status": "cancelled"}
         response = waiting.result(timeout=60)
-    assert response.status_code == 499 and response.json()["error_type"] == "cancelled", response.text
-    assert delete(shared, "tgi-q", "alice").status_code == 404  # already over
-    running = blockers[0]
-    assert delete(shared, "tgi-block-0", "bob").status_code == 404
-    assert delete(shared, "tgi-block-0", "alice").status_code == 200
-    last = running.last()
-    assert last["error_type"] == "cancelled" and "error" in last
-    cancel_all(shared, blockers[1:])
+        assert response.status_code == 499 and response.json()["error_type"] == "cancelled", response.text
+        assert delete(shared, "tgi-q", "alice").status_code == 404  # already over
+        assert delete(shared, "tgi-block-0", "bob").status_code == 404
+        assert delete(shared, "tgi-block-0", "alice").status_code == 200
+        last = blockers[0].last()
+        assert last["error_type"] == "cancelled" and "error" in last
+        cancel_all(shared, blockers[1:])
     wait_for(lambda: idle_and_whole(shared), 60, "every KV block to be free")
 
 
@@ -167,45 +163,47 @@ def test_cancel_a_running_openai_stream_and_a_queued_chat(shared: Server) -> Non
     running = Stream(shared, "/v1/completions", completion, "alice", "oai-run")
     others = fill_the_batch(shared, "oai-block", ROWS - 1)
     wait_for(lambda: len(running.events) > 1, 120, "the completion to stream")
-    with ThreadPoolExecutor(1) as pool:
+    with shared.shards_paused(), ThreadPoolExecutor(1) as pool:
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 900, "ignore_eos": True}
         headers = {**auth("alice"), "X-Request-Id": "chat-q"}
         waiting = pool.submit(httpx.post, f"{shared.url}/v1/chat/completions", json=chat, headers=headers, timeout=300)
         wait_for(queued(shared, "chat-q"), 60, "the chat to wait")
         assert delete(shared, "chat-q", "alice").status_code == 200
         response = waiting.result(timeout=60)
-    assert response.status_code == 499, response.text
-    assert response.json()["error_type"] == "cancelled" and "message" in response.json()["error"]
-    assert delete(shared, "oai-run", "alice").status_code == 200
-    last = running.last()
-    assert last["error_type"] == "cancelled" and "[DONE]" not in running.events
-    cancel_all(shared, others)
+        assert response.status_code == 499, response.text
+        assert response.json()["error_type"] == "cancelled" and "message" in response.json()["error"]
+        assert delete(shared, "oai-run", "alice").status_code == 200
+        last = running.last()
+        assert last["error_type"] == "cancelled" and "[DONE]" not in running.events
+        cancel_all(shared, others)
     wait_for(lambda: idle_and_whole(shared), 60, "every KV block to be free")
 
 
 def test_cancel_over_grpc(shared: Server) -> None:
     blockers = fill_the_batch(shared, "grpc-block")
     with Client(shared.grpc, api_key=KEYS["alice"]["key"], timeout=300) as client, ThreadPoolExecutor(2) as pool:
-        waiting: Future = pool.submit(client.generate, "y", request_id="grpc-q", **LONG)
-        wait_for(lambda: "grpc-q" in {r.id for r in client.list_requests()}, 60, "the gRPC request to be listed")
-        assert {r.id: r.state for r in client.list_requests()}["grpc-q"] == "queued"
-        with Client(shared.grpc, api_key=KEYS["bob"]["key"]) as bob, pytest.raises(NotFoundError):
-            bob.cancel("grpc-q")
-        client.cancel("grpc-q")
-        with pytest.raises(CancelledError):
-            waiting.result(timeout=60)
-        cancel_all(shared, blockers)
+        with shared.shards_paused():
+            waiting: Future = pool.submit(client.generate, "y", request_id="grpc-q", **LONG)
+            wait_for(lambda: "grpc-q" in {r.id for r in client.list_requests()}, 60, "the gRPC request to be listed")
+            assert {r.id: r.state for r in client.list_requests()}["grpc-q"] == "queued"
+            with Client(shared.grpc, api_key=KEYS["bob"]["key"]) as bob, pytest.raises(NotFoundError):
+                bob.cancel("grpc-q")
+            client.cancel("grpc-q")
+            with pytest.raises(CancelledError):
+                waiting.result(timeout=60)
+            cancel_all(shared, blockers)
 
         def stream() -> int:
             return sum(1 for _ in client.generate_stream("z", request_id="grpc-run", **LONG))
 
         streaming: Future = pool.submit(stream)
         wait_for(lambda: listed(shared).get("grpc-run", {}).get("generated_tokens", 0) > 0, 60, "the stream to run")
-        client.cancel("grpc-run")
-        with pytest.raises(CancelledError):
-            streaming.result(timeout=60)
-        with pytest.raises(NotFoundError):
+        with shared.shards_paused():
             client.cancel("grpc-run")
+            with pytest.raises(CancelledError):
+                streaming.result(timeout=60)
+            with pytest.raises(NotFoundError):
+                client.cancel("grpc-run")
     wait_for(lambda: idle_and_whole(shared), 60, "every KV block to be free")
 
 
@@ -226,31 +224,33 @@ def test_the_request_id_comes_back_over_grpc(shared: Server) -> None:
 
 def test_each_key_lists_its_own_requests_and_an_admin_all(shared: Server) -> None:
     blockers = fill_the_batch(shared, "list-block")
-    bobs = Stream(shared, "/generate_stream", {"inputs": "b", "parameters": LONG}, "bob", "list-bob")
-    wait_for(queued(shared, "list-bob"), 60, "bob's request to wait")
-    blocked = {f"list-block-{i}" for i in range(ROWS)}
-    assert set(listed(shared, "alice")) == blocked
-    assert set(listed(shared, "bob")) == {"list-bob"}
-    everyone = listed(shared, "ops")
-    assert set(everyone) == {*blocked, "list-bob"}
-    row = everyone["list-block-0"]
-    assert row["key"] == "alice" and row["state"] == "running" and row["priority"] == 0
-    assert row["max_new_tokens"] == 1000 and row["generated_tokens"] >= 1 and row["age_s"] >= 0
-    assert everyone["list-bob"]["state"] == "queued" and everyone["list-bob"]["key"] == "bob"
-    assert httpx.get(f"{shared.url}/v1/requests").status_code == 401
-    cancel_all(shared, [*blockers, bobs])
+    with shared.shards_paused():
+        bobs = Stream(shared, "/generate_stream", {"inputs": "b", "parameters": LONG}, "bob", "list-bob")
+        wait_for(queued(shared, "list-bob"), 60, "bob's request to wait")
+        blocked = {f"list-block-{i}" for i in range(ROWS)}
+        assert set(listed(shared, "alice")) == blocked
+        assert set(listed(shared, "bob")) == {"list-bob"}
+        everyone = listed(shared, "ops")
+        assert set(everyone) == {*blocked, "list-bob"}
+        row = everyone["list-block-0"]
+        assert row["key"] == "alice" and row["state"] == "running" and row["priority"] == 0
+        assert row["max_new_tokens"] == 1000 and row["generated_tokens"] >= 1 and row["age_s"] >= 0
+        assert everyone["list-bob"]["state"] == "queued" and everyone["list-bob"]["key"] == "bob"
+        assert httpx.get(f"{shared.url}/v1/requests").status_code == 401
+        cancel_all(shared, [*blockers, bobs])
     wait_for(lambda: idle_and_whole(shared), 60, "every KV block to be free")
 
 
 def test_a_capped_key_gets_429_past_its_cap_while_others_are_served(shared: Server) -> None:
     promoted = {"inputs": "c", "parameters": {**LONG, "priority": -10}}
     capped = [Stream(shared, "/generate_stream", promoted, "capped", f"cap-{i}") for i in range(2)]
-    wait_for(lambda: {"cap-0", "cap-1"} <= set(listed(shared)), 60, "the capped key's two requests")
-    # top_priority 5: asking for -10 does not put it ahead of anyone
-    assert {row["priority"] for row in listed(shared, "capped").values()} == {5}
-    refused = httpx.post(f"{shared.url}/generate", json=promoted, headers=auth("capped"), timeout=60)
-    assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded"
-    assert "'capped'" in refused.json()["error"] and "max_concurrent 2" in refused.json()["error"]
+    wait_for(lambda: all(c.events for c in capped), 60, "the capped key's two requests to stream")
+    with shared.shards_paused():  # both stay in flight however fast this machine is
+        # top_priority 5: asking for -10 does not put it ahead of anyone
+        assert {row["priority"] for row in listed(shared, "capped").values()} == {5}
+        refused = httpx.post(f"{shared.url}/generate", json=promoted, headers=auth("capped"), timeout=60)
+        assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded"
+        assert "'capped'" in refused.json()["error"] and "max_concurrent 2" in refused.json()["error"]
     body = {"inputs": "hi", "parameters": {"max_new_tokens": 2, "priority": -10}}
     assert httpx.post(f"{shared.url}/generate", json=body, headers=auth("alice"), timeout=120).status_code == 200
     cancel_all(shared, capped)
