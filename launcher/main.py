@@ -116,10 +116,14 @@ def _announce(args: Config, model_dir: Path) -> None:
         return
     url = f"http://{args.hostname}:{args.port}"
     body = '{"inputs": "def hello():", "parameters": {"max_new_tokens": 20}}'
+    headers = "-H 'Content-Type: application/json'"
+    if args.api_key or args.api_keys_file:
+        headers += " -H 'Authorization: Bearer <your key>'"
     print(
         f"\nConveyor is serving {model_dir} at {url}\n"
-        f"Try:\n  curl {url}/generate -H 'Content-Type: application/json' -d '{body}'\n"
-        f"  curl -N {url}/generate_stream -H 'Content-Type: application/json' -d '{body}'\n",
+        f"Try:\n  curl {url}/generate {headers} -d '{body}'\n"
+        f"  curl -N {url}/generate_stream {headers} -d '{body}'\n"
+        f"Watch it live: {url}/dashboard\n",
         file=sys.stderr,
         flush=True,
     )
