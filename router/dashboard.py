@@ -7,7 +7,6 @@ API key (middleware.PRIVATE_GETS), and shows a key only its own requests unless 
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,8 +19,6 @@ from conveyor.router.request_control import rows
 
 if TYPE_CHECKING:
     from conveyor.router.http import ServerInfo
-
-log = logging.getLogger(__name__)
 
 PAGE = (Path(__file__).parent / "dashboard.html").read_text(encoding="utf-8")
 
@@ -38,7 +35,6 @@ class Dashboard:
     def __init__(self, infer: Infer, info: ServerInfo) -> None:
         self.infer = infer
         self.info = info
-        self._device: str | None = None  # the shards' device type, asked once they answer
 
     def register(self, app: web.Application) -> None:
         app.router.add_get("/dashboard", self.page)
@@ -54,7 +50,7 @@ class Dashboard:
         body: api.DashboardState = {
             "model": self.info.model_id,
             "dtype": self.info.model_dtype,
-            "device": await self._shard_device(),
+            "device": self.info.device,
             "engine": self.info.engine,
             "num_shard": self.info.num_shard,
             "status": "recovering" if scheduler.recovering else "serving",
@@ -77,18 +73,6 @@ class Dashboard:
         stats = self.infer.scheduler.allocator.stats
         used = stats.num_blocks - stats.free_list - stats.evictable
         return {"total": stats.num_blocks, "used": used, "cached": stats.evictable, "free": stats.free_list}
-
-    async def _shard_device(self) -> str:
-        """ServerInfo has no device; the shards tell it (rank 0's `device_type`). Asked once, when first shown,
-        and again only while they have not answered (a page opened during a restart)."""
-        if self._device is None:
-            try:
-                infos = await self.infer.scheduler.client.infos(timeout=2.0)
-                self._device = infos[0].device_type or "unknown"
-            except Exception as exc:  # noqa: BLE001 - any failure (a timeout, a restart): ask next time
-                log.debug("no shard info for the dashboard", extra={"error": str(exc)})
-                return "unknown"
-        return self._device
 
 
 def _counter(counter) -> float:

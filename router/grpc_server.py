@@ -23,13 +23,12 @@ from conveyor.router.middleware import name_request
 from conveyor.router.request import Parameters, ValidRequest
 from conveyor.router.request_control import rows
 from conveyor.router.responses import (
-    CANCELLED,
-    GENERATION,
     REQUEST_ERRORS,
     UNAUTHORIZED,
     VALIDATION,
     Details,
     details,
+    failure_named,
     failure_of,
     full_text,
     logprob,
@@ -146,8 +145,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             index = 0
             async for event in events:
                 if isinstance(event, ErrorEvent):
-                    code = CANCELLED.grpc_code if event.error_type == CANCELLED.error_type else GENERATION.grpc_code
-                    await context.abort(code, event.message)
+                    await context.abort(failure_named(event.error_type).grpc_code, event.message)
                 index += 1
                 yield self._stream_message(valid, event, index)
 

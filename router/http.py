@@ -67,6 +67,7 @@ class ServerInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     weight_bytes: int = 0  # rank 0's
     quantize: str | None = None
+    device: str = "cpu"  # the shards' device type (the dashboard shows it)
 
     def to_json(self) -> api.Info:
         return {

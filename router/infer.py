@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -64,7 +63,6 @@ class Infer:
         self.max_concurrent_requests = max_concurrent_requests
         self.metrics = metrics
         self.sequences: dict[int, Sequence] = {}  # every request queued or running, by its sequence id
-        self._by_key: Counter[str] = Counter()  # how many of them each key has
         self.live = LiveStats()  # the last minute's tokens and latencies, for the dashboard
 
     @property
@@ -94,7 +92,6 @@ class Infer:
         )
         sequence.queue_span = tracing.tracer().start_span("queue", context=trace.set_span_in_context(sequence.span))
         self.sequences[sequence.id] = sequence
-        self._by_key[key.name] += 1
         self.metrics.key_in_flight.labels(key.name).inc()
         try:
             self.scheduler.submit(sequence)
@@ -106,7 +103,6 @@ class Infer:
             if sequence.queue_span.is_recording():
                 sequence.queue_span.end()  # left before it was ever batched
             del self.sequences[sequence.id]
-            self._by_key[key.name] -= 1
             self.metrics.key_in_flight.labels(key.name).dec()
 
     def _admit(self, key: ApiKey) -> None:
@@ -117,16 +113,19 @@ class Infer:
                 f"Model is overloaded: {self.in_flight} requests in flight, the server's cap "
                 f"(--max-concurrent-requests {self.max_concurrent_requests})"
             )
-        if key.max_concurrent is not None and self._by_key[key.name] >= key.max_concurrent:
+        if key.max_concurrent is not None and (held := len(self.of_key(key))) >= key.max_concurrent:
             self._count("overloaded", key)
             raise OverloadedError(
-                f"API key {key.name!r} has {self._by_key[key.name]} requests in flight, its cap "
-                f"(max_concurrent {key.max_concurrent})"
+                f"API key {key.name!r} has {held} requests in flight, its cap (max_concurrent {key.max_concurrent})"
             )
 
     def _count(self, outcome: str, key: ApiKey) -> None:
         self.metrics.requests.labels(outcome).inc()
         self.metrics.key_requests.labels(key.name, outcome).inc()
+
+    def of_key(self, key: ApiKey) -> list[Sequence]:
+        """The requests in flight made with `key`."""
+        return [s for s in self.sequences.values() if s.key.name == key.name]
 
     def of(self, caller: ApiKey) -> list[Sequence]:
         """The requests in flight that `caller` may see and cancel, oldest first."""

@@ -73,6 +73,7 @@ async def run(args: Config) -> None:
             generation_defaults=validation.defaults.to_json(),
             weight_bytes=shard_info.weight_bytes,
             quantize=shard_info.quantize or None,
+            device=shard_info.device_type,
         ),
         keys=keys,
         payload_limit=args.payload_limit,

@@ -51,6 +51,11 @@ def failure_of(exc: Exception) -> Failure:
     return next(failure for kind, failure in _FAILURES.items() if isinstance(exc, kind))
 
 
+def failure_named(error_type: str) -> Failure:
+    """The failure a stream's error event names (`cancelled`, `unavailable`; a failed generation otherwise)."""
+    return next((f for f in _FAILURES.values() if f.error_type == error_type), GENERATION)
+
+
 # --- JSON errors ------------------------------------------------------------------------------------------
 
 

@@ -54,7 +54,7 @@ class Caller(TypedDict):
 class DashboardState(TypedDict):
     model: str
     dtype: str
-    device: Annotated[str, Field(description="The shards' device type (cpu, cuda), or unknown while none answers")]
+    device: Annotated[str, Field(description="The shards' device type (cpu, cuda)")]
     engine: str
     num_shard: int
     status: Annotated[Literal["serving", "recovering"], Field(description="recovering: the shards are restarting")]
