@@ -286,24 +286,56 @@ class Server:
 
 
 class StreamWatcher:
-    """Reads one stream on a thread, recording each event, so a test can wait for 'n tokens arrived'."""
+    """Reads one stream on a thread, recording each event, so a test can wait for 'n tokens arrived'. `path` and
+    `headers` pick the route and the key (OpenAI's closing `[DONE]` is recorded as that string)."""
 
-    def __init__(self, server: Server, body: dict) -> None:
+    def __init__(
+        self, server: Server, body: dict, path: str = "/generate_stream", headers: dict[str, str] | None = None
+    ) -> None:
         self.events: list[dict] = []
         self.lock = threading.Lock()
-        self.server, self.body = server, body
+        self.server, self.body, self.path, self.request_headers = server, body, path, headers or {}
+        self.headers: httpx.Headers | None = None  # the response's, once it opened
         self.hang_up = threading.Event()  # set to make the client disconnect at its next event
         self.finished = False
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
 
     def run(self) -> None:
-        with self.server.client() as client, client.stream("POST", "/generate_stream", json=self.body) as r:
+        with (
+            self.server.client() as client,
+            client.stream("POST", self.path, json=self.body, headers=self.request_headers) as r,
+        ):
             assert r.status_code == 200, r.read()
+            self.headers = r.headers
             for event in sseclient.SSEClient(r.iter_bytes()).events():
                 with self.lock:
-                    self.events.append(json.loads(event.data))
+                    self.events.append(event.data if event.data == "[DONE]" else json.loads(event.data))
                 if self.hang_up.is_set():
                     return
         self.finished = True
+
+    def start(self) -> StreamWatcher:
+        """Runs the stream on a thread of its own; `last` waits for it and raises what it raised."""
+
+        def read() -> None:
+            try:
+                self.run()
+            except BaseException as exc:  # noqa: BLE001 - handed to the test by `last`
+                self.error = exc
+
+        self.thread = threading.Thread(target=read, daemon=True)
+        self.thread.start()
+        return self
+
+    def last(self, timeout: float = 300) -> dict:
+        """The stream's last event, once it ended (a stream started with `start`)."""
+        assert self.thread is not None
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the stream did not end"
+        if self.error is not None:
+            raise self.error
+        return self.events[-1]
 
     def received(self, n: int) -> bool:
         with self.lock:

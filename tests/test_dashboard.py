@@ -14,14 +14,12 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
-import sseclient
-from conftest import Server, start_server
+from conftest import Server, StreamWatcher, start_server
 from conveyor.router.live_stats import RATE_WINDOW_S, LiveStats
 
 OPS, ALICE = "ops-secret-1", "alice-secret-1"
@@ -84,24 +82,6 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-class Stream:
-    """One long stream of alice's, named by the id it sends as X-Request-Id, read to its last event."""
-
-    def __init__(self, server: Server, request_id: str) -> None:
-        self.server, self.request_id = server, request_id
-        self.last: dict = {}
-
-    def run(self) -> dict:
-        headers = {**bearer(ALICE), "X-Request-Id": self.request_id}
-        with httpx.Client(base_url=self.server.url, timeout=120) as client:
-            with client.stream("POST", "/generate_stream", json=LONG, headers=headers) as response:
-                assert response.status_code == 200, response.read()
-                assert response.headers["X-Request-Id"] == self.request_id
-                for event in sseclient.SSEClient(response.iter_bytes()).events():
-                    self.last = json.loads(event.data)
-        return self.last
-
-
 def test_live_stats_keep_the_last_minute() -> None:
     """Nearest-rank percentiles of the last 60 s of samples, and tokens/s over the last 5 s, on a clock the test
     moves itself."""
@@ -157,17 +137,20 @@ def test_the_dashboard_follows_the_load_and_cancels_a_request(page, deployment: 
     expect(page.locator("#status")).to_have_text("serving")
     expect(page.locator("#batch-size")).to_have_text("0")
 
-    streams = [Stream(deployment, f"load-{i}") for i in range(LOAD)]
-    with ThreadPoolExecutor(LOAD) as pool:
-        futures = {s.request_id: pool.submit(s.run) for s in streams}
-        try:
-            under_load(page, deployment)
-            cancel_from_the_page(page, deployment, futures)
-            screenshot(page, Path(SCREENSHOT) if SCREENSHOT else tmp_path / "dashboard.png")
-        finally:
-            for stream in streams:  # the rest: 200, or 404 once one ended
-                httpx.delete(f"{deployment.url}/v1/requests/{stream.request_id}", headers=bearer(OPS))
-        ends = [f.result(timeout=120) for f in futures.values()]
+    # Long streams of alice's, each named by the id it sends as X-Request-Id.
+    streams = {
+        f"load-{i}": StreamWatcher(deployment, LONG, headers={**bearer(ALICE), "X-Request-Id": f"load-{i}"}).start()
+        for i in range(LOAD)
+    }
+    try:
+        under_load(page, deployment)
+        cancel_from_the_page(page, deployment, streams)
+        screenshot(page, Path(SCREENSHOT) if SCREENSHOT else tmp_path / "dashboard.png")
+    finally:
+        for request_id in streams:  # the rest: 200, or 404 once one ended
+            httpx.delete(f"{deployment.url}/v1/requests/{request_id}", headers=bearer(OPS))
+    ends = [stream.last(timeout=120) for stream in streams.values()]
+    assert all(stream.headers["X-Request-Id"] == request_id for request_id, stream in streams.items())
     # The last event of each: cancelled (or, on a fast machine, finished before the test got to it).
     assert all(end.get("error_type") == "cancelled" or end.get("generated_text") is not None for end in ends)
     expect(page.locator("#requests tr")).to_have_count(0)
@@ -196,7 +179,7 @@ def under_load(page, deployment: Server) -> None:
     check_schema(deployment, state)
 
 
-def cancel_from_the_page(page, deployment: Server, futures: dict[str, Future]) -> None:
+def cancel_from_the_page(page, deployment: Server, streams: dict[str, StreamWatcher]) -> None:
     """Clicks Cancel on a running request, with the shard paused so that none finishes on its own meanwhile: its
     stream ends with a `cancelled` error and its row goes; once the shard goes on, a queued request takes its
     place."""
@@ -206,7 +189,7 @@ def cancel_from_the_page(page, deployment: Server, futures: dict[str, Future]) -
         rows = httpx.get(f"{deployment.url}/v1/requests", headers=bearer(OPS)).json()["data"]
         request_id = next(row["id"] for row in rows if row["state"] == "running")  # the server's word, not a poll's
         page.locator(f'#requests tr[data-id="{request_id}"] button.cancel').click()
-        last = futures[request_id].result(timeout=TIMEOUT_MS / 1000)
+        last = streams[request_id].last(timeout=TIMEOUT_MS / 1000)
         assert last["error_type"] == "cancelled", last
         expect(page.locator(f'#requests tr[data-id="{request_id}"]')).to_have_count(0)
         expect(page.locator("#notice")).to_have_text("")

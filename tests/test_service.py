@@ -14,13 +14,11 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
 import httpx
 import pytest
-import sseclient
-from conftest import Server, start_server, wait_for
+from conftest import Server, StreamWatcher, start_server, wait_for
 from conveyor.client import CancelledError, Client, NotFoundError
 
 KEYS = {
@@ -64,42 +62,22 @@ def idle_and_whole(server: Server) -> bool:
     return not listed(server) and info["kv_blocks_free"] == info["kv_blocks_total"]
 
 
-class Stream:
-    """One streaming request on a thread, recording its events, named by its X-Request-Id."""
-
-    def __init__(self, server: Server, path: str, body: dict, who: str, request_id: str) -> None:
-        self.events: list[Any] = []
-        self.headers: httpx.Headers | None = None
-        headers = {**auth(who), "X-Request-Id": request_id}
-        self.thread = threading.Thread(target=self._run, args=(server, path, body, headers))
-        self.thread.start()
-
-    def _run(self, server: Server, path: str, body: dict, headers: dict) -> None:
-        with (
-            httpx.Client(base_url=server.url, timeout=300) as client,
-            client.stream("POST", path, json=body, headers=headers) as response,
-        ):
-            self.headers = response.headers
-            for event in sseclient.SSEClient(response.iter_bytes()).events():
-                self.events.append(event.data if event.data == "[DONE]" else json.loads(event.data))
-
-    def last(self) -> Any:
-        self.thread.join(300)
-        assert not self.thread.is_alive()
-        return self.events[-1]
+def stream(server: Server, path: str, body: dict, who: str, request_id: str) -> StreamWatcher:
+    """One streaming request of `who`'s on a thread, named by its X-Request-Id."""
+    return StreamWatcher(server, body, path, {**auth(who), "X-Request-Id": request_id}).start()
 
 
-def fill_the_batch(server: Server, prefix: str, rows: int = ROWS) -> list[Stream]:
+def fill_the_batch(server: Server, prefix: str, rows: int = ROWS) -> list[StreamWatcher]:
     """Long streams of alice's in every row of the batch: whatever comes next waits."""
     blockers = [
-        Stream(server, "/generate_stream", {"inputs": "x", "parameters": LONG}, "alice", f"{prefix}-{i}")
+        stream(server, "/generate_stream", {"inputs": "x", "parameters": LONG}, "alice", f"{prefix}-{i}")
         for i in range(rows)
     ]
     wait_for(lambda: all(b.events for b in blockers), 120, "the blockers to stream")
     return blockers
 
 
-def cancel_all(server: Server, streams: list[Stream]) -> None:
+def cancel_all(server: Server, streams: list[StreamWatcher]) -> None:
     """The admin key may cancel anyone's request. (Outside a pause, one that finished meanwhile is not found.)"""
     for stream in streams:
         request_id = stream.headers["X-Request-Id"] if stream.headers else ""
@@ -160,7 +138,7 @@ def test_cancel_a_running_tgi_stream_and_a_queued_tgi_request(shared: Server) ->
 
 def test_cancel_a_running_openai_stream_and_a_queued_chat(shared: Server) -> None:
     completion = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    running = Stream(shared, "/v1/completions", completion, "alice", "oai-run")
+    running = stream(shared, "/v1/completions", completion, "alice", "oai-run")
     others = fill_the_batch(shared, "oai-block", ROWS - 1)
     wait_for(lambda: len(running.events) > 1, 120, "the completion to stream")
     with shared.shards_paused(), ThreadPoolExecutor(1) as pool:
@@ -225,7 +203,7 @@ def test_the_request_id_comes_back_over_grpc(shared: Server) -> None:
 def test_each_key_lists_its_own_requests_and_an_admin_all(shared: Server) -> None:
     blockers = fill_the_batch(shared, "list-block")
     with shared.shards_paused():
-        bobs = Stream(shared, "/generate_stream", {"inputs": "b", "parameters": LONG}, "bob", "list-bob")
+        bobs = stream(shared, "/generate_stream", {"inputs": "b", "parameters": LONG}, "bob", "list-bob")
         wait_for(queued(shared, "list-bob"), 60, "bob's request to wait")
         blocked = {f"list-block-{i}" for i in range(ROWS)}
         assert set(listed(shared, "alice")) == blocked
@@ -243,7 +221,7 @@ def test_each_key_lists_its_own_requests_and_an_admin_all(shared: Server) -> Non
 
 def test_a_capped_key_gets_429_past_its_cap_while_others_are_served(shared: Server) -> None:
     promoted = {"inputs": "c", "parameters": {**LONG, "priority": -10}}
-    capped = [Stream(shared, "/generate_stream", promoted, "capped", f"cap-{i}") for i in range(2)]
+    capped = [stream(shared, "/generate_stream", promoted, "capped", f"cap-{i}") for i in range(2)]
     wait_for(lambda: all(c.events for c in capped), 60, "the capped key's two requests to stream")
     with shared.shards_paused():  # both stay in flight however fast this machine is
         # top_priority 5: asking for -10 does not put it ahead of anyone
