@@ -45,6 +45,7 @@ def download(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot of `repo_id` at `revision` (a branch, tag or commit; default main), fetched if the
     cache does not have it, with the library's progress bars on stderr."""
     import httpx
+    import httpx2
     import huggingface_hub
     from huggingface_hub import errors
 
@@ -65,7 +66,7 @@ def download(repo_id: str, revision: str | None = None) -> Path:
         raise HubError(
             f"{where} is not in the local cache and the Hub cannot be reached (offline, or HF_HUB_OFFLINE=1)"
         ) from None
-    except (errors.HfHubHTTPError, OSError, httpx.HTTPError) as exc:
+    except (errors.HfHubHTTPError, OSError, httpx.HTTPError, httpx2.HTTPError) as exc:
         raise HubError(f"{where}: download failed: {_first_line(exc)}") from None
     if not (Path(folder) / "config.json").exists():
         raise HubError(f"{where} has no config.json: not a transformers model Conveyor can serve")
