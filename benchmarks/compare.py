@@ -1,8 +1,17 @@
 """Conveyor's scheduling modes, vLLM's CPU build, llama.cpp's server, `transformers serve` and the bare forward, on
-one model and the same workloads, in one run.
+the same models and the same workloads, in one run.
 
-    make bench                                                        # the demo `small` model, ~15-20 minutes
-    .venv/bin/python -m conveyor.benchmarks.compare --quick --model-id DIR --skip-transformers   # a smoke run
+    make bench                                                   # the real model, then the demo `small` model
+    .venv/bin/python -m conveyor.benchmarks.compare --quick --model-id real --skip-transformers   # a smoke run
+
+Each model is compared in turn (--model-id, default `real,demo`): `real` is SmolLM2-135M-Instruct as
+benchmarks/real_model.py prepares it (a float32 directory: real text, activations, tokenizer and chat template,
+which random weights lack), `demo` the launcher's random-weight demo model (--demo-size), anything else a model
+directory or Hub id. Every system serves the same directory (llama.cpp after its own converter turned it into
+GGUF). Before anything of the real model is timed, Conveyor serves it and must answer real_model.CHECK_QUESTION
+(greedy, through the chat route) with real_model.CHECK_ANSWER in the answer, or the run stops: a preparation that
+broke the weights or the tokenizer would otherwise be measured as if it were the model. Each model's results go
+to a folder of its own under --out, named as its directory, and its report starts with that name.
 
 Every system is started here (Conveyor through its launcher with --scheduling continuous|static|sequential;
 vLLM's CPU build from its own venv, `.venv-vllm`, with the model's threads bound to every core and again with
@@ -26,9 +35,9 @@ as batch size, with the linear layers on oneDNN (what the shard runs) and again 
 shows what the packed-weight GEMM wins. With bfloat16 among --dtypes (the default only where oneDNN has bf16
 kernels for the CPU; CONVEYOR_CPU_BF16=0 leaves it out anywhere), Conveyor continuous, vLLM (all cores),
 transformers serve and the bare forward run again in it. The report prints each system's metrics, then the
-ratios against the targets. JSON for every run, a summary and the sweep plot go to --out. A system that cannot
-run (no --scheduling in the launcher, no `transformers serve` installed) is reported as skipped and the rest
-still runs; a failed one makes the exit status 1.
+ratios against the targets. JSON for every run, a summary and the sweep plot go to the model's folder under
+--out. A system that cannot run (no --scheduling in the launcher, no `transformers serve` installed) is reported
+as skipped and the rest still runs; a failed one makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -37,13 +46,14 @@ import argparse
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.benchmarks import bare, deploy
+from conveyor.benchmarks import bare, deploy, real_model
 from conveyor.benchmarks.compare_report import (
     BARE,
     BARE_TORCH_GEMM,
@@ -67,6 +77,9 @@ from conveyor import cpu
 MODES = ("continuous", "static", "sequential")
 DTYPE_SUFFIX = {"float32": "", "bfloat16": BF16}
 RESULTS = Path(__file__).resolve().parent / "results"
+REAL = "real"  # --model-id: SmolLM2-135M-Instruct, prepared by benchmarks/real_model.py
+MODELS = [REAL, "demo"]  # the default: the real model first (what users see), then the demo model
+CHECK_TOKENS = 30  # enough for a sentence naming the answer
 
 
 @dataclass
@@ -385,7 +398,13 @@ QUICK = {  # a smoke run on a tiny model: every phase, a handful of requests
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-id", default="demo", help="a model directory, or 'demo' (built by the launcher)")
+    p.add_argument(
+        "--model-id",
+        type=names,
+        default=list(MODELS),
+        help="the models to compare on, in turn, comma-separated: 'real' (SmolLM2-135M-Instruct, prepared by "
+        "benchmarks/real_model.py), 'demo' (built by the launcher), a model directory or a Hub id",
+    )
     p.add_argument("--demo-size", default="small", help="the demo model's size, with --model-id demo")
     p.add_argument("--systems", type=names, default=list(MODES), help="Conveyor scheduling modes to measure")
     p.add_argument("--skip-transformers", action="store_true", help="leave out `transformers serve`")
@@ -455,7 +474,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-warmups", type=int, default=4)
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON results and the plot")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="folder for the results: a folder per model in it, named as its directory, with the JSON and the plot",
+    )
     args = p.parse_args(argv)
     if args.quick:
         explicit = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv or []) if a.startswith("--")}
@@ -469,25 +493,94 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         if unknown := set(given) - set(allowed):
             p.error(f"unknown {option} {sorted(unknown)}: choose from {', '.join(allowed)}")
+    if not args.model_id or len(set(args.model_id)) != len(args.model_id):
+        p.error(f"--model-id names each model once: {args.model_id}")
     if args.dtypes[:1] != ["float32"]:
         p.error("--dtypes starts with float32: every comparison has the float32 run as its reference")
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def resolve(model_id: str, demo_size: str) -> Path:
+    """A model's directory: `real` prepared (downloaded and converted the first time), anything else as the
+    launcher resolves it."""
+    if model_id == REAL:
+        return real_model.prepare()
     from conveyor.launcher.model_source import resolve_model
 
-    started = time.monotonic()
-    args.model_dir = resolve_model(args.model_id, args.demo_size)
+    return resolve_model(model_id, demo_size)
+
+
+def for_model(args: argparse.Namespace, model_id: str) -> argparse.Namespace:
+    """The options of one model's comparison: its directory, which every system is given, and a results folder of
+    its own under --out, named as the directory (so that one model's run never overwrites another's)."""
+    model_dir = resolve(model_id, args.demo_size)
+    return argparse.Namespace(
+        **{**vars(args), "model_id": model_id, "model_dir": model_dir, "out": args.out / model_dir.name}
+    )
+
+
+def ask(url: str, model: str, question: str, max_tokens: int = CHECK_TOKENS, timeout: float = 600.0) -> str:
+    """The served model's greedy answer to `question` through /v1/chat/completions (its chat template applied).
+    The standard library's client: one plain request, and httpx is only a test dependency."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+def check_answer(url: str, model: str) -> None:
+    """Stops the run unless the served model answers real_model.CHECK_QUESTION sensibly."""
+    question, expected = real_model.CHECK_QUESTION, real_model.CHECK_ANSWER
+    answer = ask(url, model, question)
+    note(f"check: asked {question!r}, {model} answered {answer!r}")
+    if expected not in answer:
+        raise SystemExit(
+            f"the model check failed: asked {question!r} (greedy), {model} answered {answer!r}, which does not "
+            f"contain {expected!r}; its preparation is broken, so nothing of it was measured"
+        )
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """Before the real model is timed, Conveyor serves it (float32, default scheduling, the --launcher-arg flags)
+    and must answer the check question: every system serves this one directory, so a conversion that broke it
+    would otherwise be benchmarked silently, by all of them. Random-weight models have nothing to check."""
+    if args.model_id != REAL:
+        return
+    spec = deploy.ConveyorSpec("conveyor-check", args.model_dir, ["--dtype", "float32", *args.launcher_arg])
+    with deploy.conveyor(spec, args.startup_timeout) as url:
+        check_answer(url, str(args.model_dir))
+
+
+def compare_model(args: argparse.Namespace) -> bool:
+    """One model's whole comparison, written to its folder and printed; whether any system failed."""
+    note(f"model {args.model_dir.name}: {args.model_dir}")
+    check_model(args)
     workloads = build_workloads(args, load_tokenizer(str(args.model_dir)))
     outcomes = run_systems(args, workloads, deploy.launcher_flags())
     ceilings = run_ceilings(args, workloads["throughput"])
     summary = summary_dict(args, outcomes, ceilings, workloads)
     write_outputs(args, outcomes, summary)
     print_report(args, outcomes, ceilings, summary, workloads)
+    return any(o.status == "failed" for o in outcomes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.monotonic()
+    failed = False
+    for n, model_id in enumerate(args.model_id):
+        if n:
+            print(flush=True)  # a blank line between the models' reports
+        failed |= compare_model(for_model(args, model_id))
     note(f"compare took {time.monotonic() - started:.0f} s")
-    if any(o.status == "failed" for o in outcomes):
+    if failed:
         raise SystemExit(1)
 
 

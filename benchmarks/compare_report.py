@@ -320,6 +320,7 @@ def summary_dict(
     by = {o.system: o for o in outcomes}
     itl = short_stream_itl(by.get(CONTINUOUS), workloads["long"].short)
     return {
+        "model": args.model_dir.name,
         "model_dir": str(args.model_dir),
         "workloads": {name: _workload_line(w) for name, w in workloads.items()},
         "systems": {
@@ -441,7 +442,7 @@ def print_report(
     summary: dict[str, Any],
     workloads: dict[str, Workload],
 ) -> None:
-    lines = [f"model: {args.model_dir}", machine_line(summary["machine"])]
+    lines = [f"model: {summary['model']} ({args.model_dir})", machine_line(summary["machine"])]
     for name, w in summary["workloads"].items():
         lines.append(
             f"{name} workload: {w['prompts']} prompts, input {w['input_tokens']}, output "

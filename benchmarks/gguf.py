@@ -8,7 +8,9 @@ bench` puts them there) and no conveyor:
 One thing is ours: the converter names a BPE tokenizer's pre-tokenizer by hashing how it splits a test string,
 and refuses hashes it has no entry for, which every tokenizer trained here (the demo and test models) is. Such a
 tokenizer whose tokenizer.json says plain byte-level splitting (GPT-2's regex) is declared `gpt-2`, the
-pre-tokenizer llama.cpp then applies; anything else is still refused, as the converter would.
+pre-tokenizer llama.cpp then applies; anything else is still refused, as the converter would. A tokenizer llama.cpp
+knows keeps the converter's own answer: the real model's (benchmarks/real_model.py), as transformers' GGUF reader
+rebuilds it, encodes the test string exactly as SmolLM's does, so it is recognised as `smollm`.
 """
 
 from __future__ import annotations

@@ -258,11 +258,14 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
         timeout=600,
         check=True,
     ).stdout
+    assert out.startswith(f"model: {tiny_model.name} ({tiny_model})\n"), out
     throughput = out.split("throughput workload (latencies in ms)")[1].split("\n\n")[0]
     rows = {line.split()[0]: line.split()[1:] for line in throughput.splitlines()[2:]}
     assert rows["conveyor-continuous"][0] == "8/0", out
     assert "skipped" in rows["transformers-serve"]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    results = tmp_path / tiny_model.name  # the model's own folder under --out
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["model"] == tiny_model.name
     assert {s: v["status"] for s, v in summary["systems"].items()} == {
         "conveyor-continuous": "ok",
         "vllm-cpu": "skipped",
@@ -285,8 +288,34 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
     assert verdicts["one stream: continuous-int8 / best float dtype, out tok/s"] is not None  # both measured
     assert verdicts["one stream: continuous-int8 / llama.cpp-int8, median ITL"] is None
     assert summary["long_prompts_short_streams"]["gaps"] > 0
-    assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
-    assert (tmp_path / "conveyor-continuous-long.json").exists()
+    assert (results / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+    assert (results / "conveyor-continuous-long.json").exists()
+
+
+def test_compare_runs_the_real_model_then_the_demo_each_in_its_folder(tiny_model: Path, tmp_path: Path) -> None:
+    """The default compares the real model first; a model's options differ from the run's only in its id, its
+    directory and its folder. A directory given as --model-id is used as it is (nothing is prepared here)."""
+    from conveyor.benchmarks import compare
+
+    assert compare.parse_args([]).model_id == ["real", "demo"]
+    args = compare.parse_args(["--quick", "--model-id", f"{tiny_model},demo", "--out", str(tmp_path)])
+    assert args.model_id == [str(tiny_model), "demo"]
+    one = compare.for_model(args, str(tiny_model))
+    assert (one.model_id, one.model_dir, one.out) == (str(tiny_model), tiny_model, tmp_path / tiny_model.name)
+    assert {k: v for k, v in vars(one).items() if k not in ("model_id", "model_dir", "out")} == {
+        k: v for k, v in vars(args).items() if k not in ("model_id", "out")
+    }
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--model-id", "demo,demo"])
+
+
+def test_the_model_check_fails_loudly_on_a_model_that_cannot_answer(server: Server) -> None:
+    """The benchmark's check before it times the real model, against the random-weight tiny model (a stand-in
+    for a conversion that broke the weights): it stops the run, saying what was asked and answered."""
+    from conveyor.benchmarks import compare
+
+    with pytest.raises(SystemExit, match="the model check failed: asked 'What is the capital of France"):
+        compare.check_answer(server.url, str(server.model_dir))
 
 
 # --- structured output (benchmarks/grammar.py) -------------------------------------------------------------------
