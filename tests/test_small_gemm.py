@@ -27,15 +27,19 @@ def built() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape", [(48, 64), (37, 131), (1000, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_kernel_equals_f_linear(built, dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool) -> None:
-    """Odd sizes leave a remainder past the vector width; each output row is a sum in float of widened products,
-    so it matches float64 up to the output dtype's rounding."""
+@pytest.mark.parametrize("op", ["small_gemm", "small_gemm_portable"])
+def test_kernel_equals_f_linear(
+    built, dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool, op: str
+) -> None:
+    """Odd sizes leave a remainder past the vector width (and out rows past the AVX-512 path's blocks of four);
+    each output row is a sum in float of widened products, so it matches float64 up to the output dtype's
+    rounding. `small_gemm_portable` is the plain C++ loop, which a CPU without AVX-512 runs: tested here too."""
     generator = torch.Generator().manual_seed(rows * 1000 + shape[1])
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
-    got = torch.ops.conveyor.small_gemm(x, weight, bias)
+    got = getattr(torch.ops.conveyor, op)(x, weight, bias)
     want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     assert got.dtype == dtype and got.shape == (rows, out_features)
     scale = want.abs().max().item()

@@ -33,10 +33,12 @@ SOURCES = [
         "int4_gemm.cpp",
         "int4_vnni_gemm.cpp",
         "rms_norm.cpp",
+        "silu_mul.cpp",
+        "rotary.cpp",
     )
 ]
 HEADERS = [
-    Path(__file__).with_name(name) for name in ("float_types.h", "row_dots.h", "quantized_rows.h")
+    Path(__file__).with_name(name) for name in ("float_types.h", "row_dots.h", "row_dots_avx512.h", "quantized_rows.h")
 ]  # part of the build's identity, not compiled on their own
 BACKENDS = ("auto", "kernel", "torch")
 

@@ -15,9 +15,11 @@
 
 #include "float_types.h"
 #include "row_dots.h"
+#include "row_dots_avx512.h"
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -39,20 +41,65 @@ void rows(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias
   }
 }
 
+#ifdef CONVEYOR_AVX512_DOTS
+// The same in AVX-512, four weight rows at a time: the portable loop above keeps one accumulator chain per weight
+// row and waits on it, which bfloat16 weights (half the bytes to wait for) feel most. One thread, one row, Intel
+// Xeon (Emerald Rapids): bfloat16 1.5-1.7x faster on SmolLM2's layer shapes, float32 within 10%.
+template <int kOut, typename scalar_t>
+void rows_avx512_block(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out,
+                       int64_t in, int64_t out_features, int64_t o) {
+  float sums[conveyor::kRowsAtOnce * kOut];
+  conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+    constexpr int kRows = decltype(chunk)::value;
+    conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
+    for (int j = 0; j < kRows; ++j)
+      for (int r = 0; r < kOut; ++r) {
+        const float b = bias ? widen(bias[o + r]) : 0.f;
+        out[(m + j) * out_features + o + r] = static_cast<scalar_t>(sums[j * kOut + r] + b);
+      }
+  });
+}
+
 template <typename scalar_t>
-void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+void rows_avx512(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in,
+                 int64_t out_features, int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + 4 <= end; o += 4) rows_avx512_block<4>(x, count, w, bias, out, in, out_features, o);
+  for (; o < end; ++o) rows_avx512_block<1>(x, count, w, bias, out, in, out_features, o);
+}
+#endif
+
+// Whether this build has a vector path for the weight's dtype (float and bfloat16 with AVX-512).
+template <typename scalar_t>
+constexpr bool vectorized() {
+#ifdef CONVEYOR_AVX512_DOTS
+  return std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& out,
+         bool portable) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   const std::vector<float> xf = conveyor::widened<scalar_t>(x);
   const scalar_t* w = weight.data_ptr<scalar_t>();
   const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
   scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+#ifdef CONVEYOR_AVX512_DOTS
+    if constexpr (vectorized<scalar_t>()) {
+      if (!portable) return rows_avx512<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
+    }
+#endif
     rows<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
   });
 }
 
 // x [M, in] with 1 <= M <= 4, weight [out, in], bias [out] or none, all one dtype and contiguous. Returns [M, out].
-at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// `portable`: the plain C++ loop even where a vector path is built (the tests compare the two on any machine).
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool portable) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_gemm runs on CPU");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, in] and weight [out, in]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "small_gemm takes 1 to 4 rows, not ", x.size(0));
@@ -60,8 +107,16 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight share a dtype");
   conveyor::check_bias(bias, weight.size(0), weight.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
-  conveyor::for_float_dtype(x.scalar_type(), "small_gemm", [&](auto tag) { run<decltype(tag)>(x, weight, bias, out); });
+  conveyor::for_float_dtype(x.scalar_type(), "small_gemm", [&](auto tag) { run<decltype(tag)>(x, weight, bias, out, portable); });
   return out;
+}
+
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return gemm(x, weight, bias, false);
+}
+
+at::Tensor small_gemm_portable(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return gemm(x, weight, bias, true);
 }
 
 }  // namespace
@@ -69,4 +124,6 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("small_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm", c10::DispatchKey::CPU, &small_gemm);
+  m.def("small_gemm_portable(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("small_gemm_portable", c10::DispatchKey::CPU, &small_gemm_portable);
 }

@@ -24,6 +24,13 @@ class RMSNorm(torch.nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(self, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """`hidden += delta` (the residual add, in place), then the norm of the sum: one C++ pass where the
+        kernels serve, with torch's roundings."""
+        if self.kernel and hidden.dtype == self.weight.dtype and hidden.is_contiguous() and delta.is_contiguous():
+            return torch.ops.conveyor.add_rms_norm_(hidden, delta, self.weight, self.eps, False)
+        return self(hidden.add_(delta))
+
 
 class GemmaRMSNorm(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:

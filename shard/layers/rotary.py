@@ -157,6 +157,15 @@ class RotaryEmbedding:
         return cos[:, None, :], sin[:, None, :]
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """`apply_rotary`, in place in one C++ pass where the kernels serve (`shard/kernels/rotary.cpp`, torch's bits
+    exactly), else the torch reference below. x [T, heads, head_dim] is the caller's to overwrite."""
+    if kernel and x.is_contiguous() and cos.dtype == x.dtype:
+        torch.ops.conveyor.rotary_(x, cos, sin)
+        return x
+    return apply_rotary(x, cos, sin)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates each head of x [T, heads, head_dim] by its token's angles (the half-split convention); where cos is
     narrower than the head (partial rotary), only the head's first part turns."""

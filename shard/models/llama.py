@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from conveyor.shard.kernels import build as kernels
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache, Metadatas, paged_attention
 from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.shard.layers.norm import RMSNorm
-from conveyor.shard.layers.rotary import RotaryEmbedding, apply_rotary
+from conveyor.shard.layers.rotary import RotaryEmbedding, rotate
 from conveyor.shard.weights import WeightError, Weights
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -53,6 +54,7 @@ class Attention(torch.nn.Module):
         if config.model_type == "qwen3":
             eps = config.rms_norm_eps
             self.qk_norms = torch.nn.ModuleList(RMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), eps) for n in "qk")
+        self.kernel = kernels.serves(weights.device)  # the fused rotation (layers/rotary.py `rotate`)
 
     def forward(self, hidden, cos, sin, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         qk_size = (self.heads + self.kv_heads) * self.head_dim
@@ -62,7 +64,7 @@ class Attention(torch.nn.Module):
             q, k = qk.split([self.heads, self.kv_heads], dim=1)
             qk = torch.cat([self.qk_norms[0](q), self.qk_norms[1](k)], dim=1)
         # q and k sit side by side in the fused projection: one rotation covers both heads' sets.
-        qk = apply_rotary(qk, cos, sin)
+        qk = rotate(qk, cos, sin, self.kernel)
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         v = v.view(-1, self.kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, key_cache, value_cache, meta, self.scale))
@@ -80,9 +82,13 @@ class MLP(torch.nn.Module):
         else:
             self.gate_up = ColumnParallelLinear.load(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias)
         self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=bias)
+        self.kernel = kernels.serves(weights.device)  # silu(gate) * up in one pass (shard/kernels/silu_mul.cpp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.kernel and gate_up.is_contiguous():
+            return self.down(torch.ops.conveyor.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -95,9 +101,13 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_norm = RMSNorm(weights.get(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = MLP(config, weights, f"{prefix}.mlp")
 
-    def forward(self, hidden, cos, sin, key_cache, value_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.attention(self.input_norm(hidden), cos, sin, key_cache, value_cache, meta)
-        return hidden + self.mlp(self.post_attention_norm(hidden))
+    def forward(self, hidden, delta, cos, sin, key_cache, value_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `hidden` still owes the previous layer's MLP output `delta` (None before the first
+        layer): each residual add happens in place inside the norm that follows it (`RMSNorm.add_forward`), so
+        the layer returns its own MLP output as the next one's delta instead of adding it."""
+        normed = self.input_norm(hidden) if delta is None else self.input_norm.add_forward(hidden, delta)
+        attended = self.attention(normed, cos, sin, key_cache, value_cache, meta)
+        return hidden, self.mlp(self.post_attention_norm.add_forward(hidden, attended))
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -135,9 +145,9 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last). `reach`: for
         LongRoPE (`needs_reach`), each token's sequence's longer of prompt and length so far."""
-        hidden = self.embed(input_ids)
+        hidden, delta = self.embed(input_ids), None  # the residual stream is added to in place from here on
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, reach)
         meta = metas[self.sliding_window]
         for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
-            hidden = layer(hidden, cos, sin, key_cache, value_cache, meta)
-        return self.lm_head(self.norm(hidden[logits_index])).float()
+            hidden, delta = layer(hidden, delta, cos, sin, key_cache, value_cache, meta)
+        return self.lm_head(self.norm(hidden[logits_index] + delta[logits_index])).float()

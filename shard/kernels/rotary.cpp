@@ -1,0 +1,66 @@
+// Rotary position embedding applied in place to x [T, heads, head_dim] (q and k side by side) with each token's
+// cos and sin [T, 1, rotary_dim] (half-split convention; a rotary_dim below head_dim turns only the head's first
+// part), in one pass instead of torch's slices, neg, cat, two muls and an add per layer. Rounded as torch rounds
+// `x * cos + rotate_half(x) * sin` in x's dtype: each product, then the sum.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "float_types.h"
+
+#include <cstdint>
+#include <vector>
+
+// Each product is rounded before the sum, as torch's two muls and an add are: no fused multiply-add here, so that
+// float32 gives torch's bits exactly.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+template <typename scalar_t>
+inline float rounded(float value) {
+  return conveyor::widen(static_cast<scalar_t>(value));
+}
+
+// One head of one token: out[i] = x[i] cos[i] - x[i + half] sin[i], out[i + half] = x[i + half] cos[i + half]
+// + x[i] sin[i + half] (the two halves of cos/sin are equal in Llama's layout, but they are read as given).
+template <typename scalar_t>
+void rotate(scalar_t* head, const scalar_t* cos, const scalar_t* sin, int64_t half, float* scratch) {
+  for (int64_t i = 0; i < 2 * half; ++i) scratch[i] = conveyor::widen(head[i]);
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = scratch[i], b = scratch[i + half];
+    const float c0 = conveyor::widen(cos[i]), s0 = conveyor::widen(sin[i]);
+    const float c1 = conveyor::widen(cos[i + half]), s1 = conveyor::widen(sin[i + half]);
+    head[i] = static_cast<scalar_t>(rounded<scalar_t>(a * c0) + rounded<scalar_t>(rounded<scalar_t>(-b) * s0));
+    head[i + half] = static_cast<scalar_t>(rounded<scalar_t>(b * c1) + rounded<scalar_t>(a * s1));
+  }
+}
+
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 3, "rotary_: x [T, heads, head_dim], on CPU");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "cos and sin alike");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == 1, "cos [T, 1, rotary_dim]");
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), turning = cos.size(2);
+  TORCH_CHECK(turning % 2 == 0 && turning <= head_dim, "an even rotary_dim within the head");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "cos/sin in x's dtype");
+  conveyor::for_float_dtype(x.scalar_type(), "rotary_", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* values = x.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(turning);
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t token = index / heads;
+        rotate(values + index * head_dim, c + token * turning, s + token * turning, turning / 2, scratch.data());
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.impl("rotary_", c10::DispatchKey::CPU, &rotary_);
+}

@@ -1,0 +1,43 @@
+// The small-rows GEMM's inner loop in AVX-512: four weight rows at once, each dotted with up to four rows of x.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CONVEYOR_AVX512_DOTS 1
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+namespace conveyor::avx512 {
+
+// 16 weights from `w` as floats; `mask` keeps the first lanes only (the row's tail).
+inline __m512 load16(const float* w, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, w); }
+inline __m512 load16(const c10::BFloat16* w, __mmask16 mask) {
+  const __m256i half = _mm256_maskz_loadu_epi16(mask, w);  // bfloat16 is the top half of a float
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// sums[j * kOut + r] = x_j . w_r for the kRows rows x_j of x (float, [kRows, in]) and the kOut weight rows
+// w_r = w + r * in: kRows * kOut independent accumulators, so the FMAs do not wait on each other, and each
+// weight vector is widened once for every row of x.
+template <int kRows, int kOut, typename weight_t>
+inline void dot_block(const float* x, int64_t in, const weight_t* w, float* sums) {
+  __m512 acc[kRows][kOut];
+  for (int j = 0; j < kRows; ++j)
+    for (int r = 0; r < kOut; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 16) {
+    const __mmask16 mask = in - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (in - k)) - 1);
+    __m512 wv[kOut];
+    for (int r = 0; r < kOut; ++r) wv[r] = load16(w + r * in + k, mask);
+    for (int j = 0; j < kRows; ++j) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + j * in + k);
+      for (int r = 0; r < kOut; ++r) acc[j][r] = _mm512_fmadd_ps(xv, wv[r], acc[j][r]);
+    }
+  }
+  for (int j = 0; j < kRows; ++j)
+    for (int r = 0; r < kOut; ++r) sums[j * kOut + r] = _mm512_reduce_add_ps(acc[j][r]);
+}
+
+}  // namespace conveyor::avx512
+#endif
