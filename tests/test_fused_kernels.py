@@ -91,3 +91,24 @@ def test_add_rms_norm_adds_in_place_then_normalises(built, dtype: torch.dtype) -
 def test_add_rms_norm_refuses_a_mismatched_delta(built) -> None:
     with pytest.raises(RuntimeError, match="delta shaped as x"):
         torch.ops.conveyor.add_rms_norm_(torch.randn(2, 8), torch.randn(2, 4), torch.randn(8), 1e-5, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_kv_rotates_in_place_and_writes_the_caches(built, dtype: torch.dtype) -> None:
+    """The fused prologue equals the torch path: split, rotate q and k, index_copy_ k and v to their slots."""
+    g = _generator(4)
+    tokens, heads, kv_heads, head_dim = 3, 6, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    cos, sin = (torch.randn(tokens, 1, head_dim, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([5, 0, 17])
+    caches = [torch.zeros(3, 8, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    qk, v = qkv.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+    turned = apply_rotary(qk.reshape(tokens, heads + kv_heads, head_dim), cos, sin)
+    caches[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, turned[:, heads:])
+    caches[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v.reshape(tokens, kv_heads, head_dim))
+    fused = qkv.clone()
+    torch.ops.conveyor.rotary_kv_(fused, heads, kv_heads, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(fused.view(tokens, -1, head_dim)[:, :heads], turned[:, :heads])
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    with pytest.raises(RuntimeError, match="a slot beyond the caches"):
+        torch.ops.conveyor.rotary_kv_(fused, heads, kv_heads, cos, sin, caches[2], caches[3], torch.tensor([0, 1, 24]))

@@ -8,6 +8,8 @@
 
 #include "float_types.h"
 
+#include <algorithm>
+#include <initializer_list>
 #include <cstdint>
 #include <vector>
 
@@ -58,9 +60,55 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+// The attention's whole prologue for the fused projection's output qkv [T, (heads + 2 kv_heads) * head_dim]: q and
+// k rotated in place, then each token's k and v copied to its slot of the paged caches [blocks, block_size,
+// kv_heads, head_dim] (slots [T], as `index_copy_` would), one pass instead of splits, views and two copies.
+void rotary_kv_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos, const at::Tensor& sin,
+                at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slots) {
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), "caches [blocks, size, heads, dim]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
+  const int64_t head_dim = key_cache.size(3), tokens = qkv.size(0), turning = cos.size(-1);
+  const int64_t capacity = key_cache.size(0) * key_cache.size(1);
+  TORCH_CHECK(key_cache.size(2) == kv_heads, "the caches hold kv_heads heads");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
+              "qkv [T, (heads + 2 kv_heads) * head_dim], contiguous");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == tokens && cos.is_contiguous() && sin.sizes() == cos.sizes(),
+              "cos and sin [T, 1, rotary_dim]");
+  TORCH_CHECK(turning % 2 == 0 && turning <= head_dim, "an even rotary_dim within the head");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "slots [T] int64");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&cos, &sin, &key_cache, &value_cache})
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "cos, sin and the caches in qkv's dtype");
+  const int64_t* where = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(where[t] >= 0 && where[t] < capacity, "a slot beyond the caches");
+  const int64_t kv_width = kv_heads * head_dim, row_width = qkv.size(1);
+  conveyor::for_float_dtype(qkv.scalar_type(), "rotary_kv_", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* values = qkv.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    scalar_t* keys = key_cache.data_ptr<scalar_t>();
+    scalar_t* vals = value_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(turning);
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* row = values + t * row_width;
+        for (int64_t h = 0; h < heads + kv_heads; ++h)
+          rotate(row + h * head_dim, c + t * turning, s + t * turning, turning / 2, scratch.data());
+        const scalar_t* k = row + heads * head_dim;
+        std::copy(k, k + kv_width, keys + where[t] * kv_width);
+        std::copy(k + kv_width, k + 2 * kv_width, vals + where[t] * kv_width);
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.impl("rotary_", c10::DispatchKey::CPU, &rotary_);
+  m.def(
+      "rotary_kv_(Tensor(a!) qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor(b!) key_cache, "
+      "Tensor(c!) value_cache, Tensor slots) -> ()");
+  m.impl("rotary_kv_", c10::DispatchKey::CPU, &rotary_kv_);
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from conveyor.shard.kernels import build as kernels
-from conveyor.shard.layers.attention import AttentionMetadata, KVCache, Metadatas, paged_attention
+from conveyor.shard.layers.attention import AttentionMetadata, KVCache, Metadatas, attend, paged_attention
 from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.shard.layers.norm import RMSNorm
@@ -54,11 +54,17 @@ class Attention(torch.nn.Module):
         if config.model_type == "qwen3":
             eps = config.rms_norm_eps
             self.qk_norms = torch.nn.ModuleList(RMSNorm(weights.get(f"{prefix}.{n}_norm.weight"), eps) for n in "qk")
-        self.kernel = kernels.serves(weights.device)  # the fused rotation (layers/rotary.py `rotate`)
+        self.kernel = kernels.serves(weights.device)  # the fused rotation and K/V write (shard/kernels/rotary.cpp)
 
     def forward(self, hidden, cos, sin, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv(hidden)
+        if self.kernel and self.qk_norms is None and qkv.is_contiguous() and cos.dtype == qkv.dtype == key_cache.dtype:
+            # One C++ pass rotates q and k in place and writes k and v to their cache slots.
+            torch.ops.conveyor.rotary_kv_(qkv, self.heads, self.kv_heads, cos, sin, key_cache, value_cache, meta.slots)
+            q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, : self.heads]
+            return self.o_proj(attend(q, key_cache, value_cache, meta, self.scale))
         qk_size = (self.heads + self.kv_heads) * self.head_dim
-        qk, v = self.qkv(hidden).split([qk_size, self.kv_heads * self.head_dim], dim=-1)
+        qk, v = qkv.split([qk_size, self.kv_heads * self.head_dim], dim=-1)
         qk = qk.reshape(-1, self.heads + self.kv_heads, self.head_dim)
         if self.qk_norms is not None:
             q, k = qk.split([self.heads, self.kv_heads], dim=1)
