@@ -46,8 +46,9 @@ class Config:
     )
     quantize: str | None = flag(
         None,
-        "quantization at load: int8 (a scale per output row) or int4 (a float16 scale per 32 inputs; the embedding "
-        "in int8); with AVX-512 VNNI each layer's input is rounded to int8 too, per row; CPU, needs the C++ kernels",
+        "quantization at load: int8 or int4, a float16 scale per 32 inputs (llama.cpp's q8_0, q4_0; the embedding "
+        "int8 per row); with AVX-512 VNNI each layer's input is rounded to int8 too, a scale per 32, and the products "
+        "are integer (else int8 weights keep a scale per row and are widened to float); CPU, needs the C++ kernels",
         choices=QUANTIZATIONS,
     )
     device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)

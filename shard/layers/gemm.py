@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from conveyor.shard.layers.quantize import Int4Weight, Int8Weight, QuantizationUnavailable
+from conveyor.shard.layers.quantize import Int4Weight, Int8BlockWeight, Int8Weight, QuantizationUnavailable
 
 from conveyor import cpu
 
@@ -74,11 +74,15 @@ def small_rows_kernel(weight: torch.Tensor) -> bool:
 
 
 def vnni() -> bool:
-    """Whether quantized layers round their input to int8 per row and take the integer kernels (AVX-512 VNNI built
-    in), rather than widening the weights to x's dtype (`int8_gemm`, `int4_gemm`). Measured on the demo small
-    model's four layer shapes, AMD EPYC Zen 4, float32 rows: int8 1 row 0.37 -> 0.07 ms, 32 rows 5.9 -> 1.0 ms,
-    2048 rows 105 -> 67 ms (oneDNN's float32 kernels take 0.25, 2.2 and 125, its bfloat16 ones 0.18, 1.1 and 63);
-    int4 at 32 rows 1.3 ms, 2048 rows 89 ms; int4, every linear layer and the head at 1 row, 7.9 -> 2.2 ms."""
+    """Whether quantized layers round their input to int8, a scale per block of 32 inputs, and take the integer
+    kernels (AVX-512 VNNI built in; int8 weights then have a scale per block of 32 too, `Int8BlockWeight`), rather
+    than widening the weights to x's dtype (`int8_gemm`, `int4_gemm`). Measured when x had a scale per row, on the
+    demo small model's four layer shapes, AMD EPYC Zen 4, float32 rows: int8 1 row 0.37 -> 0.07 ms, 32 rows 5.9 ->
+    1.0 ms, 2048 rows 105 -> 67 ms (oneDNN's float32 kernels take 0.25, 2.2 and 125, its bfloat16 ones 0.18, 1.1 and
+    63); int4 at 32 rows 1.3 ms, 2048 rows 89 ms; int4, every linear layer and the head at 1 row, 7.9 -> 2.2 ms.
+    Scales per block of 32 cost the integer kernels little at one row and up to a third more at many (int8; int4
+    a few percent): `int8_vnni_gemm.cpp` has the numbers, and SmolLM2-135M's mean KL from float32 went from 0.033 to
+    0.0037 nats (int8)."""
     from conveyor.shard.kernels import build
 
     return build.load() and torch.ops.conveyor.int8_vnni_available()
@@ -96,10 +100,9 @@ class Gemm:
     def __init__(self, weight: torch.Tensor, plain_copy: bool = True, quantize: str | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.int8: Int8Weight | None = None
+        self.int8: Int8Weight | Int8BlockWeight | None = None  # per block of 32 for the integer kernel, else per row
         self.int4: Int4Weight | None = None
         self.vnni = False  # quantized: x rounded to int8 too, integer kernels (see vnni())
-        self.int8_sums: torch.Tensor | None = None  # each int8 row's sum, for the integer kernel
         if quantize is not None:
             self._quantize(weight, quantize)
             return
@@ -120,8 +123,7 @@ class Gemm:
             raise QuantizationUnavailable(f"--quantize {quantize} needs Conveyor's C++ kernels, which did not build")
         self.vnni = vnni()
         if quantize == "int8":
-            self.int8 = Int8Weight.quantize(weight)
-            self.int8_sums = self.int8.values.sum(dim=1, dtype=torch.int32) if self.vnni else None
+            self.int8 = (Int8BlockWeight if self.vnni else Int8Weight).quantize(weight)
         else:
             self.int4 = Int4Weight.quantize(weight)
         self.packed, self.plain, self.weight = False, None, None
@@ -129,10 +131,8 @@ class Gemm:
     @property
     def nbytes(self) -> int:
         """What this layer's weight takes in memory (both copies where a plain one is kept)."""
-        if self.int8 is not None:
-            return self.int8.nbytes + (self.int8_sums.nbytes if self.int8_sums is not None else 0)
-        if self.int4 is not None:
-            return self.int4.nbytes
+        if self.int8 is not None or self.int4 is not None:
+            return (self.int8 or self.int4).nbytes
         plain = self.plain.nbytes if self.plain is not None and self.plain is not self.weight else 0
         return self.out_features * self.in_features * self.dtype.itemsize + plain
 
@@ -147,9 +147,7 @@ class Gemm:
             return self(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], self.out_features)
         if self.int8 is not None:
             if self.vnni:
-                return torch.ops.conveyor.int8_vnni_gemm(
-                    x.contiguous(), self.int8.values, self.int8.scales, self.int8_sums, bias
-                )
+                return torch.ops.conveyor.int8_vnni_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
             return torch.ops.conveyor.int8_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
         if self.int4 is not None:
             int4_gemm = torch.ops.conveyor.int4_vnni_gemm if self.vnni else torch.ops.conveyor.int4_gemm

@@ -1,0 +1,202 @@
+"""What `--quantize` costs in accuracy on a real model: perplexity and KL divergence from float32, per token.
+
+Random-weight models have no outlier activations, so they cannot tell how much a quantization moves a real
+model's answers; a real checkpoint over real text can. A fixed English text (`data/accuracy.txt`, written for this
+purpose) is cut into windows of `--window` tokens, each run as one fresh prompt through the shard's own `Engine`
+in-process (the model, layers and kernels a shard serves with), with logits at every position. As llama.cpp's
+`llama-perplexity --kl-divergence` does, the first half of each window is context only and the second half is
+scored, so every scored token sees at least half a window before it. Each quantization is reported against the
+float32 model on the same tokens:
+
+- perplexity: exp of the mean negative log-likelihood of the text's next tokens (float32's own, for scale);
+- mean KL: KL(p_float32 || p_quant) over the full vocabulary, averaged over the scored tokens, with its 99th
+  percentile and maximum (the rare tokens where a quantization goes wrong);
+- same top-1: the share of tokens where both models' most likely next token is the same.
+
+    python -m conveyor.benchmarks.accuracy --model-id DIR --quantize int8 int4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from conveyor.benchmarks.progress import note
+
+TEXT = Path(__file__).with_name("data") / "accuracy.txt"
+WINDOW = 512
+QUANTIZATIONS = ("int8", "int4")
+
+
+@dataclass
+class Scores:
+    """One mode's scores over the scored tokens; the divergences are from float32 (None for float32 itself)."""
+
+    mode: str
+    tokens: int
+    perplexity: float
+    mean_kl: float | None = None
+    kl_p99: float | None = None
+    kl_max: float | None = None
+    same_top1: float | None = None
+
+
+class Scorer:
+    """One model loaded as a shard loads it (float32, or quantized), running one window at a time from an empty
+    cache: full-vocabulary log-probabilities at every position."""
+
+    def __init__(self, model_dir: Path, quantize: str | None, window: int, dtype: str = "float32") -> None:
+        from conveyor.shard.distributed import ProcessGroup
+        from conveyor.shard.engine import Engine
+        from conveyor.shard.layers.attention import KVCache
+
+        self.engine = Engine(model_dir, dtype, torch.device("cpu"), ProcessGroup(0, 1), quantize)
+        self.model, self.block_size = self.engine.model, self.engine.block_size
+        self.blocks = math.ceil(window / self.block_size)
+        shape = self.model.shape
+        self.cache = KVCache.allocate(
+            self.engine.config.num_hidden_layers,
+            self.blocks,
+            self.block_size,
+            shape.kv_heads_per_rank,
+            shape.head_dim,
+            self.engine.dtype,
+            torch.device("cpu"),
+        )
+
+    @torch.inference_mode()
+    def log_probs(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), vocab] float32: log p(next token | ids[:i + 1]) for every i, one prompt from position 0."""
+        from conveyor.shard.layers.attention import build_per_window
+
+        n = len(ids)
+        metas = build_per_window(
+            self.model.windows, [list(range(self.blocks))], [n], [n], self.block_size, torch.device("cpu")
+        )
+        positions = torch.arange(n)
+        logits = self.model(torch.tensor(ids, dtype=torch.long), positions, self.cache, metas, positions)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+def windows(ids: list[int], window: int, limit: int | None = None) -> list[list[int]]:
+    """The text's whole windows, at most `limit` (a tail shorter than a window is dropped, as llama.cpp does)."""
+    count = len(ids) // window if limit is None else min(limit, len(ids) // window)
+    if count == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}")
+    return [ids[i * window : (i + 1) * window] for i in range(count)]
+
+
+@dataclass
+class _Tally:
+    """What one mode accumulates over the windows' scored tokens."""
+
+    nll: list[torch.Tensor]
+    kl: list[torch.Tensor]
+    same: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls) -> _Tally:
+        return cls([], [], [])
+
+    def scores(self, mode: str) -> Scores:
+        nll = torch.cat(self.nll)
+        out = Scores(mode, nll.numel(), math.exp(nll.mean().item()))
+        if self.kl:
+            kl = torch.cat(self.kl)
+            out.mean_kl, out.kl_p99, out.kl_max = kl.mean().item(), kl.quantile(0.99).item(), kl.max().item()
+            out.same_top1 = torch.cat(self.same).float().mean().item()
+        return out
+
+
+def _score_window(
+    reference: torch.Tensor, quantized: torch.Tensor, targets: torch.Tensor, tally: _Tally, is_reference: bool
+) -> None:
+    """Adds one window's scored rows (log-probs [n, vocab] against the next tokens `targets` [n]) to `tally`."""
+    tally.nll.append(-quantized.gather(1, targets[:, None]).squeeze(1).double())
+    if is_reference:
+        return
+    p, q = reference.double(), quantized.double()
+    tally.kl.append((p.exp() * (p - q)).sum(dim=-1))
+    tally.same.append(reference.argmax(dim=-1) == quantized.argmax(dim=-1))
+
+
+def load(model_dir: Path, quantizations: list[str], window: int = WINDOW) -> dict[str, Scorer]:
+    """float32's scorer, then one per quantization, by mode name."""
+    scorers = {"float32": Scorer(model_dir, None, window)}
+    for q in quantizations:
+        note(f"accuracy: loading {model_dir} with --quantize {q}")
+        scorers[q] = Scorer(model_dir, q, window)
+    return scorers
+
+
+def score(
+    scorers: dict[str, Scorer], text: str | None = None, window: int = WINDOW, max_windows: int | None = None
+) -> list[Scores]:
+    """float32's scores, then each other mode's against it, over `text` (the fixed text by default)."""
+    reference = scorers["float32"]
+    text = TEXT.read_text() if text is None else text
+    chunks = windows(reference.engine.tokenizer(text).input_ids, window, max_windows)
+    tallies = {mode: _Tally.empty() for mode in scorers}
+    first = window // 2  # context only before this position (its logits predict the first scored token)
+    for i, chunk in enumerate(chunks):
+        note(f"accuracy: window {i + 1}/{len(chunks)}")
+        targets = torch.tensor(chunk[first + 1 :])
+        base = reference.log_probs(chunk)[first:-1]
+        for mode, scorer in scorers.items():
+            rows = base if scorer is reference else scorer.log_probs(chunk)[first:-1]
+            _score_window(base, rows, targets, tallies[mode], scorer is reference)
+    return [tallies[mode].scores(mode) for mode in scorers]
+
+
+def compare(
+    model_dir: Path,
+    quantizations: list[str],
+    text: str | None = None,
+    window: int = WINDOW,
+    max_windows: int | None = None,
+) -> list[Scores]:
+    """Loads float32 and each quantization of the model, and scores them over `text` (see `score`)."""
+    return score(load(model_dir, quantizations, window), text, window, max_windows)
+
+
+def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, fmt) + suffix
+
+
+def table(scores: list[Scores]) -> str:
+    """The scores as a fixed-width table, one mode a line."""
+    lines = [
+        f"{'mode':<8} {'tokens':>6} {'perplexity':>10} {'mean KL':>9} {'KL p99':>8} {'KL max':>8} {'same top-1':>10}"
+    ]
+    for s in scores:
+        top1 = None if s.same_top1 is None else 100 * s.same_top1
+        lines.append(
+            f"{s.mode:<8} {s.tokens:>6} {s.perplexity:>10.4f} {_cell(s.mean_kl, '.5f'):>9} "
+            f"{_cell(s.kl_p99, '.4f'):>8} {_cell(s.kl_max, '.4f'):>8} {_cell(top1, '.2f', '%'):>10}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Perplexity and KL divergence from float32 of --quantize modes.")
+    parser.add_argument("--model-id", type=Path, default=None, help="a local model directory (default: the real model)")
+    parser.add_argument("--quantize", nargs="+", choices=QUANTIZATIONS, default=list(QUANTIZATIONS))
+    parser.add_argument("--text", type=Path, default=TEXT, help="the text to score (default: the fixed one)")
+    parser.add_argument("--window", type=int, default=WINDOW, help="tokens per window; the second half is scored")
+    parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    parser.add_argument("--json", action="store_true", help="print the scores as JSON instead of a table")
+    args = parser.parse_args(argv)
+    if args.model_id is None:
+        from conveyor.benchmarks.real_model import prepare
+
+        args.model_id = prepare()
+    scores = compare(args.model_id, args.quantize, args.text.read_text(), args.window, args.max_windows)
+    print(json.dumps([asdict(s) for s in scores], indent=2) if args.json else table(scores))
+
+
+if __name__ == "__main__":
+    main()
