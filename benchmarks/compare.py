@@ -521,7 +521,7 @@ def for_model(args: argparse.Namespace, model_id: str) -> argparse.Namespace:
 
 def ask(url: str, model: str, question: str, max_tokens: int = CHECK_TOKENS, timeout: float = 600.0) -> str:
     """The served model's greedy answer to `question` through /v1/chat/completions (its chat template applied).
-    The standard library's client: one plain request, and httpx is only a test dependency."""
+    The standard library's client: one plain request needs no session."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": question}],

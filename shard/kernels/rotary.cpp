@@ -9,7 +9,6 @@
 #include "float_types.h"
 
 #include <algorithm>
-#include <initializer_list>
 #include <cstdint>
 #include <vector>
 
@@ -38,13 +37,21 @@ void rotate(scalar_t* head, const scalar_t* cos, const scalar_t* sin, int64_t ha
   }
 }
 
-void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 3, "rotary_: x [T, heads, head_dim], on CPU");
+// What both ops need of x (the tensor turned in place, on CPU, contiguous) and of each token's angles: cos and sin
+// contiguous [tokens, 1, rotary_dim] in x's dtype, with an even rotary_dim within the head.
+void check_angles(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t tokens,
+                  int64_t head_dim) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x contiguous, on CPU");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "cos and sin alike");
-  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == 1, "cos [T, 1, rotary_dim]");
-  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), turning = cos.size(2);
-  TORCH_CHECK(turning % 2 == 0 && turning <= head_dim, "an even rotary_dim within the head");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == tokens && cos.size(1) == 1, "cos [T, 1, rotary_dim]");
+  TORCH_CHECK(cos.size(2) % 2 == 0 && cos.size(2) <= head_dim, "an even rotary_dim within the head");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "cos/sin in x's dtype");
+}
+
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3, "rotary_: x [T, heads, head_dim]");
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), turning = cos.size(-1);
+  check_angles(x, cos, sin, tokens, head_dim);
   conveyor::for_float_dtype(x.scalar_type(), "rotary_", [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* values = x.data_ptr<scalar_t>();
@@ -70,14 +77,12 @@ void rotary_kv_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tens
   const int64_t head_dim = key_cache.size(3), tokens = qkv.size(0), turning = cos.size(-1);
   const int64_t capacity = key_cache.size(0) * key_cache.size(1);
   TORCH_CHECK(key_cache.size(2) == kv_heads, "the caches hold kv_heads heads");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
-              "qkv [T, (heads + 2 kv_heads) * head_dim], contiguous");
-  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == tokens && cos.is_contiguous() && sin.sizes() == cos.sizes(),
-              "cos and sin [T, 1, rotary_dim]");
-  TORCH_CHECK(turning % 2 == 0 && turning <= head_dim, "an even rotary_dim within the head");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
+              "qkv [T, (heads + 2 kv_heads) * head_dim]");
+  check_angles(qkv, cos, sin, tokens, head_dim);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "slots [T] int64");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&cos, &sin, &key_cache, &value_cache})
-    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "cos, sin and the caches in qkv's dtype");
+  TORCH_CHECK(key_cache.scalar_type() == qkv.scalar_type() && value_cache.scalar_type() == qkv.scalar_type(),
+              "the caches in qkv's dtype");
   const int64_t* where = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(where[t] >= 0 && where[t] < capacity, "a slot beyond the caches");
   const int64_t kv_width = kv_heads * head_dim, row_width = qkv.size(1);

@@ -225,9 +225,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; returns [T, Hq * D]. `softcap` (Gemma 2): scores become
     cap * tanh(score / cap) before the softmax; 0 for none."""
-    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slots, k)
-    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slots, v)
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, meta.slots, k)  # [slots, kv_heads, head_dim]
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, meta.slots, v)
     return attend(q, key_cache, value_cache, meta, scale, softcap)
 
 
@@ -241,13 +240,11 @@ def attend(
 ) -> torch.Tensor:
     """`paged_attention` once the new tokens' K/V are in the caches (written by `paged_attention` itself, or by
     the fused `rotary_kv_` kernel); returns [T, Hq * D]."""
-    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    flat_keys = key_cache.view(-1, kv_heads, head_dim)
-    flat_values = value_cache.view(-1, kv_heads, head_dim)
+    flat_keys, flat_values = key_cache.view(-1, *key_cache.shape[2:]), value_cache.view(-1, *value_cache.shape[2:])
     if len(meta.groups) == 1:
         group = meta.groups[0]
         return _attend(q, flat_keys, flat_values, group, scale, softcap, key_cache, value_cache).reshape(q.shape[0], -1)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)
     for group in meta.groups:
         out[group.token_index] = _attend(q, flat_keys, flat_values, group, scale, softcap, key_cache, value_cache)
     return out.reshape(q.shape[0], -1)

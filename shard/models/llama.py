@@ -107,13 +107,13 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_norm = RMSNorm(weights.get(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = MLP(config, weights, f"{prefix}.mlp")
 
-    def forward(self, hidden, delta, cos, sin, key_cache, value_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden, delta, cos, sin, key_cache, value_cache, meta) -> torch.Tensor:
         """The residual stream `hidden` still owes the previous layer's MLP output `delta` (None before the first
         layer): each residual add happens in place inside the norm that follows it (`RMSNorm.add_forward`), so
-        the layer returns its own MLP output as the next one's delta instead of adding it."""
+        `hidden` is updated where it lies and the layer returns its own MLP output, the next one's delta."""
         normed = self.input_norm(hidden) if delta is None else self.input_norm.add_forward(hidden, delta)
         attended = self.attention(normed, cos, sin, key_cache, value_cache, meta)
-        return hidden, self.mlp(self.post_attention_norm.add_forward(hidden, attended))
+        return self.mlp(self.post_attention_norm.add_forward(hidden, attended))
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -155,5 +155,5 @@ class LlamaForCausalLM(torch.nn.Module):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, reach)
         meta = metas[self.sliding_window]
         for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
-            hidden, delta = layer(hidden, delta, cos, sin, key_cache, value_cache, meta)
+            delta = layer(hidden, delta, cos, sin, key_cache, value_cache, meta)
         return self.lm_head(self.norm(hidden[logits_index] + delta[logits_index])).float()
