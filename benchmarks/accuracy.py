@@ -52,21 +52,11 @@ class Scorer:
     def __init__(self, model_dir: Path, quantize: str | None, window: int, dtype: str = "float32") -> None:
         from conveyor.shard.distributed import ProcessGroup
         from conveyor.shard.engine import Engine
-        from conveyor.shard.layers.attention import KVCache
 
         self.engine = Engine(model_dir, dtype, torch.device("cpu"), ProcessGroup(0, 1), quantize)
         self.model, self.block_size = self.engine.model, self.engine.block_size
         self.blocks = math.ceil(window / self.block_size)
-        shape = self.model.shape
-        self.cache = KVCache.allocate(
-            self.engine.config.num_hidden_layers,
-            self.blocks,
-            self.block_size,
-            shape.kv_heads_per_rank,
-            shape.head_dim,
-            self.engine.dtype,
-            torch.device("cpu"),
-        )
+        self.cache = self.engine.allocate(self.blocks)
 
     @torch.inference_mode()
     def log_probs(self, ids: list[int]) -> torch.Tensor:

@@ -79,19 +79,8 @@ class BareLoop:
 
     def allocate(self, max_len: int) -> None:
         """A KV pool of `batch` slots of `max_len` tokens each: a row owns its slot's blocks while it runs."""
-        from conveyor.shard.layers.attention import KVCache
-
         self.blocks_per_slot = math.ceil(max_len / self.block_size)
-        shape, config = self.model.shape, self.engine.config
-        self.cache = KVCache.allocate(
-            config.num_hidden_layers,
-            self.batch * self.blocks_per_slot,
-            self.block_size,
-            shape.kv_heads_per_rank,
-            shape.head_dim,
-            self.engine.dtype,
-            torch.device("cpu"),
-        )
+        self.cache = self.engine.allocate(self.batch * self.blocks_per_slot)
 
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer(text).input_ids

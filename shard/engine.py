@@ -96,7 +96,9 @@ class Engine:
 
     # --- KV pool ------------------------------------------------------------------------------------------
 
-    def _allocate(self, num_blocks: int) -> KVCache:
+    def allocate(self, num_blocks: int) -> KVCache:
+        """A KV pool of `num_blocks` blocks in the model's shape and dtype: the warmup's scratch pool and the real
+        one, and the pools of the benchmarks' in-process loops."""
         layers, kv_heads, head_dim = self._cache_shape
         return KVCache.allocate(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device)
 
@@ -109,7 +111,7 @@ class Engine:
             del r.blocks[:]
             r.blocks.extend(range(next_block, next_block + count))
             next_block += count
-        self.cache = self._allocate(next_block)
+        self.cache = self.allocate(next_block)
         _, batch, _ = self.step(Batch.from_pb(request.batch, self.states(request.batch)))
         if batch is not None:
             self.step(batch)
@@ -117,7 +119,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the scratch pool's memory goes back before the free memory is read
         num_blocks = self.group.min(self._pool_blocks(request.max_batch_total_tokens))
-        self.cache = self._allocate(num_blocks)
+        self.cache = self.allocate(num_blocks)
         log.info("kv pool", extra={"blocks": num_blocks, "tokens": num_blocks * self.block_size})
         return num_blocks * self.block_size
 

@@ -51,7 +51,7 @@ def _ours(model_dir: Path, ids: list[int], prompt_len: int) -> torch.Tensor:
 
     engine = Engine(model_dir, "bfloat16", torch.device("cpu"), ProcessGroup(0, 1))
     blocks = list(range(-(-len(ids) // engine.block_size)))
-    engine.cache = engine._allocate(len(blocks))
+    engine.cache = engine.allocate(len(blocks))
     assert engine.cache.keys[0].dtype == torch.bfloat16
     assert engine.model.layers[0].mlp.gate_up.gemm.dtype == torch.bfloat16
     assert engine.model.layers[0].mlp.gate_up.gemm.packed == cpu.onednn_bf16()
