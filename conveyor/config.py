@@ -122,6 +122,11 @@ class Config:
     prefill_chunk_tokens: int | None = flag(
         None, "prompt tokens per step while streams are decoding (default: 64 on CPU, 512 on GPU)"
     )
+    max_decode_steps: int = flag(
+        8,
+        "decode steps the shards may run in one call while nobody waits to join (1: a call per step); an arrival "
+        "or a cancellation ends the run after the step in progress",
+    )
     prefix_caching: bool = flag(
         True, "share the KV blocks of common prompt prefixes", action=argparse.BooleanOptionalAction
     )

@@ -146,6 +146,7 @@ def make_scheduler(args: Config, connection: Connection, metrics: Metrics, recon
         scheduling=Scheduling(args.scheduling),
         static_batch_timeout=args.static_batch_timeout,
         watermark_blocks=allocator.num_blocks // 100,
+        max_decode_steps=max(1, args.max_decode_steps),
     )
     return Scheduler(connection.client, planner, allocator, metrics, reconnect, args.max_request_retries)
 

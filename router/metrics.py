@@ -75,6 +75,14 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.decode_runs = Counter(
+            "conveyor_decode_runs", "Decode runs (several decode steps in one call to the shards)", registry=r
+        )
+        self.decode_runs_cut = Counter(
+            "conveyor_decode_runs_cut",
+            "Decode runs ended early by an arrival that could join or a cancellation",
+            registry=r,
+        )
         self.shard_step = Histogram(
             "conveyor_shard_step_duration_seconds",
             "A step inside the slowest shard: forward, sampling and detokenizing",

@@ -6,7 +6,8 @@ the running batch as `cached_batch` (a mixed step: their prompt chunks go throug
 running decodes); otherwise a `Decode`. Either way it carries `updates`: the blocks each running sequence grows
 into and the next chunk of each prompt still being read. A preemption is a `FilterBatch` before the step.
 After every step each token goes to its sequence's stream at once, and sequences that finished, or whose client
-went away, are filtered out of the shards' batch so that their blocks are free for the next step.
+went away, are filtered out of the shards' batch so that their blocks are free for the next step. A plan of
+several steps (`StepPlan.steps`: all decoding, nobody waiting to join) is a `DecodeRun`, applied step by step.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Scheduler:
             "prefix_caching": allocator.prefix_caching,
             "chunked_prefill": True,
             "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+            "max_decode_steps": self.config.max_decode_steps,
             "block_size": allocator.block_size,
             "kv_blocks_total": allocator.num_blocks,
             "kv_blocks_free": allocator.free_blocks,
@@ -140,6 +142,9 @@ class Scheduler:
     # --- one step -----------------------------------------------------------------------------------------
 
     async def _step(self, plan: StepPlan) -> None:
+        if plan.steps > 1:
+            await self._run(plan)
+            return
         self._join(plan.admitted)
         self._count(plan)
         method = "prefill" if plan.admitted else "decode"
@@ -164,6 +169,50 @@ class Scheduler:
             self._batch = await self._keep(result.batch, [s for s in in_batch if self._alive(s)])
         except ShardError as exc:
             await self._recover(exc)
+
+    async def _run(self, plan: StepPlan) -> None:
+        """A decode run: up to `plan.steps` steps in one call, each applied as it comes (its tokens streamed at
+        once, finished sequences let go); an arrival that could join, or a client gone, ends it after the step in
+        progress, and the loop's next step is planned as usual."""
+        updates = [_update(s) for s in plan.running if s.step_new_blocks]
+        with self._step_span("decode_run", list(self.running)) as metadata:
+            try:
+                run = await self.client.decode_run([self._batch], plan.steps, metadata, updates)
+                self.metrics.decode_runs.inc()
+                try:
+                    last = time.perf_counter()
+                    while (result := await run.next()) is not None:
+                        now = time.perf_counter()
+                        self.metrics.step.labels("decode").observe(now - last)
+                        last = now
+                        self._apply_run_step(result)
+                        if not run.stopping and self._cut_run():
+                            self.metrics.decode_runs_cut.inc()
+                            await run.stop()
+                finally:
+                    run.close()
+                if self._batch is not None:
+                    self._batch = await self._keep(self._batch, [s for s in self.running if self._alive(s)])
+            except ShardError as exc:
+                await self._recover(exc)
+
+    def _cut_run(self) -> bool:
+        return self.planner.waiting_to_join() or any(s.cancelled for s in self.running)
+
+    def _apply_run_step(self, result: StepResult) -> None:
+        """One step of a run: every sequence that got a token computed one more; those the shards dropped from
+        the batch (finished) leave the running set."""
+        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
+        if result.timings.mask_ns:
+            self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
+        stepped = {g.request_id for g in result.generations}
+        for sequence in self.running:
+            if sequence.id in stepped:
+                self.planner.advance_sequence(sequence, 1)
+        self._send(result)
+        live = set(result.batch.request_ids) if result.batch is not None else set()
+        self._forget([s for s in self.running if s.id not in live])
+        self._batch = result.batch
 
     async def _post(self, plan: StepPlan, metadata: Metadata) -> StepResult:
         updates = [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling]

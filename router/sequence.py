@@ -97,5 +97,10 @@ class Sequence:
 
     def plan_step(self, tokens: int, new_blocks: list[int] = ()) -> None:
         self.step_tokens = tokens
-        self.step_new_blocks = list(new_blocks)
-        self.block_table.extend(new_blocks)
+        self.step_new_blocks = []
+        self.reserve(new_blocks)
+
+    def reserve(self, blocks: list[int]) -> None:
+        """More blocks at this step: the shards learn of them with the step."""
+        self.step_new_blocks.extend(blocks)
+        self.block_table.extend(blocks)

@@ -91,18 +91,8 @@ class ShardedClient:
         await asyncio.gather(*(c.close() for c in self._channels))
 
     async def _all(self, name: str, call: Callable[[pb_grpc.ShardStub], Awaitable[T]]) -> list[T]:
-        """Runs `call` on every rank at once; the first failure fails the whole call at once, without waiting for
-        the other ranks (when one rank dies, the others may wait for it in a collective for ever)."""
-        tasks = [asyncio.ensure_future(call(s)) for s in self._stubs]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for rank, task in enumerate(tasks):
-                if task.done() and (exc := task.exception()) is not None:
-                    raise _shard_error(rank, name, exc)
-            return [t.result() for t in tasks]
-        finally:
-            for task in tasks:
-                task.cancel()
+        """Runs `call` on every rank at once."""
+        return await _gather(name, [call(s) for s in self._stubs])
 
     async def infos(self, timeout: float | None = None) -> list[pb.InfoResponse]:
         """Every rank's Info (each names its own process id and instance)."""
@@ -146,9 +136,81 @@ class ShardedClient:
             await self._all("Decode", lambda s: s.Decode(request, metadata=metadata, timeout=self.step_timeout))
         )
 
+    async def decode_run(
+        self,
+        batches: list[pb.CachedBatch],
+        max_steps: int,
+        metadata: Metadata = None,
+        updates: list[pb.RequestUpdate] = (),
+    ) -> DecodeRun:
+        """Starts up to `max_steps` decode steps on every rank; read them with `DecodeRun.next`."""
+        calls = [s.DecodeRun(metadata=metadata) for s in self._stubs]
+        run = DecodeRun(calls, self.step_timeout)
+        first = pb.DecodeRunRequest(decode=pb.DecodeRequest(batches=batches, updates=updates), max_steps=max_steps)
+        try:
+            await _gather("DecodeRun", [c.write(first) for c in calls], self.step_timeout)
+        except ShardError:
+            run.close()
+            raise
+        return run
+
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
         return (await self._all("FilterBatch", lambda s: s.FilterBatch(request, timeout=self.step_timeout)))[0].batch
+
+
+class DecodeRun:
+    """A decode run in progress on every rank: its steps' results in order, and how to end it early."""
+
+    def __init__(self, calls: list[grpc.aio.StreamStreamCall], step_timeout: float | None) -> None:
+        self.calls, self.step_timeout = calls, step_timeout
+        self.stopping = False
+
+    async def next(self) -> StepResult | None:
+        """The next step's result, or None once the run has ended; every rank must end at the same step."""
+        responses = await _gather("DecodeRun", [c.read() for c in self.calls], self.step_timeout)
+        ended = [r is grpc.aio.EOF for r in responses]
+        if all(ended):
+            return None
+        if any(ended):
+            raise ShardError(f"ranks {[i for i, e in enumerate(ended) if e]} ended a decode run before the others")
+        return _step_result(responses)
+
+    async def stop(self) -> None:
+        """Asks every rank to end the run after the step in progress; its results still come through `next`."""
+        if self.stopping:
+            return
+        self.stopping = True
+        stop = pb.DecodeRunRequest(stop=True)
+        for call in self.calls:
+            try:
+                await call.write(stop)
+                await call.done_writing()
+            except Exception:  # noqa: BLE001 - the run already ended there (or failed: `next` says so)
+                pass
+
+    def close(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+
+async def _gather(name: str, calls: list[Awaitable[T]], timeout: float | None = None) -> list[T]:
+    """Awaits one call per rank at once; the first failure fails the whole call at once, without waiting for the
+    other ranks (when one rank dies, the others may wait for it in a collective for ever). `timeout` is for calls
+    that carry no deadline of their own (a stream's reads)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        for rank, task in enumerate(tasks):
+            if task.done() and (exc := task.exception()) is not None:
+                raise _shard_error(rank, name, exc)
+        if len(done) < len(tasks):
+            late = [rank for rank, task in enumerate(tasks) if not task.done()]
+            raise ShardError(f"shards {late} did not answer {name} in {timeout} s", grpc.StatusCode.DEADLINE_EXCEEDED)
+        return [t.result() for t in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _shard_error(rank: int, name: str, exc: BaseException) -> ShardError:

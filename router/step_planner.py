@@ -43,6 +43,9 @@ class PlannerConfig:
     scheduling: Scheduling = Scheduling.CONTINUOUS
     static_batch_timeout: float = 1.0  # seconds a static batch waits to fill up
     watermark_blocks: int = 0  # blocks kept free when admitting, so that running requests can grow
+    # With nobody waiting to join and every running request decoding, a step may be a run of up to this many
+    # decode steps in one call (the shards go from one to the next without waiting for the router).
+    max_decode_steps: int = 1
 
 
 @dataclass
@@ -55,6 +58,7 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)  # to drop from the shards' batch first
     cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     cache_hits: int = 0  # ...and found there
+    steps: int = 1  # a decode run's most steps (each running sequence holds blocks for them)
 
     @property
     def empty(self) -> bool:
@@ -95,7 +99,35 @@ class StepPlanner:
             if self.config.scheduling is Scheduling.STATIC:
                 budget = 1 << 30  # a static batch reads all its prompts at once, as a padded batch would
             self._admit(budget, plan)
+            self._extend_run(plan)
         return plan
+
+    def waiting_to_join(self) -> bool:
+        """Whether a waiting request could join at the next step, were there blocks for it: a decode run does
+        not start then, and one in progress is cut short."""
+        return self.queue.peek() is not None and len(self.running) < self._admission_limit()
+
+    def _extend_run(self, plan: StepPlan) -> None:
+        """Makes a plan of decoding sequences only, with nobody waiting to join, a run of up to
+        `max_decode_steps`, if the free blocks let every sequence grow that far (a run preempts nobody: it stays
+        one step otherwise). A sequence needs blocks for the tokens it will feed before its `max_new_tokens`."""
+        limit = self.config.max_decode_steps
+        if limit <= 1 or plan.admitted or not plan.running or self.waiting_to_join():
+            return
+        if any(s.is_prefilling for s in plan.running):
+            return
+        remaining = {s: max(1, s.max_new_tokens - len(s.generated_ids)) for s in plan.running}
+        steps = min(limit, max(remaining.values()))
+        blocks_for = self.allocator.blocks_for
+        missing = {
+            s: blocks_for(s.num_computed_tokens + min(steps, remaining[s])) - len(s.block_table) for s in plan.running
+        }
+        if steps <= 1 or sum(max(0, m) for m in missing.values()) > self.allocator.free_blocks:
+            return
+        for sequence, count in missing.items():
+            if count > 0:
+                sequence.reserve(self.allocator.allocate(count) or [])
+        plan.steps = steps
 
     def _prompt_budget(self) -> int:
         config = self.config
@@ -223,16 +255,20 @@ class StepPlanner:
 
     def advance(self, plan: StepPlan) -> None:
         """The step ran: each sequence's computed tokens move on, and its full blocks enter the prefix cache."""
-        size = self.allocator.block_size
         for sequence in plan.sequences:
-            sequence.num_computed_tokens += sequence.step_tokens
-            sequence.suspect = sequence.suspect and sequence.is_prefilling
-            full = sequence.num_computed_tokens // size
-            if full > sequence.num_cached_blocks:
-                # Past a conflict (the same content cached in another block) insert stops; trying again at
-                # every step would only stop there again, so the count moves on either way.
-                self.allocator.insert(sequence.token_ids[: full * size], sequence.block_table[:full])
-                sequence.num_cached_blocks = full
+            self.advance_sequence(sequence, sequence.step_tokens)
+
+    def advance_sequence(self, sequence: Sequence, tokens: int) -> None:
+        """`tokens` more of the sequence's KV are computed (one per step of a decode run)."""
+        size = self.allocator.block_size
+        sequence.num_computed_tokens += tokens
+        sequence.suspect = sequence.suspect and sequence.is_prefilling
+        full = sequence.num_computed_tokens // size
+        if full > sequence.num_cached_blocks:
+            # Past a conflict (the same content cached in another block) insert stops; trying again at
+            # every step would only stop there again, so the count moves on either way.
+            self.allocator.insert(sequence.token_ids[: full * size], sequence.block_table[:full])
+            sequence.num_cached_blocks = full
 
     def remove(self, sequence: Sequence) -> None:
         """A sequence left the batch (finished, cancelled or failed): its blocks go back."""

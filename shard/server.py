@@ -1,7 +1,8 @@
 """The shard's gRPC service: cached batches by id, and the engine behind them.
 
 `Prefill` and `Decode` are the same step: the cached batches named (the running one, with this step's
-`updates`), joined by the new requests of a `Prefill`, run one `Engine.step`.
+`updates`), joined by the new requests of a `Prefill`, run one `Engine.step`. A `DecodeRun` is up to `max_steps`
+Decodes in one call: each next step is queued on the torch thread before the last one's answer is sent.
 
 Forwards run on the shard's torch thread (`torch_thread.py`: the thread that loaded the model; torch releases the
 GIL), so the event loop keeps answering `Health` while a long prefill runs, and batches are only ever touched by
@@ -92,9 +93,12 @@ class ShardService(pb_grpc.ShardServicer):
             raise BadRequest(f"batches {missing} are not cached on this shard")
         return [self.cache.pop(i) for i in batch_ids]
 
-    async def _step(self, cached_ids: list[int], updates: list[pb.RequestUpdate], new: pb.Batch | None) -> StepOutput:
+    async def _step(
+        self, cached_ids: list[int], updates: list[pb.RequestUpdate], new: pb.Batch | None, run: bool = False
+    ) -> StepOutput:
         """Runs one step over the cached batches and the new requests; a refused step (BadRequest) leaves the
-        cache as it was. Requests are parsed and updated on the worker thread, which alone touches batches."""
+        cache as it was. Requests are parsed and updated on the worker thread, which alone touches batches.
+        The first step of a `run` drops its finished requests from the batch at once."""
         taken = self._take(*cached_ids)
         if (
             new is not None
@@ -116,7 +120,8 @@ class ShardService(pb_grpc.ShardServicer):
                 batches[0].update(updates)
             if new is not None:
                 batches.append(Batch.from_pb(new, self.engine.states(new)))
-            return self.engine.step(Batch.concatenate(batches))
+            output = self.engine.step(Batch.concatenate(batches))
+            return _without_finished(output) if run else output
 
         try:
             return await self._run(step)
@@ -189,6 +194,52 @@ class ShardService(pb_grpc.ShardServicer):
         return self._respond(pb.DecodeResponse, *await self._step(cached, list(request.updates), None))
 
     @rpc
+    async def DecodeRun(self, requests, context) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF or not first.decode.batches:
+            raise BadRequest("a decode run starts with a decode of at least one batch")
+        stop = threading.Event()
+        reader = asyncio.create_task(_await_stop(context, stop))
+        try:
+            await self._decode_run(first.decode, max(1, first.max_steps), stop, context.write)
+        finally:
+            reader.cancel()
+
+    async def _decode_run(
+        self, decode: pb.DecodeRequest, max_steps: int, stop: threading.Event, write: Callable[..., Awaitable[None]]
+    ) -> None:
+        """Each step's answer is written while the next step already runs; the batch is cached again once the
+        run ends (before its last answer, which the router waits for before its next call)."""
+        cached = [b.id for b in decode.batches]
+        output: StepOutput | None = await self._step(cached, list(decode.updates), None, run=True)
+        steps = 1
+        while output is not None:
+            generations, batch, timings = output
+            response = pb.DecodeResponse(generations=generations, timings=timings)
+            if batch is not None:
+                response.batch.CopyFrom(batch.to_pb())
+            pending = None
+            if batch is not None and steps < max_steps:
+                pending = self.torch_thread.submit(self._run_step, batch, stop)
+            else:
+                self._keep(batch)
+            await write(response)
+            if pending is None:
+                return
+            with self.watch.step():
+                output = await pending
+            steps += 1
+            if output is None:  # stopped: the batch is as the last answer left it
+                self._keep(batch)
+
+    def _run_step(self, batch: Batch, stop: threading.Event) -> StepOutput | None:
+        """A run's next step, on the torch thread; None once the router asked to stop. Ranks read the request at
+        different moments, so they agree first (any rank that saw it stops them all): their forwards must pair."""
+        if self.engine.group.min(0 if stop.is_set() else 1) == 0:
+            return None
+        return _without_finished(self.engine.step(batch))
+
+    @rpc
     async def FilterBatch(self, request: pb.FilterBatchRequest, context) -> pb.FilterBatchResponse:
         (batch,) = self._take(request.batch_id)
         try:
@@ -197,6 +248,23 @@ class ShardService(pb_grpc.ShardServicer):
             self.cache[batch.id] = batch
             raise BadRequest(str(exc)) from None
         return pb.FilterBatchResponse(batch=self._keep(kept))
+
+
+def _without_finished(output: StepOutput) -> StepOutput:
+    """A run's step leaves its finished requests out of the batch itself (the router has no turn between steps)."""
+    generations, batch, timings = output
+    finished = {g.request_id for g in generations if g.HasField("finished")}
+    if batch is None or not finished:
+        return output
+    live = [r.id for r in batch.requests if r.id not in finished]
+    return generations, batch.filter(live) if live else None, timings
+
+
+async def _await_stop(context: grpc.aio.ServicerContext, stop: threading.Event) -> None:
+    """Sets `stop` when the router's `stop` message comes (the end of its messages is not one)."""
+    message = await context.read()
+    if message is not grpc.aio.EOF and message.stop:
+        stop.set()
 
 
 async def serve(

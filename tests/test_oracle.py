@@ -134,8 +134,11 @@ def run_staggered(server: Server, streams: list[Stream], after_tokens: int) -> N
 
 
 def test_staggered_greedy_requests_match_transformers(deployment: Server) -> None:
+    runs = deployment.metric("conveyor_decode_runs_total")
     streams = [Stream(p, n) for p, n in PROMPTS]
     run_staggered(deployment, streams, after_tokens=2)
+    # Several decode steps per call while nobody waited (the last requests at least decoded alone).
+    assert deployment.metric("conveyor_decode_runs_total") > runs
     for s in streams:
         expected = greedy_reference(deployment.model_dir, s.prompt, s.max_new_tokens)
         assert s.ids == expected, f"prompt {s.prompt!r}"

@@ -14,7 +14,7 @@ from conveyor.router.request import Parameters, ValidRequest
 from conveyor.router.scheduler import Scheduler
 from conveyor.router.sequence import Sequence
 from conveyor.router.settle import LOOKS_PER_GAP, SETTLE_QUIET_SECONDS, SETTLE_SECONDS, Settle
-from conveyor.router.shard_client import ShardError
+from conveyor.router.shard_client import ShardError, StepResult
 from conveyor.router.step_planner import PlannerConfig
 from conveyor.v1 import shard_pb2 as pb
 
@@ -246,3 +246,74 @@ async def test_an_idle_check_reconnects_only_to_restarted_or_silent_shards() -> 
     s.client.answer = None  # down (its launcher restarts it): reconnect when it answers
     await s._check_shards()
     assert _restarts(s) == 2
+
+
+class _RunShards:
+    """Shards whose decode run answers the step results the test hands them, one at a time."""
+
+    def __init__(self) -> None:
+        self.step_timeout = None
+        self.results: asyncio.Queue = asyncio.Queue()
+        self.started: list[tuple[int, list[pb.RequestUpdate]]] = []  # (max_steps, updates) of each run
+        self.stopping = False
+
+    async def decode_run(self, batches, max_steps, metadata=None, updates=()):
+        self.started.append((max_steps, list(updates)))
+        return self
+
+    async def next(self):
+        return await self.results.get()
+
+    async def stop(self) -> None:
+        self.stopping = True
+
+    def close(self) -> None:
+        pass
+
+
+def _step(batch_ids: list[int], tokens: dict[int, int], finished: tuple[int, ...] = ()) -> StepResult:
+    generations = [
+        pb.Generation(
+            request_id=n,
+            tokens=pb.Tokens(ids=[t], logprobs=[0.0], texts=["t"], is_special=[False]),
+            finished=pb.GeneratedText(text="t", generated_tokens=1) if n in finished else None,
+        )
+        for n, t in tokens.items()
+    ]
+    batch = pb.CachedBatch(id=0, request_ids=batch_ids, size=len(batch_ids)) if batch_ids else None
+    return StepResult(generations, batch, pb.Timings())
+
+
+async def test_a_decode_run_streams_each_step_lets_finished_ones_go_and_stops_for_an_arrival() -> None:
+    s = Scheduler(
+        None, PlannerConfig(max_batch_prefill_tokens=1000, max_decode_steps=4), BlockAllocator(64, 16), Metrics()
+    )
+    a, b = _running(s, 2)
+    s.planner.advance(SimpleNamespace(sequences=[a, b]))  # prompts read: both decode now
+    s._batch = pb.CachedBatch(id=0, request_ids=[0, 1], size=2)
+    s.client = shards = _RunShards()
+    plan = s.planner.plan()
+    assert plan.steps == 4
+    running = asyncio.ensure_future(s._run(plan))
+    shards.results.put_nowait(_step([0], {0: 11, 1: 21}, finished=(1,)))  # b finishes at the first step
+    shards.results.put_nowait(_step([0], {0: 12}))
+    await wait_until(lambda: a.generated_ids == [11, 12])
+    assert b.is_finished and b not in s.running and b.block_table == []  # gone at once, its blocks free
+    assert a.num_computed_tokens == 10 and not shards.stopping
+    s.submit(sequence(5, 8))  # an arrival that can join: the run stops after the step in progress
+    shards.results.put_nowait(_step([0], {0: 13}))
+    await wait_until(lambda: shards.stopping)
+    shards.results.put_nowait(None)  # the shards end the run
+    await running
+    assert a.generated_ids == [11, 12, 13] and a.num_computed_tokens == 11 and s._batch.request_ids == [0]
+    assert s.metrics.decode_runs._value.get() == 1 and s.metrics.decode_runs_cut._value.get() == 1
+    assert s.planner.plan().steps == 1  # the newcomer joins: one step
+
+
+async def wait_until(condition: Callable[[], bool], turns: int = 1000) -> None:
+    """Lets the event loop turn until `condition` holds (no clock: the loop only has in-process work)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")

@@ -126,6 +126,57 @@ async def test_join_filter_and_decode_keep_each_request_on_its_greedy_path(
     await client.clear_cache(kept.id)
 
 
+async def run_to_end(run, got: dict[int, list[int]], stop_after: int | None = None) -> list:
+    """Reads a decode run to its end, recording tokens; asks it to stop after `stop_after` results."""
+    results = []
+    while (result := await run.next()) is not None:
+        results.append(result)
+        for g in result.generations:
+            got[g.request_id].extend(g.tokens.ids)
+        if stop_after is not None and len(results) == stop_after:
+            await run.stop()
+    run.close()
+    return results
+
+
+async def test_a_decode_run_steps_until_its_requests_finish_each_on_its_greedy_path(
+    client: ShardedClient, tokenizer, tiny_model: Path
+) -> None:
+    prompts = {0: ("def f(x):", 4), 1: ("import os\nimport sys", 9)}
+    got: dict[int, list[int]] = {n: [] for n in prompts}
+    first = await client.prefill(batch(5, *(request(tokenizer, n, *prompts[n]) for n in prompts)))
+    for g in first.generations:
+        got[g.request_id].extend(g.tokens.ids)
+    results = await run_to_end(await client.decode_run([first.batch], 50), got)
+    assert len(results) == 8  # request 1's 8 tokens after its first; request 0 left after 3
+    assert [list(r.batch.request_ids) for r in results[:3]] == [[0, 1], [0, 1], [1]]  # it left as it finished
+    assert results[-1].batch is None  # all done: nothing left cached
+    for n in prompts:
+        assert len(got[n]) == prompts[n][1]
+        reference = greedy_reference(tiny_model, *prompts[n])
+        assert got[n][: len(reference)] == reference[: len(got[n])]
+
+
+async def test_a_decode_run_ends_at_its_cap_or_when_asked_and_the_batch_decodes_on(
+    client: ShardedClient, tokenizer, tiny_model: Path
+) -> None:
+    prompt = ("class A:\n    pass", 40)
+    got: dict[int, list[int]] = {3: []}
+    first = await client.prefill(batch(6, request(tokenizer, 3, *prompt)))
+    got[3].extend(first.generations[0].tokens.ids)
+    capped = await run_to_end(await client.decode_run([first.batch], 3), got)
+    assert len(capped) == 3 and capped[-1].batch.request_ids == [3]
+    stopped = await run_to_end(await client.decode_run([capped[-1].batch], 30), got, stop_after=1)
+    # The next step was already running when the first answer left (so at least 2), and the run ended early.
+    assert 2 <= len(stopped) < 30
+    after = await client.decode([stopped[-1].batch])  # still cached, and where the run left it
+    got[3].extend(after.generations[0].tokens.ids)
+    assert len(got[3]) == 1 + 3 + len(stopped) + 1
+    reference = greedy_reference(tiny_model, *prompt)
+    assert got[3][: len(reference)] == reference[: len(got[3])]
+    await client.clear_cache(after.batch.id)
+
+
 async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(client: ShardedClient, tokenizer) -> None:
     with pytest.raises(ShardError, match="not cached"):
         await client.decode([pb.CachedBatch(id=999, request_ids=[1], size=1)])

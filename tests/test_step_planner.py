@@ -787,3 +787,67 @@ def test_a_suspect_joins_alone_and_nobody_joins_until_it_has_read_its_tokens_bac
     plan = sim.step()
     assert plan.admitted == [second]  # the next suspect, alone again, beside the proven one decoding
     assert sim.step().admitted == [fresh]
+
+
+# --- decode runs ----------------------------------------------------------------------------------------------
+
+
+def decoding(sim: Sim, *sequences: Sequence) -> None:
+    """Admits the sequences and runs their prompts: they are all decoding afterwards."""
+    sim.submit(*sequences)
+    assert sim.step().steps == 1  # sequences joined: never a run
+    assert not any(s.is_prefilling for s in sequences)
+
+
+def test_decoding_sequences_with_nobody_waiting_make_a_run_that_holds_its_blocks_up_front() -> None:
+    sim = Sim(max_decode_steps=8)
+    long, short = make_sequence(0, 14, max_new_tokens=30), make_sequence(1, 5, max_new_tokens=3)
+    decoding(sim, long, short)
+    plan = sim.planner.plan()
+    assert plan.steps == 8 and plan.running == [long, short]
+    # 14 computed + 8 fed: a second block, announced with the run; the short one feeds its 2 tokens in its block.
+    assert len(long.block_table) == 2 and long.step_new_blocks == long.block_table[1:]
+    assert len(short.block_table) == 1 and short.step_new_blocks == []
+    assert long.step_tokens == short.step_tokens == 1  # the scheduler advances each by one per step that ran
+
+
+def test_a_run_is_no_longer_than_the_longest_remaining_request() -> None:
+    sim = Sim(max_decode_steps=8)
+    a, b = make_sequence(0, 5, max_new_tokens=3), make_sequence(1, 5, max_new_tokens=4)
+    decoding(sim, a, b)
+    assert sim.planner.plan().steps == 3  # b has 3 tokens to go after its first
+
+
+def test_no_run_while_a_request_could_join_but_one_while_the_batch_is_full() -> None:
+    sim = Sim(max_decode_steps=8, max_batch_size=2)
+    a, b = make_sequence(0, 5, max_new_tokens=20), make_sequence(1, 5, max_new_tokens=20)
+    decoding(sim, a)
+    sim.submit(b)
+    assert sim.step().steps == 1  # b joins: one step
+    waiting = make_sequence(2, 5)
+    sim.submit(waiting)  # cannot join a full batch: the run goes on meanwhile
+    assert not sim.planner.waiting_to_join() and sim.planner.plan().steps == 8
+    sim.planner.remove(b)
+    assert sim.planner.waiting_to_join()  # room now: the next plan admits it, in one step
+
+
+def test_no_run_without_the_blocks_for_it_or_with_a_prompt_still_being_read() -> None:
+    sim = Sim(max_decode_steps=8, num_blocks=3, block_size=4)
+    a, b = make_sequence(0, 3, max_new_tokens=20), make_sequence(1, 3, max_new_tokens=20)
+    decoding(sim, a, b)
+    assert sim.allocator.free_blocks == 1
+    plan = sim.planner.plan()  # 8 more tokens each would need 4 more blocks: one step, as before, preempting nobody
+    assert plan.steps == 1 and not plan.preempted and sim.allocator.free_blocks == 1
+
+    chunked = Sim(max_decode_steps=8, max_batch_prefill_tokens=8)
+    c, d = make_sequence(0, 5, max_new_tokens=20), make_sequence(1, 40, max_new_tokens=20)
+    decoding(chunked, c)
+    chunked.submit(d)
+    chunked.step()
+    assert d.is_prefilling and chunked.planner.plan().steps == 1  # d still reads its prompt: one step at a time
+
+
+def test_runs_are_off_by_default() -> None:
+    sim = Sim()
+    decoding(sim, make_sequence(0, 5, max_new_tokens=20))
+    assert sim.planner.plan().steps == 1

@@ -240,6 +240,16 @@ class DecodeRequest(_message.Message):
     updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
     def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ...) -> None: ...
 
+class DecodeRunRequest(_message.Message):
+    __slots__ = ("decode", "max_steps", "stop")
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    decode: DecodeRequest
+    max_steps: int
+    stop: bool
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop: _Optional[bool] = ...) -> None: ...
+
 class DecodeResponse(_message.Message):
     __slots__ = ("generations", "batch", "timings")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class ShardStub:
                 request_serializer=conveyor_dot_v1_dot_shard__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_shard__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeRun = channel.stream_stream(
+                '/conveyor.v1.Shard/DecodeRun',
+                request_serializer=conveyor_dot_v1_dot_shard__pb2.DecodeRunRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_shard__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.FilterBatch = channel.unary_unary(
                 '/conveyor.v1.Shard/FilterBatch',
                 request_serializer=conveyor_dot_v1_dot_shard__pb2.FilterBatchRequest.SerializeToString,
@@ -129,6 +134,16 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeRun(self, request_iterator, context):
+        """Up to `max_steps` decode steps of the given cached batches, each answered as soon as it ran (the next one
+        already running), with no round trip to the router in between. Requests that finish leave the batch at once.
+        The router's second message (`stop`) ends the run after the step in progress; every rank stops at the same
+        step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FilterBatch(self, request, context):
         """Keeps the listed requests of a cached batch and frees the KV of the rest.
         """
@@ -172,6 +187,11 @@ def add_ShardServicer_to_server(servicer, server):
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=conveyor_dot_v1_dot_shard__pb2.DecodeRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_shard__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeRun': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeRun,
+                    request_deserializer=conveyor_dot_v1_dot_shard__pb2.DecodeRunRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_shard__pb2.DecodeResponse.SerializeToString,
             ),
             'FilterBatch': grpc.unary_unary_rpc_method_handler(
@@ -368,6 +388,33 @@ class Shard:
             target,
             '/conveyor.v1.Shard/Decode',
             conveyor_dot_v1_dot_shard__pb2.DecodeRequest.SerializeToString,
+            conveyor_dot_v1_dot_shard__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeRun(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/conveyor.v1.Shard/DecodeRun',
+            conveyor_dot_v1_dot_shard__pb2.DecodeRunRequest.SerializeToString,
             conveyor_dot_v1_dot_shard__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
