@@ -19,6 +19,7 @@ from conveyor.router.keys import KeyRing
 from conveyor.router.middleware import (
     caller,
     draining_middleware,
+    hide_server_version,
     json_body_middleware,
     json_errors_middleware,
     json_protocol_errors,
@@ -156,6 +157,7 @@ class HttpServer:
             ],
         )
         app.on_response_prepare.append(send_request_id)
+        app.on_response_prepare.append(hide_server_version)
         app.router.add_post("/", self.compat)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/generate_stream", self.generate_stream)
@@ -169,13 +171,13 @@ class HttpServer:
         Dashboard(self.infer, self.info).register(app)
         return app
 
-    async def _validated(self, request: web.Request, stream: bool) -> ValidRequest:
+    async def _validated(self, request: web.Request, stream: bool, stream_field: bool = True) -> ValidRequest:
         raw = await request.read()
-        return await self.validation.off_loop(self.validation.validate, raw, stream=stream)
+        return await self.validation.off_loop(self.validation.validate, raw, stream=stream, stream_field=stream_field)
 
     async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
         try:
-            valid = await self._validated(request, stream=False)
+            valid = await self._validated(request, stream=False, stream_field=as_list)
             response = await self.infer.generate(valid, caller(request), request_id(request))
         except REQUEST_ERRORS as exc:
             return error_response(exc)

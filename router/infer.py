@@ -78,7 +78,7 @@ class Infer:
 
         The slot is taken here, before anything is awaited, so the 429 answer is immediate.
         """
-        self._admit(key)
+        self.admit(key, 1)
         if request.parameters.grammar is not None:
             self.metrics.constrained_requests.labels(request.parameters.grammar.kind).inc()
         if (priority := key.priority(request.parameters.priority)) != request.parameters.priority:
@@ -105,18 +105,20 @@ class Infer:
             del self.sequences[sequence.id]
             self.metrics.key_in_flight.labels(key.name).dec()
 
-    def _admit(self, key: ApiKey) -> None:
-        """Refuses (429) a request past the server's limit or its key's cap, saying which."""
-        if self.in_flight >= self.max_concurrent_requests:
+    def admit(self, key: ApiKey, count: int) -> None:
+        """Refuses (429) `count` requests together unless the server's limit and the key's cap have room for all,
+        saying which: the choices of one `n > 1` request start together or not at all."""
+        if self.in_flight + count > self.max_concurrent_requests:
             self._count("overloaded", key)
             raise OverloadedError(
                 f"Model is overloaded: {self.in_flight} requests in flight, the server's cap "
                 f"(--max-concurrent-requests {self.max_concurrent_requests})"
             )
-        if key.max_concurrent is not None and (held := len(self.of_key(key))) >= key.max_concurrent:
+        if key.max_concurrent is not None and (held := len(self.of_key(key))) + count > key.max_concurrent:
             self._count("overloaded", key)
             raise OverloadedError(
-                f"API key {key.name!r} has {held} requests in flight, its cap (max_concurrent {key.max_concurrent})"
+                f"API key {key.name!r} has {held} requests in flight and asked for {count} more, past its cap "
+                f"(max_concurrent {key.max_concurrent})"
             )
 
     def _count(self, outcome: str, key: ApiKey) -> None:
@@ -136,7 +138,8 @@ class Infer:
         event; a waiting one never runs, a running one leaves the batch (and its blocks) at the next step."""
         cancelled = [s for s in self.of(caller) if s.request_id == request_id and not s.is_finished]
         for sequence in cancelled:
-            sequence.fail(f"request {request_id} was cancelled by {caller.name!r}", "cancelled")
+            # Not by whom: an ordinary key's client must not learn the names of the admin keys.
+            sequence.fail(f"request {request_id} was cancelled", "cancelled")
             sequence.cancelled = True
         return cancelled
 

@@ -62,6 +62,11 @@ async def send_request_id(request: web.Request, response: web.StreamResponse) ->
     response.headers["X-Request-Id"] = request_id(request)
 
 
+async def hide_server_version(request: web.Request, response: web.StreamResponse) -> None:
+    """`Server: conveyor` instead of aiohttp's Python and aiohttp versions, which tell a scanner what to try."""
+    response.headers["Server"] = "conveyor"
+
+
 def caller(request: web.Request) -> ApiKey:
     """The key a request came with (`key_middleware` checked it)."""
     return request["key"]

@@ -141,14 +141,22 @@ class OpenAIRoutes:
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
         wants_logprobs = any(c.request.parameters.top_n_tokens for c in choices)
+        try:
+            self.infer.admit(caller(request), len(choices))  # all the choices or none: a 429 leaves nothing running
+        except REQUEST_ERRORS as exc:
+            return error_response(exc, openai=True)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage is True
             return await self._stream(request, choices, fmt, usage, wants_logprobs)
+        key, name = caller(request), request_id(request)
+        tasks = [asyncio.ensure_future(self.infer.generate(c.request, key, name)) for c in choices]
         try:
-            key, name = caller(request), request_id(request)
-            responses = await asyncio.gather(*(self.infer.generate(c.request, key, name) for c in choices))
+            responses = await asyncio.gather(*tasks)
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
+        finally:
+            for task in tasks:  # a failed choice ends its siblings at once (and frees their blocks)
+                task.cancel()
         answer = fmt.response([(c, r) for c, r in zip(choices, responses)], wants_logprobs)
         return web.json_response(answer)
 

@@ -121,9 +121,13 @@ class Validation:
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._workers, call)
 
-    def validate(self, body: bytes | object, *, stream: bool) -> ValidRequest:
-        """A TGI body (`/generate`, `/generate_stream`, `/` and `/tokenize`), as bytes or Python values."""
+    def validate(self, body: bytes | object, *, stream: bool, stream_field: bool = True) -> ValidRequest:
+        """A TGI body (`/generate`, `/generate_stream`, `/` and `/tokenize`), as bytes or Python values. The body's
+        `stream` picks the answer on `/` only: elsewhere (`stream_field` False) `stream: true` is refused rather
+        than silently answered in one piece."""
         request = parse(GenerateRequest, body)
+        if request.stream and not stream_field:
+            raise ValidationError("`stream` is read on `/` only: POST to /generate_stream for server-sent events")
         return self.validate_tgi(request.inputs, request.parameters, stream=stream)
 
     def validate_tgi(

@@ -1,0 +1,102 @@
+"""A server shared by keys that do not trust each other, through the real processes: what one tenant could learn
+of another, or do to another, and may not (issue "Safe to share").
+
+One deployment with two keys: `ops`, an admin, and `tenant`, an ordinary key with `max_concurrent` 2.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Server, StreamWatcher, start_server, wait_for
+
+KEYS = {
+    "ops": {"key": "ops-secret-hunter2", "admin": True},
+    "tenant": {"key": "tenant-secret-42", "max_concurrent": 2},
+}
+LONG = {"max_new_tokens": 1000, "ignore_eos": True}
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]['key']}"}
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    path.write_text(json.dumps({"keys": [{"name": name, **fields} for name, fields in KEYS.items()]}))
+    server = start_server(tiny_model, "--api-keys-file", str(path), "--max-total-tokens", "1024")
+    yield server
+    assert server.stop() == 0
+
+
+def in_flight(server: Server, who: str) -> list[dict]:
+    response = httpx.get(f"{server.url}/v1/requests", headers=auth(who), timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()["data"]
+
+
+def idle(server: Server) -> bool:
+    info = server.info()
+    return not in_flight(server, "ops") and info["kv_blocks_free"] == info["kv_blocks_total"]
+
+
+# --- n > 1 ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "n": 3}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 900, "n": 4}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "n": 3, "stream": True}),
+    ],
+)
+def test_n_choices_past_the_key_cap_are_refused_whole_and_leave_nothing_running(
+    shared: Server, path: str, body: dict
+) -> None:
+    refused = httpx.post(f"{shared.url}{path}", json=body, headers=auth("tenant"), timeout=60)
+    assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded", refused.text
+    assert in_flight(shared, "tenant") == []  # no choice started (it used to generate for ~27 s)
+    ok = httpx.post(
+        f"{shared.url}/v1/completions",
+        json={"prompt": "x", "max_tokens": 2, "n": 2},
+        headers=auth("tenant"),
+        timeout=120,
+    )
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2  # the key's next request is not refused
+
+
+# --- smaller findings -------------------------------------------------------------------------------------------
+
+
+def test_a_cancelled_stream_does_not_name_the_admin_key_that_cancelled_it(shared: Server) -> None:
+    headers = {**auth("tenant"), "X-Request-Id": "to-cancel"}
+    watcher = StreamWatcher(shared, {"inputs": "x", "parameters": LONG}, "/generate_stream", headers).start()
+    wait_for(lambda: watcher.events, 120, "the stream to start")
+    response = httpx.delete(f"{shared.url}/v1/requests/to-cancel", headers=auth("ops"), timeout=10)
+    assert response.status_code == 200
+    last = watcher.last()
+    assert last["error_type"] == "cancelled" and "ops" not in last["error"]
+    wait_for(lambda: idle(shared), 60, "the deployment to be idle")
+
+
+def test_responses_do_not_tell_the_server_software_version(shared: Server) -> None:
+    for response in (
+        httpx.get(f"{shared.url}/health", timeout=10),
+        httpx.post(f"{shared.url}/generate", json={"inputs": "x"}, timeout=10),  # 401
+        httpx.get(f"{shared.url}/nowhere", timeout=10),
+    ):
+        assert response.headers.get("Server") == "conveyor", response.headers
+
+
+def test_generate_refuses_a_stream_flag_it_would_ignore(shared: Server) -> None:
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 2}, "stream": True}
+    refused = httpx.post(f"{shared.url}/generate", json=body, headers=auth("tenant"), timeout=60)
+    assert refused.status_code == 422 and "/generate_stream" in refused.json()["error"], refused.text
+    streamed = httpx.post(f"{shared.url}/", json=body, headers=auth("tenant"), timeout=60)  # `/` reads it
+    assert streamed.status_code == 200 and streamed.headers["Content-Type"].startswith("text/event-stream")
