@@ -4,7 +4,30 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+from collections.abc import Iterable
+
+# A credential in a header line that something quoted (aiohttp's parse errors quote the raw line): the word after
+# `Bearer`, whatever the case.
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s'\"\\]+")
+_SECRETS: set[str] = set()  # the API keys this process knows: never written out, wherever they turn up
+REDACTED = "<redacted>"
+
+
+def add_secrets(secrets: Iterable[str | None]) -> None:
+    """Strings that no log line of this process may contain (the router's API keys)."""
+    _SECRETS.update(s for s in secrets if s)
+
+
+def redact(text: str) -> str:
+    """`text` without any bearer credential or known secret: what every log line goes through, aiohttp's and
+    grpc's own records and their tracebacks included."""
+    text = _BEARER.sub(rf"\1{REDACTED}", text)
+    for secret in _SECRETS:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -28,7 +51,7 @@ class KeyValueFormatter(logging.Formatter):
         line = " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        return redact(line)
 
 
 def _quote(value: object) -> str:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conveyor import log as conveyor_log
+
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a Prometheus label value and a log field that needs no escaping
 
 
@@ -87,9 +89,11 @@ class KeyRing:
 def load_keys(keys_file: str | None, api_key: str | None) -> KeyRing:
     """The API keys of --api-keys-file and --api-key; a bad file stops the start, saying what is wrong in it."""
     try:
-        return KeyRing.load(keys_file, api_key)
+        ring = KeyRing.load(keys_file, api_key)
     except KeyFileError as exc:
         raise SystemExit(f"conveyor: {exc}") from None
+    conveyor_log.add_secrets(key.secret for key in ring.keys)
+    return ring
 
 
 def _entries(path: str) -> list[tuple[str, Any]]:

@@ -152,6 +152,13 @@ async def json_errors_middleware(request: web.Request, handler: Handler) -> web.
         return json_error(500, "internal error", "internal", openai)
 
 
+def _unquoted(message: str | None) -> str:
+    """aiohttp's parse error without the bytes it quotes: those are the client's header line, Authorization
+    included, which must not be echoed back (nor logged: see conveyor.log.redact)."""
+    first = (message or "").strip().splitlines()[0] if (message or "").strip() else ""
+    return re.split(r":?\s*b['\"]", first, maxsplit=1)[0].rstrip(": ")
+
+
 def json_protocol_errors() -> None:
     """Makes the answers aiohttp gives before any route or middleware runs JSON as well: a request it cannot
     parse (a header line over 8190 bytes, more than 128 headers, a malformed request line, chunk or length, a
@@ -165,10 +172,10 @@ def json_protocol_errors() -> None:
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
         response = original(self, request, status, exc, message)
         if status < 500:
-            body = error_body(message or response.reason, "bad_request")
+            body = error_body(_unquoted(message) or response.reason, "bad_request")
         else:
             body = error_body("internal error" if status == 500 else response.reason, "internal")
-        json_response = web.json_response(body, status=status)
+        json_response = web.json_response(body, status=status, headers={"Server": "conveyor"})
         json_response.force_close()
         return json_response
 

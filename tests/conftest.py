@@ -353,10 +353,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
-    """A deployment through the real launcher; `extra` are launcher flags, `env` extra environment."""
+def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None, log: Path | None = None) -> Server:
+    """A deployment through the real launcher; `extra` are launcher flags, `env` extra environment, `log` a file
+    for every process's log lines (default: the test's stderr)."""
     port, grpc_port = free_port(), free_port()
-    env = dict(os.environ, CONVEYOR_LOG_LEVEL=os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"), **(env or {}))
+    env = {**os.environ, "CONVEYOR_LOG_LEVEL": os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"), **(env or {})}
     process = subprocess.Popen(
         [
             sys.executable,
@@ -371,6 +372,7 @@ def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None
             *extra,
         ],
         env=env,
+        stderr=None if log is None else log.open("ab"),
     )
     server = Server(f"http://127.0.0.1:{port}", process, model_dir, f"127.0.0.1:{grpc_port}")
 

@@ -7,9 +7,11 @@ One deployment with two keys: `ops`, an admin, and `tenant`, an ordinary key wit
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from conftest import Server, StreamWatcher, start_server, wait_for
@@ -26,10 +28,24 @@ def auth(name: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def shared(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def log_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every line the deployment logs, at INFO (more than the default shows)."""
+    return tmp_path_factory.mktemp("log") / "deployment.log"
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, log_file: Path) -> Iterator[Server]:
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     path.write_text(json.dumps({"keys": [{"name": name, **fields} for name, fields in KEYS.items()]}))
-    server = start_server(tiny_model, "--api-keys-file", str(path), "--max-total-tokens", "1024")
+    server = start_server(
+        tiny_model,
+        "--api-keys-file",
+        str(path),
+        "--max-total-tokens",
+        "1024",
+        env={"CONVEYOR_LOG_LEVEL": "INFO"},
+        log=log_file,
+    )
     yield server
     assert server.stop() == 0
 
@@ -100,3 +116,53 @@ def test_generate_refuses_a_stream_flag_it_would_ignore(shared: Server) -> None:
     assert refused.status_code == 422 and "/generate_stream" in refused.json()["error"], refused.text
     streamed = httpx.post(f"{shared.url}/", json=body, headers=auth("tenant"), timeout=60)  # `/` reads it
     assert streamed.status_code == 200 and streamed.headers["Content-Type"].startswith("text/event-stream")
+
+
+# --- secrets --------------------------------------------------------------------------------------------------
+
+
+def raw_exchange(server: Server, request: bytes) -> bytes:
+    """Sends bytes no HTTP client would, and reads the answer until the server closes the connection."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(request)
+        chunks = []
+        while chunk := connection.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def malformed_auth_corpus() -> list[bytes]:
+    """Requests that carry a key where aiohttp's parser or the key check refuses them."""
+    ops, tenant = KEYS["ops"]["key"].encode(), KEYS["tenant"]["key"].encode()
+    body = b'{"inputs": "x"}'
+    post = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    length = b"Content-Length: %d\r\n\r\n" % len(body)
+    return [
+        post + b"Authorization: Bearer " + ops + b"\x00\r\n" + length + body,  # an invalid character after it
+        post + b"Authorization: Bearer " + ops + b"A" * 10_000 + b"\r\n" + length + body,  # a line too long
+        post + b"Authorization: " + tenant + b"\x01\r\n" + length + body,  # no scheme, invalid character
+        post + b"Auth\x00orization: Bearer " + tenant + b"\r\n" + length + body,  # an invalid header name
+        b"GET /\x00" + ops + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # in a malformed request line
+        post + b"Authorization: Bearer " + ops + b"-wrong\r\nConnection: close\r\n" + length + body,  # 401
+        post + b"Authorization: Bearer " + tenant + b"\r\nContent-Length: x\r\n\r\n" + body,  # bad length
+    ]
+
+
+def test_keys_are_never_echoed_nor_logged(shared: Server, log_file: Path) -> None:
+    secrets = [KEYS[name]["key"].encode() for name in KEYS]
+    for request in malformed_auth_corpus():
+        answer = raw_exchange(shared, request)
+        status = answer.split(b"\r\n", 1)[0]
+        assert status.split()[1] in (b"400", b"401"), answer[:300]
+        assert not any(secret in answer for secret in secrets), answer[:300]
+        _, _, body = answer.partition(b"\r\n\r\n")
+        assert json.loads(body)["error_type"] in ("bad_request", "unauthorized"), body
+    with grpc.insecure_channel(shared.grpc) as channel:
+        call = channel.unary_unary("/conveyor.v1.TextGeneration/Generate")
+        with pytest.raises(grpc.RpcError) as refused:
+            call(b"", metadata=[("authorization", f"Bearer {KEYS['tenant']['key']}-wrong")], timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    logged = log_file.read_bytes()
+    assert b"Error handling request" in logged and b"<redacted>" in logged  # aiohttp did log them, redacted
+    assert not any(secret in logged for secret in secrets)
