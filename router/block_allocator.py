@@ -87,8 +87,9 @@ class BlockAllocator:
             return None
         return [self._take() for _ in range(count)]
 
-    def match(self, tokens: Sequence[int], max_blocks: int | None = None) -> list[int]:
-        """Holds and returns the blocks of the longest cached prefix of `tokens`; give them back with release().
+    def match(self, tokens: Sequence[int], max_blocks: int | None = None, scope: str = "") -> list[int]:
+        """Holds and returns the blocks of the longest prefix of `tokens` cached in `scope` (see PrefixCache);
+        give them back with release().
 
         Only full blocks can match: a partial block is still being written by whoever owns it.
         """
@@ -97,13 +98,14 @@ class BlockAllocator:
         limit = len(tokens) // self.block_size
         if max_blocks is not None:
             limit = max(min(limit, max_blocks), 0)
-        blocks = self._cache.match(tokens, limit)
+        blocks = self._cache.match(tokens, limit, scope)
         self._queried += limit
         self._hits += len(blocks)
         return blocks
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
-        """Registers the computed full blocks of a sequence; returns how many leading blocks are now cached.
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], scope: str = "") -> int:
+        """Registers the computed full blocks of a sequence in `scope`; returns how many leading blocks are now
+        cached there.
 
         Stops at the first block whose content is cached in another block (computed concurrently) or whose
         hash collides: that block and the ones after it stay private, so a cached node is never the child of
@@ -115,7 +117,7 @@ class BlockAllocator:
         for block in blocks[:count]:
             if block in self._free_set:
                 raise ValueError(f"block {block} is free: insert only blocks you hold")
-        return self._cache.insert(tokens, blocks)
+        return self._cache.insert(tokens, blocks, scope)
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drops the caller's hold on each block: cached ones stay cached, private ones go back to the free list.

@@ -5,6 +5,10 @@ block's KV depends on every token before it, not only on its own: equal tokens a
 never alias. The key is only a shortcut to the child; each node keeps its tokens and a hit is confirmed
 against them, so a hash collision costs a miss, never another request's KV.
 
+Each scope (whose blocks may be shared: an API key, or a salt) has a tree of its own, so that a request never
+reuses, nor learns by its speed that there is, KV computed for another scope's prompt. A scope's root goes once
+its last block is evicted.
+
 Reference counts are the live requests reading a block. A request that holds a block holds all its ancestors,
 so a parent has at least as many readers as any child, and the unreferenced nodes form whole subtrees: evicting
 unreferenced leaves one at a time, least recently used first, reclaims all of them in the end.
@@ -47,7 +51,7 @@ HeapEntry = tuple[int, int, int, Node]
 class PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._root = Node(block=-1, tokens=(), key=ROOT_KEY, parent=None, depth=0)
+        self._roots: dict[str, Node] = {}  # by scope
         self._nodes: dict[int, Node] = {}  # by block id
         self._unreferenced = 0
         self._clock = 0  # a counter, not time: LRU order stays exact and tests stay deterministic
@@ -69,10 +73,18 @@ class PrefixCache:
         node = self._nodes.get(block)
         return None if node is None else node.refcount
 
-    def match(self, tokens: Sequence[int], max_blocks: int) -> list[int]:
-        """Acquires the longest cached chain of the first `max_blocks` full blocks of `tokens`."""
+    def _root(self, scope: str, create: bool = False) -> Node | None:
+        root = self._roots.get(scope)
+        if root is None and create:
+            root = self._roots[scope] = Node(block=-1, tokens=(scope,), key=ROOT_KEY, parent=None, depth=0)
+        return root
+
+    def match(self, tokens: Sequence[int], max_blocks: int, scope: str = "") -> list[int]:
+        """Acquires the longest chain of the first `max_blocks` full blocks of `tokens` cached in `scope`."""
         found: list[Node] = []
-        node = self._root
+        node = self._root(scope)
+        if node is None:
+            return []
         for chunk in self._chunks(tokens, max_blocks):
             child = node.children.get(block_hash(node.key, chunk))
             if child is None or child.tokens != chunk:
@@ -87,10 +99,13 @@ class PrefixCache:
             node.last_used = now
         return [n.block for n in found]
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
-        """Registers the caller's blocks along the chain of `tokens`; see BlockAllocator.insert for the rules."""
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], scope: str = "") -> int:
+        """Registers the caller's blocks along the chain of `tokens` in `scope`; see BlockAllocator.insert for the
+        rules."""
         count = min(len(tokens) // self.block_size, len(blocks))
-        parent = self._root
+        parent = self._root(scope, create=count > 0)
+        if parent is None:
+            return 0
         now = self._tick()
         for i, chunk in enumerate(self._chunks(tokens, count)):
             key = block_hash(parent.key, chunk)
@@ -147,7 +162,10 @@ class PrefixCache:
         del parent.children[node.key]
         del self._nodes[node.block]
         self._unreferenced -= 1
-        if parent is not self._root and parent.refcount == 0 and not parent.children:
+        if parent.parent is None:  # a scope's root
+            if not parent.children:
+                del self._roots[parent.tokens[0]]
+        elif parent.refcount == 0 and not parent.children:
             self._push(parent)
 
     def _evictable(self, node: Node) -> bool:

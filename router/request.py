@@ -34,6 +34,7 @@ class Parameters:
     truncate: int | None = None
     grammar: Constraint | None = None  # structured output: what the text must match
     priority: int = 0  # lower is served first
+    cache_salt: str | None = None  # whose cached prompt blocks it may share (see Sequence.cache_scope)
 
     @property
     def seed(self) -> int | None:
@@ -71,6 +72,7 @@ def from_tgi(p: GenerateParameters) -> Parameters:
         truncate=p.truncate,
         grammar=p.grammar.constraint() if p.grammar is not None else None,
         priority=p.priority,
+        cache_salt=p.cache_salt,
     )
 
 
@@ -94,4 +96,5 @@ def from_openai(
         top_n_tokens=top_n_tokens,
         grammar=grammar,
         priority=request.priority,
+        cache_salt=request.cache_salt,
     )

@@ -70,6 +70,13 @@ class Sequence:
         return (self.priority, self.id)
 
     @property
+    def cache_scope(self) -> str:
+        """Whose cached prompt blocks it may reuse and offer: its salt's, else its key's. Sharing across keys would
+        let one tenant confirm a guess of another's prompt by its time to first token or the cache-hit count."""
+        salt = self.request.parameters.cache_salt
+        return f"salt:{salt}" if salt is not None else f"key:{self.key.name}"
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.input_ids)
 

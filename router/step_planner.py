@@ -231,7 +231,7 @@ class StepPlanner:
         tokens = sequence.token_ids
         size = self.allocator.block_size
         whole = sequence.request.parameters.decoder_input_details and not sequence.generated_ids
-        matched = [] if whole else self.allocator.match(tokens, (len(tokens) - 1) // size)
+        matched = [] if whole else self.allocator.match(tokens, (len(tokens) - 1) // size, sequence.cache_scope)
         cache_len = len(matched) * size
         chunk = min(len(tokens) - cache_len, budget)
         if whole and chunk < len(tokens) and not first:
@@ -267,7 +267,7 @@ class StepPlanner:
         if full > sequence.num_cached_blocks:
             # Past a conflict (the same content cached in another block) insert stops; trying again at
             # every step would only stop there again, so the count moves on either way.
-            self.allocator.insert(sequence.token_ids[: full * size], sequence.block_table[:full])
+            self.allocator.insert(sequence.token_ids[: full * size], sequence.block_table[:full], sequence.cache_scope)
             sequence.num_cached_blocks = full
 
     def remove(self, sequence: Sequence) -> None:

@@ -292,3 +292,20 @@ def test_random_traffic_never_leaks_or_double_hands_out_blocks() -> None:
         allocator.release(request.blocks)
     assert allocator.free_blocks == allocator.num_blocks
     assert sorted(allocator.allocate(allocator.num_blocks) or []) == list(range(allocator.num_blocks))
+
+
+def test_a_scope_reuses_only_its_own_cached_blocks_and_its_root_goes_with_its_last_block() -> None:
+    allocator = BlockAllocator(num_blocks=4, block_size=BS)
+    tokens = seq(1, 2, tail=1)
+    blocks = allocator.allocate(3)
+    assert allocator.insert(tokens, blocks, scope="key:ops") == 2
+    assert allocator.match(tokens, scope="key:tenant") == []  # the same prompt, another key: nothing shared
+    held = allocator.match(tokens, scope="key:ops")
+    assert held == blocks[:2]
+    allocator.release(held)
+    allocator.release(blocks)
+    cache = allocator._cache
+    assert set(cache._roots) == {"key:ops"}
+    while cache.evict() is not None:
+        pass
+    assert cache._roots == {}  # a scope leaves nothing behind once its blocks are gone (salts are unbounded)

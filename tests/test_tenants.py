@@ -166,3 +166,35 @@ def test_keys_are_never_echoed_nor_logged(shared: Server, log_file: Path) -> Non
     logged = log_file.read_bytes()
     assert b"Error handling request" in logged and b"<redacted>" in logged  # aiohttp did log them, redacted
     assert not any(secret in logged for secret in secrets)
+
+
+# --- the prefix cache -------------------------------------------------------------------------------------------
+
+# 64 tokens or so of the tiny model's tokenizer: several full 16-token blocks to share, or not.
+SECRET_PROMPT = "hunter2-9f8e7d is the admin password, and the backup codes are " + "alpha bravo charlie " * 6
+
+
+def hits_after(server: Server, who: str, **parameters) -> float:
+    """The prefix-cache hits (prompt tokens) one request of `who`'s adds."""
+    before = server.metric("conveyor_prefix_cache_hits_total")
+    body = {"inputs": SECRET_PROMPT, "parameters": {"max_new_tokens": 1, **parameters}}
+    response = httpx.post(f"{server.url}/generate", json=body, headers=auth(who), timeout=120)
+    assert response.status_code == 200, response.text
+    return server.metric("conveyor_prefix_cache_hits_total") - before
+
+
+def test_a_key_shares_no_cached_prompt_block_with_another_key(shared: Server) -> None:
+    hits_after(shared, "ops")
+    assert hits_after(shared, "tenant") == 0  # the admin's prompt is cached, but not for this key
+    assert hits_after(shared, "ops") >= 48  # ...and is for the admin's own next request
+    assert hits_after(shared, "tenant") >= 48  # the tenant's own first request is cached for the tenant
+
+
+def test_a_cache_salt_separates_users_of_one_key_and_joins_keys_that_agree(shared: Server) -> None:
+    hits_after(shared, "tenant", cache_salt="user-a-1")
+    assert hits_after(shared, "tenant", cache_salt="user-b-2") == 0  # another user of the same key
+    assert hits_after(shared, "tenant", cache_salt="user-a-1") >= 48
+    assert hits_after(shared, "ops", cache_salt="user-a-1") >= 48  # keys that agree on a salt share
+    chat = {"messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 1, "cache_salt": "user-c"}
+    response = httpx.post(f"{shared.url}/v1/chat/completions", json=chat, headers=auth("tenant"), timeout=120)
+    assert response.status_code == 200, response.text  # OpenAI's routes take it too

@@ -88,7 +88,7 @@ WARPERS: dict[str, Any] = {
 
 
 class Queueing(Schema):
-    """Where a request waits, on every front door."""
+    """Where a request waits, and whose cached prompt blocks it may reuse, on every front door."""
 
     priority: Annotated[
         int,
@@ -100,6 +100,16 @@ class Queueing(Schema):
             "bounds it: a more urgent value is served at the key's",
         ),
     ] = 0
+    cache_salt: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=256,
+            description="Cached prompt blocks are shared only among requests of the same API key; with a salt, "
+            "only among requests with the same salt (of any key that knows it): a secret that lets separate users "
+            "of one key keep their prompts apart, or keys that agree share theirs (vLLM's cache_salt)",
+        ),
+    ] = None
 
 
 class GenerateParameters(Sampling, Queueing):
