@@ -18,7 +18,11 @@ QUANTIZATIONS = ("int8", "int4")
 SCHEDULING = ("continuous", "static", "sequential")
 DEMO_SIZES = ("tiny", "small")
 # Never on a command line (where `ps` shows them): the launcher passes them on in the environment.
-SECRET = {"api_key": "CONVEYOR_API_KEY", "shard_token": "CONVEYOR_SHARD_TOKEN"}
+SECRET = {
+    "api_key": "CONVEYOR_API_KEY",
+    "shard_token": "CONVEYOR_SHARD_TOKEN",
+    "metrics_key": "CONVEYOR_METRICS_KEY",
+}
 
 
 def flag(default: Any, help: str, **argparse_options: Any) -> Any:
@@ -97,8 +101,18 @@ class Config:
         "JSON file of API keys, each with a name and optionally a weight (fair share), max_concurrent, top_priority "
         "and admin (README: Keys and fair shares)",
     )
+    metrics_key: str | None = flag(
+        None,
+        "GET /metrics then needs 'Authorization: Bearer KEY' (Prometheus' bearer auth) or an admin API key "
+        "(default: $CONVEYOR_METRICS_KEY; unset, /metrics is open)",
+    )
     payload_limit: int = flag(2_000_000, "largest request body in bytes (413 above)")
     max_concurrent_requests: int = flag(128, "requests in flight at once; more are refused with 429")
+    http_idle_timeout: float = flag(
+        15.0, "seconds a connection may take to send a request's headers, from opening or its last answer"
+    )
+    http_body_timeout: float = flag(30.0, "seconds a request's body may take to arrive after its headers (408)")
+    max_connections_per_client: int = flag(256, "HTTP connections one client address may hold open at once")
     # Token limits (defaults from the model, see router/limits.py)
     max_input_tokens: int | None = flag(None, "longest prompt (default: max total - 1)")
     max_total_tokens: int | None = flag(None, "prompt + new tokens (default: the model's positions, at most 4096)")
@@ -122,8 +136,14 @@ class Config:
     prefill_chunk_tokens: int | None = flag(
         None, "prompt tokens per step while streams are decoding (default: 64 on CPU, 512 on GPU)"
     )
+    chat_special_tokens: bool = flag(
+        False,
+        "read special tokens written in chat messages (such as <|im_end|>) as control tokens, as the template's own "
+        "are; off, they are text, so that a message cannot close its turn and open another (trusted callers only)",
+        action=argparse.BooleanOptionalAction,
+    )
     max_decode_steps: int = flag(
-        8,
+        1,
         "decode steps the shards may run in one call while nobody waits to join (1: a call per step); an arrival "
         "or a cancellation ends the run after the step in progress",
     )

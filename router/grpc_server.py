@@ -101,11 +101,18 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         assert key is not None
         return key
 
-    async def _validate(self, request: pb.GenerateRequest, context, stream: bool) -> ValidRequest:
+    async def _validate(self, request: pb.GenerateRequest, context, stream: bool, key: ApiKey) -> ValidRequest:
+        """Admitted first (refused work costs no tokenizing), then validated in the key's turn."""
         try:
+            self.infer.admit(key, 1)
             parameters, constraint = parameters_from_pb(request.parameters)
             return await self.validation.off_loop(
-                self.validation.validate_tgi, request.inputs, parameters, stream=stream, grammar=constraint
+                self.validation.validate_tgi,
+                request.inputs,
+                parameters,
+                stream=stream,
+                grammar=constraint,
+                owner=key.name,
             )
         except REQUEST_ERRORS as exc:
             self.infer.metrics.requests.labels(failure_of(exc).error_type).inc()
@@ -118,7 +125,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     async def _generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         key = await self._authorize(context)
-        valid = await self._validate(request, context, stream=False)
+        valid = await self._validate(request, context, stream=False, key=key)
         try:
             response: Response = await self.infer.generate(valid, key, await _request_id(context))
         except REQUEST_ERRORS as exc:
@@ -136,7 +143,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     async def _generate_stream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.StreamResponse]:
         key = await self._authorize(context)
-        valid = await self._validate(request, context, stream=True)
+        valid = await self._validate(request, context, stream=True, key=key)
         async with AsyncExitStack() as stack:  # leaving it, a cancelled call leaves the batch at the next step
             try:
                 events = await stack.enter_async_context(self.infer.stream(valid, key, await _request_id(context)))
@@ -159,12 +166,14 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         return message
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        await self._authorize(context)
+        key = await self._authorize(context)
         try:
-            valid = await self.validation.off_loop(self.validation.validate_prompt, request.inputs, Parameters())
+            valid = await self.validation.off_loop(
+                self.validation.validate_prompt, request.inputs, Parameters(), owner=key.name
+            )
         except REQUEST_ERRORS as exc:
             await _abort(context, exc)
-        tokens = await self.validation.off_loop(self.validation.token_offsets, valid)
+        tokens = await self.validation.off_loop(self.validation.token_offsets, valid, owner=key.name)
         return pb.TokenizeResponse(tokens=[pb.TokenOffset(id=i, text=t, start=a, stop=b) for i, t, a, b in tokens])
 
     async def ListRequests(self, request: pb.ListRequestsRequest, context) -> pb.ListRequestsResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from conveyor.router import openapi
 from conveyor.router.api import tgi as api
 from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.tgi import GenerateRequest
+from conveyor.router.connections import ConnectionLimits, body_deadline_middleware, refuse_large_expectations
 from conveyor.router.dashboard import Dashboard
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
@@ -135,8 +137,12 @@ class HttpServer:
         info: ServerInfo,
         keys: KeyRing | None = None,
         payload_limit: int = 2_000_000,
+        connections: ConnectionLimits | None = None,
+        metrics_key: str | None = None,
     ) -> None:
+        self.metrics_key = metrics_key
         self.infer = infer
+        self.connections = connections or ConnectionLimits()
         self.validation = validation
         self.info = info
         self.keys = keys or KeyRing()
@@ -153,6 +159,7 @@ class HttpServer:
                 json_errors_middleware,
                 key_middleware(self.keys),
                 draining_middleware(lambda: self.draining),
+                body_deadline_middleware(self.connections.body_timeout),
                 json_body_middleware,
             ],
         )
@@ -169,11 +176,21 @@ class HttpServer:
         OpenAIRoutes(self.infer, self.validation, self.info.model_id).register(app)
         RequestControl(self.infer).register(app)
         Dashboard(self.infer, self.info).register(app)
+        refuse_large_expectations(app, self.payload_limit)
         return app
 
-    async def _validated(self, request: web.Request, stream: bool, stream_field: bool = True) -> ValidRequest:
+    async def _validated(
+        self, request: web.Request, stream: bool, stream_field: bool = True, generates: bool = True
+    ) -> ValidRequest:
+        """The body read and validated in the caller's turn on the validation threads. A request that would
+        generate is first admitted (429 past the server's or its key's cap): refused work costs no tokenizing."""
+        key = caller(request)
+        if generates:
+            self.infer.admit(key, 1)
         raw = await request.read()
-        return await self.validation.off_loop(self.validation.validate, raw, stream=stream, stream_field=stream_field)
+        return await self.validation.off_loop(
+            self.validation.validate, raw, stream=stream, stream_field=stream_field, owner=key.name
+        )
 
     async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
         try:
@@ -188,7 +205,9 @@ class HttpServer:
         """TGI's `POST /`: `stream` in the body picks streaming; the non-streaming answer is a one-item list.
         Hugging Face's `text-generation` client speaks only this route."""
         try:
-            body = await self.validation.off_loop(parse, GenerateRequest, await request.read())
+            body = await self.validation.off_loop(
+                parse, GenerateRequest, await request.read(), owner=caller(request).name
+            )
         except ValidationError:
             body = None  # the route it goes to answers the error
         if body is not None and body.stream:
@@ -238,10 +257,10 @@ class HttpServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         """TGI's /tokenize: the prompt's tokens as the server would see them, with character offsets."""
         try:
-            valid = await self._validated(request, stream=False)
+            valid = await self._validated(request, stream=False, generates=False)
         except REQUEST_ERRORS as exc:
             return error_response(exc)
-        tokens = await self.validation.off_loop(self.validation.token_offsets, valid)
+        tokens = await self.validation.off_loop(self.validation.token_offsets, valid, owner=caller(request).name)
         offsets: list[api.TokenOffset] = [{"id": i, "text": t, "start": a, "stop": b} for i, t, a, b in tokens]
         return web.json_response(offsets)
 
@@ -269,8 +288,20 @@ class HttpServer:
         return web.json_response(openapi.document(__version__, self.info.limits))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
+        """Open, unless a --metrics-key is set: then that key or an admin key (the per-key figures name every
+        tenant and show what each is doing)."""
+        if self.metrics_key is not None and not self._may_read_metrics(request.headers.get("Authorization", "")):
+            return json_error(401, "GET /metrics needs the metrics key or an admin key: Bearer <key>", "unauthorized")
         body, content_type = self.infer.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+    def _may_read_metrics(self, authorization: str) -> bool:
+        assert self.metrics_key is not None
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.metrics_key.encode()):
+            return True
+        key = self.keys.identify(authorization) if not self.keys.open else None
+        return key is not None and key.admin
 
     async def get_info(self, request: web.Request) -> web.Response:
         body = self.info.to_json()

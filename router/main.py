@@ -21,6 +21,7 @@ from conveyor.launcher.model_source import resolve_model
 from conveyor.router import grpc_server as grpc_front_door
 from conveyor.router.block_allocator import BlockAllocator
 from conveyor.router.connect import Connection, connect, first_connect, shard_address
+from conveyor.router.connections import ClientCap, ConnectionLimits
 from conveyor.router.grpc_server import TextGenerationService
 from conveyor.router.http import HttpServer, ServerInfo
 from conveyor.router.infer import Infer
@@ -44,6 +45,7 @@ async def run(args: Config) -> None:
     from transformers import AutoTokenizer
 
     keys = load_keys(args.api_keys_file, args.api_key)
+    conveyor_log.add_secrets([args.metrics_key, args.shard_token])
     tokenizer = AutoTokenizer.from_pretrained(args.model_id)
     security = Security.from_config(args)
     group = GroupStore(args.master_addr, args.master_port, False, args.startup_timeout) if args.nnodes > 1 else None
@@ -56,7 +58,13 @@ async def run(args: Config) -> None:
     )
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     observe = metrics.grammar_compile.observe
-    validation = Validation(tokenizer, limits.validation, on_compile=observe, model_dir=args.model_id)
+    validation = Validation(
+        tokenizer,
+        limits.validation,
+        on_compile=observe,
+        model_dir=args.model_id,
+        chat_special_tokens=args.chat_special_tokens,
+    )
     server = HttpServer(
         infer,
         validation,
@@ -77,6 +85,8 @@ async def run(args: Config) -> None:
         ),
         keys=keys,
         payload_limit=args.payload_limit,
+        metrics_key=args.metrics_key,
+        connections=ConnectionLimits(args.http_idle_timeout, args.http_body_timeout, args.max_connections_per_client),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -89,8 +99,11 @@ async def run(args: Config) -> None:
     if args.grpc_port:
         service = TextGenerationService(infer, server.validation, server.info, keys)
         grpc_server = await grpc_front_door.start(service, args.hostname, args.grpc_port)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        server.app(), handler_cancellation=True, access_log=None, **server.connections.runner_options()
+    )
     await runner.setup()
+    ClientCap(runner.server, server.connections.max_per_client)
     await web.TCPSite(runner, args.hostname, args.port).start()
     log.warning("router listening", extra={"url": f"http://{args.hostname}:{args.port}"})
     await stop.wait()

@@ -27,6 +27,7 @@ from conveyor.router.api.openai import (
     MessageToolCall,
     OpenAIRequest,
 )
+from conveyor.router.chat_prompt import ChatPrompt, render_chat
 from conveyor.router.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
 from conveyor.router.middleware import caller, request_id
@@ -109,15 +110,22 @@ class OpenAIRoutes:
                 )
             grammar = forced
         parameters = from_openai(request, request.max_new_tokens, top, grammar)
-        valid = self.validation.validate_prompt(prompt, parameters, stream=request.stream, add_special_tokens=False)
+        valid = self.validation.validate_prompt(
+            prompt.text, parameters, stream=request.stream, add_special_tokens=False, plain_spans=prompt.plain_spans
+        )
         return [Choice(i, _with_seed(valid, i), tools) for i in range(request.n)]
 
-    def _render_chat(self, messages: list[dict], tools: ToolUse | None) -> str:
+    def _render_chat(self, messages: list[dict], tools: ToolUse | None) -> ChatPrompt:
         extra = {"tools": tools.template_tools()} if tools is not None else {}
-        try:
-            return self.validation.tokenizer.apply_chat_template(
+        validation = self.validation
+
+        def render(messages: list[dict]) -> str:
+            return validation.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False, **extra
             )
+
+        try:
+            return render_chat(render, messages, validation.special_texts, validation.chat_special_tokens)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
             raise ValidationError(f"the chat template could not render the messages: {exc}") from None
 
@@ -136,19 +144,21 @@ class OpenAIRoutes:
             body = parse(model, raw)
             return body, choices_of(body)
 
+        key = caller(request)
         try:
-            body, choices = await self.validation.off_loop(read, await request.read())
+            self.infer.admit(key, 1)  # refused work costs no tokenizing; the choices are counted once known
+            body, choices = await self.validation.off_loop(read, await request.read(), owner=key.name)
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
         wants_logprobs = any(c.request.parameters.top_n_tokens for c in choices)
         try:
-            self.infer.admit(caller(request), len(choices))  # all the choices or none: a 429 leaves nothing running
+            self.infer.admit(key, len(choices))  # all the choices or none: a 429 leaves nothing running
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage is True
             return await self._stream(request, choices, fmt, usage, wants_logprobs)
-        key, name = caller(request), request_id(request)
+        name = request_id(request)
         tasks = [asyncio.ensure_future(self.infer.generate(c.request, key, name)) for c in choices]
         try:
             responses = await asyncio.gather(*tasks)

@@ -10,7 +10,6 @@ on (HTTP answers 422, gRPC INVALID_ARGUMENT) rather than a 500 or a crash furthe
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import functools
 import random
@@ -21,6 +20,8 @@ from typing import Any
 
 from conveyor.router.api.base import ValidationError, limits_of, parse
 from conveyor.router.api.tgi import GenerateParameters, GenerateRequest, Sampling
+from conveyor.router.chat_prompt import Span
+from conveyor.router.fair_workers import FairWorkers
 from conveyor.router.generation_defaults import GenerationDefaults
 from conveyor.router.request import Parameters, ValidRequest, from_tgi
 from pydantic import BaseModel
@@ -105,21 +106,29 @@ class Validation:
         limits: Limits,
         on_compile: Callable[[float], None] | None = None,
         model_dir: str | None = None,
+        chat_special_tokens: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # Whether special tokens written in chat messages are control tokens (trusted callers only; chat_prompt.py).
+        self.chat_special_tokens = chat_special_tokens
+        self.special_texts = tuple(getattr(tokenizer, "all_special_tokens", ()))
         self.limits = limits
         # The model's generation_config.json sampling, for what a request leaves unset (none without a model_dir).
         self.defaults = GenerationDefaults.read(model_dir, self.check_parameter) if model_dir else GenerationDefaults()
         self.grammars = GrammarCache(tokenizer, None)
         self.on_compile = on_compile  # told the seconds each new grammar took to compile (a metric)
-        self._workers = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
+        executor = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
+        self._workers = FairWorkers(executor, VALIDATION_WORKERS)
+        # The most characters one token covers (raw vocabulary strings: a byte-level token has one character
+        # per byte, so never fewer than its text): a prompt longer than the token limit times this cannot fit.
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
 
-    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs `fn` (parsing, tokenizing, rendering a chat template) on a validation worker. Tokenizing a
-        prompt of a few megabytes takes over a second: on the event loop it froze every running stream that
-        long. The caller's context (its trace span) goes along."""
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, owner: str = "", **kwargs: Any) -> Any:
+        """Runs `fn` (parsing, tokenizing, rendering a chat template) on a validation worker, in `owner`'s turn
+        (an API key's name: fair_workers.py). Tokenizing a prompt of a few megabytes takes over a second: on the
+        event loop it froze every running stream that long. The caller's context (its trace span) goes along."""
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._workers, call)
+        return await self._workers.run(owner, call)
 
     def validate(self, body: bytes | object, *, stream: bool, stream_field: bool = True) -> ValidRequest:
         """A TGI body (`/generate`, `/generate_stream`, `/` and `/tokenize`), as bytes or Python values. The body's
@@ -141,16 +150,22 @@ class Validation:
         return self.validate_prompt(inputs, parameters, stream=stream)
 
     def validate_prompt(
-        self, inputs: str, parameters: Parameters, *, stream: bool = False, add_special_tokens: bool = True
+        self,
+        inputs: str,
+        parameters: Parameters,
+        *,
+        stream: bool = False,
+        add_special_tokens: bool = True,
+        plain_spans: tuple[Span, ...] = (),
     ) -> ValidRequest:
         """The second stage, after each API's schema and mapping: what depends on the prompt and on the
         deployment. A chat template renders its own special tokens, so chat prompts pass
-        `add_special_tokens=False`."""
+        `add_special_tokens=False`, and the spans of the messages' text, read without special tokens."""
         with tracing.span("validate"):
-            return self._validate_prompt(inputs, parameters, stream, add_special_tokens)
+            return self._validate_prompt(inputs, parameters, stream, add_special_tokens, plain_spans)
 
     def _validate_prompt(
-        self, inputs: str, parameters: Parameters, stream: bool, add_special_tokens: bool
+        self, inputs: str, parameters: Parameters, stream: bool, add_special_tokens: bool, plain_spans: tuple[Span, ...]
     ) -> ValidRequest:
         if not inputs:  # the schemas say so already; gRPC's strings may be empty
             raise ValidationError("`inputs` cannot be empty")
@@ -158,7 +173,7 @@ class Validation:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
         if parameters.grammar is not None:
             self.check_grammar(parameters.grammar)
-        input_ids = self._input_ids(inputs, parameters.truncate, add_special_tokens)
+        input_ids = self._input_ids(inputs, parameters.truncate, add_special_tokens, plain_spans)
         max_new_tokens = _resolve_max_new_tokens(parameters.max_new_tokens, len(input_ids), self.limits)
         sampling = _with_seed(self.defaults.apply(parameters.sampling))
         parameters = replace(parameters, sampling=sampling, max_new_tokens=max_new_tokens)
@@ -178,10 +193,17 @@ class Validation:
         if seconds and self.on_compile is not None:
             self.on_compile(seconds)
 
-    def _input_ids(self, inputs: str, truncate: int | None, add_special_tokens: bool) -> tuple[int, ...]:
-        """Truncation keeps the end of the prompt, as TGI does: the most recent text matters most."""
+    def _input_ids(
+        self, inputs: str, truncate: int | None, add_special_tokens: bool, plain_spans: tuple[Span, ...] = ()
+    ) -> tuple[int, ...]:
+        """Truncation keeps the end of the prompt, as TGI does: the most recent text matters most. Within
+        `plain_spans` a special token's text is text (the tokenizer's `split_special_tokens`)."""
+        inputs = self._bounded(inputs, truncate)
         try:
-            ids = self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens, verbose=False)
+            if plain_spans:
+                ids = self._encode_spans(inputs, plain_spans)
+            else:
+                ids = self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens, verbose=False)
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this input's fault
             raise ValidationError(f"`inputs` could not be tokenized: {exc}") from None
         if truncate is not None:
@@ -189,6 +211,32 @@ class Validation:
         input_ids = tuple(int(i) for i in ids)
         _check_input_length(len(input_ids), self.limits)
         return input_ids
+
+    def _bounded(self, inputs: str, truncate: int | None) -> str:
+        """Refuses, before tokenizing it, a prompt with more characters than the token limit can hold (tokenizing
+        megabytes takes seconds of a thread every key shares); with `truncate`, only the tail that can hold that
+        many tokens (and a little more, so the cut falls on tokens truncation drops) is tokenized."""
+        longest = self.max_token_chars
+        if truncate is not None:
+            keep = (truncate + 2) * longest
+            return inputs[-keep:] if len(inputs) > keep else inputs
+        limit = self.limits.max_input_tokens * longest
+        if len(inputs) > limit:
+            raise ValidationError(
+                f"`inputs` has {len(inputs)} characters, more than {self.limits.max_input_tokens} tokens can hold "
+                f"({limit}): at most {self.limits.max_input_tokens} input tokens"
+            )
+        return inputs
+
+    def _encode_spans(self, text: str, plain_spans: tuple[Span, ...]) -> list[int]:
+        """The template's pieces with special tokens recognised, the caller's spans without; no added BOS (a
+        chat template writes its own)."""
+        encode, ids, at = self.tokenizer.encode, [], 0
+        for start, stop in plain_spans:
+            ids += encode(text[at:start], add_special_tokens=False, verbose=False) if start > at else []
+            ids += encode(text[start:stop], add_special_tokens=False, split_special_tokens=True, verbose=False)
+            at = stop
+        return ids + (encode(text[at:], add_special_tokens=False, verbose=False) if at < len(text) else [])
 
     def token_offsets(self, valid: ValidRequest) -> list[tuple[int, str, int, int]]:
         """(id, text, start, stop) of each prompt token, with character offsets into the (truncated) prompt:

@@ -218,14 +218,13 @@ class ShardService(pb_grpc.ShardServicer):
             response = pb.DecodeResponse(generations=generations, timings=timings)
             if batch is not None:
                 response.batch.CopyFrom(batch.to_pb())
-            pending = None
-            if batch is not None and steps < max_steps:
-                pending = self.torch_thread.submit(self._run_step, batch, stop)
-            else:
+            more = batch is not None and steps < max_steps
+            if not more:
                 self._keep(batch)
             await write(response)
-            if pending is None:
+            if not more:
                 return
+            pending = self.torch_thread.submit(self._run_step, batch, stop)
             with self.watch.step():
                 output = await pending
             steps += 1

@@ -6,6 +6,7 @@ import httpx
 import jsonschema
 import pytest
 from conftest import Server
+from conveyor.router.connections import ConnectionLimits
 from conveyor.router.http import HttpServer
 from conveyor.router.keys import KeyRing
 from openapi_spec_validator import validate
@@ -30,6 +31,7 @@ def test_it_lists_every_route_the_app_serves(server: Server) -> None:
     app.infer = app.validation = None
     app.info = type("Info", (), {"model_id": "m"})()
     app.keys, app.payload_limit, app.draining = KeyRing(), 1, False
+    app.connections, app.metrics_key = ConnectionLimits(), None
     served = {
         (route.resource.canonical, route.method.lower())
         for route in app.app().router.routes()
