@@ -193,6 +193,7 @@ SHARED_VALID = {
     "presence_penalty": PENALTY,
     # Not sampling, but on both APIs alike (`Queueing`).
     "priority": st.integers(-(2**31), 2**31 - 1),
+    "cache_salt": st.text(min_size=1, max_size=256),
 }
 TGI_VALID = {
     **SHARED_VALID,
