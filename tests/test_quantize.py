@@ -280,3 +280,13 @@ def test_quantized_serving_stays_within_its_bound(
     assert 0 < mean <= LOGPROB_BOUND[quantize], mean
     body = {"inputs": prompts[0], "parameters": {"max_new_tokens": 8}}
     assert httpx.post(f"{quantized.url}/generate", json=body, timeout=120).json()["generated_text"]
+
+
+def test_under_int4_the_head_stays_8_bit_as_llama_cpp_keeps_it(built) -> None:
+    from conveyor.shard.layers.embedding import ParallelLMHead
+
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    head = ParallelLMHead(weight, ProcessGroup(0, 1), quantize="int4")
+    assert head.gemm.int8 is not None and head.gemm.int4 is None  # every logit goes through it
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(head(x), x @ head.gemm.int8.dequantize().T, rtol=0.05, atol=0.05 * x.abs().max().item())
