@@ -78,7 +78,8 @@ async def connect(
     store of a group that spans several nodes: a hung one is restarted through it."""
     client = await ShardedClient.connect(shard_address(args), security)
     if group is not None:
-        client.restart_group = group.restart
+        epoch = group.epoch  # the group this client talks to: restarting moves the epoch on from it, once
+        client.restart_group = lambda: group.restart(epoch)
     try:
         await client.clear_cache()
         infos = await client.infos()

@@ -29,6 +29,7 @@ DEFAULT_LIMITS = Limits(max_input_tokens=4095, max_total_tokens=4096)
 
 SCHEMAS: dict[str, Any] = {
     "GenerateRequest": tgi.GenerateRequest,
+    "PlainGenerateRequest": tgi.PlainGenerateRequest,
     "GenerateResponse": tgi.GenerateResponse,
     "StreamEvent": tgi.StreamEvent,
     "TokenizeResponse": list[tgi.TokenOffset],
@@ -194,7 +195,7 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
         },
         "paths": {
             "/": _post("TGI compatibility route (stream picks the shape)", "GenerateRequest", compat),
-            "/generate": _post("Generate text", "GenerateRequest", _json(_ref("GenerateResponse"))),
+            "/generate": _post("Generate text", "PlainGenerateRequest", _json(_ref("GenerateResponse"))),
             "/generate_stream": _post(
                 "Generate text as server-sent events",
                 "GenerateRequest",

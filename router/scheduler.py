@@ -304,7 +304,9 @@ class Scheduler:
         a rank; a hung group is killed here first), warms them up, and resumes with an empty KV pool."""
         log.error("shards lost; recovering", extra={"error": str(error)})
         self.recovering, self._batch = True, None
-        if error.timed_out:
+        # A group across nodes restarts whatever the failure: a node lost whole (its launcher with its ranks) moves
+        # no epoch itself, and the ranks that survived may sit idle in a group that can never run again.
+        if error.timed_out or self.client.restart_group is not None:
             self.client.kill()
         self._replay(str(error))
         self._update_gauges()

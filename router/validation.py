@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conveyor.router.api.base import ValidationError, limits_of, parse
-from conveyor.router.api.tgi import GenerateParameters, GenerateRequest, Sampling
+from conveyor.router.api.tgi import GenerateParameters, GenerateRequest, PlainGenerateRequest, Sampling
 from conveyor.router.chat_prompt import Span
 from conveyor.router.fair_workers import FairWorkers
 from conveyor.router.generation_defaults import GenerationDefaults
@@ -134,9 +134,7 @@ class Validation:
         """A TGI body (`/generate`, `/generate_stream`, `/` and `/tokenize`), as bytes or Python values. The body's
         `stream` picks the answer on `/` only: elsewhere (`stream_field` False) `stream: true` is refused rather
         than silently answered in one piece."""
-        request = parse(GenerateRequest, body)
-        if request.stream and not stream_field:
-            raise ValidationError("`stream` is read on `/` only: POST to /generate_stream for server-sent events")
+        request = parse(GenerateRequest if stream_field else PlainGenerateRequest, body)
         return self.validate_tgi(request.inputs, request.parameters, stream=stream)
 
     def validate_tgi(

@@ -179,6 +179,8 @@ def test_a_failure_with_a_suspect_in_the_step_is_blamed_on_the_suspect_alone() -
 class _LostShards:
     """A client whose shards are gone: FilterBatch fails as a killed rank's does."""
 
+    restart_group = None  # one node
+
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> None:
         raise ShardError("shard 0 failed FilterBatch: Stream removed")
 
@@ -217,6 +219,7 @@ class _Shards:
     def __init__(self, instances: list[str]) -> None:
         self.instances, self.answer, self.step_timeout = instances, instances, None
         self.killed = False
+        self.restart_group = None  # one node
 
     async def infos(self, timeout: float | None = None) -> list[SimpleNamespace]:
         if self.answer is None:

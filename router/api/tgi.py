@@ -138,6 +138,12 @@ class GenerateRequest(Schema):
     stream: Annotated[bool, Field(description="On `/`: server-sent events")] = False  # huggingface_hub sends it
 
 
+class PlainGenerateRequest(GenerateRequest):
+    """`/generate`'s body: `stream: true` is refused rather than answered in one piece (stream at /generate_stream)."""
+
+    stream: Annotated[Literal[False], Field(description="Only false here: /generate_stream streams")] = False
+
+
 # --- answers ---------------------------------------------------------------------------------------------------
 
 
