@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from conveyor.router.connections import ConnectionLimits, body_deadline_middlewa
 from conveyor.router.dashboard import Dashboard
 from conveyor.router.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.infer import Infer, Response
-from conveyor.router.keys import KeyRing
+from conveyor.router.keys import ApiKey, KeyRing
 from conveyor.router.middleware import (
     caller,
     draining_middleware,
@@ -140,7 +139,8 @@ class HttpServer:
         connections: ConnectionLimits | None = None,
         metrics_key: str | None = None,
     ) -> None:
-        self.metrics_key = metrics_key
+        # The metrics key as a ring of its own: one way to read and compare a `Bearer` credential.
+        self.metrics_keys = KeyRing((ApiKey("metrics", metrics_key),)) if metrics_key else None
         self.infer = infer
         self.connections = connections or ConnectionLimits()
         self.validation = validation
@@ -290,15 +290,14 @@ class HttpServer:
     async def get_metrics(self, request: web.Request) -> web.Response:
         """Open, unless a --metrics-key is set: then that key or an admin key (the per-key figures name every
         tenant and show what each is doing)."""
-        if self.metrics_key is not None and not self._may_read_metrics(request.headers.get("Authorization", "")):
+        if self.metrics_keys is not None and not self._may_read_metrics(request.headers.get("Authorization", "")):
             return json_error(401, "GET /metrics needs the metrics key or an admin key: Bearer <key>", "unauthorized")
         body, content_type = self.infer.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _may_read_metrics(self, authorization: str) -> bool:
-        assert self.metrics_key is not None
-        scheme, _, given = authorization.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.metrics_key.encode()):
+        assert self.metrics_keys is not None
+        if self.metrics_keys.identify(authorization) is not None:
             return True
         key = self.keys.identify(authorization) if not self.keys.open else None
         return key is not None and key.admin

@@ -62,9 +62,12 @@ async def send_request_id(request: web.Request, response: web.StreamResponse) ->
     response.headers["X-Request-Id"] = request_id(request)
 
 
+SERVER = "conveyor"  # the `Server` header of every answer
+
+
 async def hide_server_version(request: web.Request, response: web.StreamResponse) -> None:
     """`Server: conveyor` instead of aiohttp's Python and aiohttp versions, which tell a scanner what to try."""
-    response.headers["Server"] = "conveyor"
+    response.headers["Server"] = SERVER
 
 
 def caller(request: web.Request) -> ApiKey:
@@ -155,7 +158,8 @@ async def json_errors_middleware(request: web.Request, handler: Handler) -> web.
 def _unquoted(message: str | None) -> str:
     """aiohttp's parse error without the bytes it quotes: those are the client's header line, Authorization
     included, which must not be echoed back (nor logged: see conveyor.log.redact)."""
-    first = (message or "").strip().splitlines()[0] if (message or "").strip() else ""
+    lines = (message or "").strip().splitlines()
+    first = lines[0] if lines else ""
     return re.split(r":?\s*b['\"]", first, maxsplit=1)[0].rstrip(": ")
 
 
@@ -175,7 +179,7 @@ def json_protocol_errors() -> None:
             body = error_body(_unquoted(message) or response.reason, "bad_request")
         else:
             body = error_body("internal error" if status == 500 else response.reason, "internal")
-        json_response = web.json_response(body, status=status, headers={"Server": "conveyor"})
+        json_response = web.json_response(body, status=status, headers={"Server": SERVER})
         json_response.force_close()
         return json_response
 

@@ -156,9 +156,7 @@ class Scheduler:
             except ShardError as exc:
                 await self._recover(exc)
                 return
-        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
-        if result.timings.mask_ns:
-            self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
+        self._observe(result)
         self.planner.advance(plan)
         self._send(result)
         if result.batch is None:  # every sequence of the batch finished
@@ -174,10 +172,9 @@ class Scheduler:
         """A decode run: up to `plan.steps` steps in one call, each applied as it comes (its tokens streamed at
         once, finished sequences let go); an arrival that could join, or a client gone, ends it after the step in
         progress, and the loop's next step is planned as usual."""
-        updates = [_update(s) for s in plan.running if s.step_new_blocks]
         with self._step_span("decode_run", list(self.running)) as metadata:
             try:
-                run = await self.client.decode_run([self._batch], plan.steps, metadata, updates)
+                run = await self.client.decode_run([self._batch], plan.steps, metadata, _updates(plan))
                 self.metrics.decode_runs.inc()
                 try:
                     last = time.perf_counter()
@@ -202,9 +199,7 @@ class Scheduler:
     def _apply_run_step(self, result: StepResult) -> None:
         """One step of a run: every sequence that got a token computed one more; those the shards dropped from
         the batch (finished) leave the running set."""
-        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
-        if result.timings.mask_ns:
-            self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
+        self._observe(result)
         stepped = {g.request_id for g in result.generations}
         for sequence in self.running:
             if sequence.id in stepped:
@@ -214,8 +209,14 @@ class Scheduler:
         self._forget([s for s in self.running if s.id not in live])
         self._batch = result.batch
 
+    def _observe(self, result: StepResult) -> None:
+        """The step's time inside the slowest shard, and its token masks' share."""
+        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
+        if result.timings.mask_ns:
+            self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
+
     async def _post(self, plan: StepPlan, metadata: Metadata) -> StepResult:
-        updates = [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling]
+        updates = _updates(plan)
         if not plan.admitted:
             return await self.client.decode([self._batch], metadata, updates)
         requests = [request_pb(s) for s in plan.admitted]
@@ -394,6 +395,11 @@ def sampling_pb(p: Parameters) -> pb.SamplingParameters:
     values = {f.name: getattr(p.sampling, f.name) for f in pb.SamplingParameters.DESCRIPTOR.fields}
     values.update(do_sample=p.sampling.samples, seed=p.seed or 0)
     return pb.SamplingParameters(**values)
+
+
+def _updates(plan: StepPlan) -> list[pb.RequestUpdate]:
+    """What the shards learn with the step of each running sequence: blocks it grew into, the chunk it reads."""
+    return [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling]
 
 
 def _update(sequence: Sequence) -> pb.RequestUpdate:

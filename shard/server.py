@@ -2,7 +2,7 @@
 
 `Prefill` and `Decode` are the same step: the cached batches named (the running one, with this step's
 `updates`), joined by the new requests of a `Prefill`, run one `Engine.step`. A `DecodeRun` is up to `max_steps`
-Decodes in one call: each next step is queued on the torch thread before the last one's answer is sent.
+Decodes in one call: each next step starts as soon as the last one's answer is sent.
 
 Forwards run on the shard's torch thread (`torch_thread.py`: the thread that loaded the model; torch releases the
 GIL), so the event loop keeps answering `Health` while a long prefill runs, and batches are only ever touched by
@@ -208,8 +208,8 @@ class ShardService(pb_grpc.ShardServicer):
     async def _decode_run(
         self, decode: pb.DecodeRequest, max_steps: int, stop: threading.Event, write: Callable[..., Awaitable[None]]
     ) -> None:
-        """Each step's answer is written while the next step already runs; the batch is cached again once the
-        run ends (before its last answer, which the router waits for before its next call)."""
+        """Each step's answer is written, then the next step runs; the batch is cached again once the run ends
+        (before its last answer, which the router waits for before its next call)."""
         cached = [b.id for b in decode.batches]
         output: StepOutput | None = await self._step(cached, list(decode.updates), None, run=True)
         steps = 1
@@ -224,9 +224,7 @@ class ShardService(pb_grpc.ShardServicer):
             await write(response)
             if not more:
                 return
-            pending = self.torch_thread.submit(self._run_step, batch, stop)
-            with self.watch.step():
-                output = await pending
+            output = await self._run(self._run_step, batch, stop)
             steps += 1
             if output is None:  # stopped: the batch is as the last answer left it
                 self._keep(batch)

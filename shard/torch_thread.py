@@ -26,12 +26,7 @@ class TorchThread:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the torch thread, awaited without blocking the event loop (torch releases the GIL)."""
-        return await self.submit(fn, *args)
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """`fn(*args)` queued on the torch thread now, to be awaited later: a decode run queues its next step
-        before it answers the last one, so that the forward never waits for the answer to be sent."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False)

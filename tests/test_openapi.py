@@ -31,7 +31,7 @@ def test_it_lists_every_route_the_app_serves(server: Server) -> None:
     app.infer = app.validation = None
     app.info = type("Info", (), {"model_id": "m"})()
     app.keys, app.payload_limit, app.draining = KeyRing(), 1, False
-    app.connections, app.metrics_key = ConnectionLimits(), None
+    app.connections, app.metrics_keys = ConnectionLimits(), None
     served = {
         (route.resource.canonical, route.method.lower())
         for route in app.app().router.routes()
