@@ -256,12 +256,17 @@ class Server:
     def info(self) -> dict:
         return httpx.get(f"{self.url}/info", timeout=10.0).json()
 
-    def metric(self, name: str) -> float:
-        """A counter or gauge without labels, from /metrics."""
-        for line in httpx.get(f"{self.url}/metrics", timeout=10.0).text.splitlines():
+    def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
+        """A counter or gauge without labels, from /metrics (`headers`: a --metrics-key's Authorization)."""
+        for line in httpx.get(f"{self.url}/metrics", headers=headers, timeout=10.0).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(name)
+
+    def raw_connection(self, timeout: float) -> socket.socket:
+        """A bare TCP connection to the router, for bytes no HTTP client would send."""
+        host, port = self.url.removeprefix("http://").split(":")
+        return socket.create_connection((host, int(port)), timeout=timeout)
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -283,6 +288,14 @@ class Server:
         finally:
             for shard in shards:
                 shard.resume()
+
+
+def read_until_closed(connection: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a socket timeout fails the test)."""
+    chunks = []
+    while chunk := connection.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class StreamWatcher:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, StreamWatcher, start_server, wait_for
+from conftest import Server, StreamWatcher, read_until_closed, start_server, wait_for
 
 IDLE_TIMEOUT, BODY_TIMEOUT, PER_CLIENT = 2, 2, 4
 # A test's bound: the limits plus a wide margin for a loaded machine (the connection used to stay open for ever).
@@ -34,22 +34,13 @@ def server(tiny_model: Path) -> Iterator[Server]:
 
 
 def connect(server: Server) -> socket.socket:
-    host, port = server.url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=DEADLINE)
-
-
-def read_all(connection: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a socket timeout fails the test)."""
-    chunks = []
-    while chunk := connection.recv(65536):
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return server.raw_connection(timeout=DEADLINE)
 
 
 def test_headers_that_never_end_are_cut_off(server: Server) -> None:
     with connect(server) as connection:
         connection.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n")  # and nothing more
-        assert read_all(connection) == b""  # closed by the server, unanswered, within the socket's DEADLINE
+        assert read_until_closed(connection) == b""  # closed by the server, unanswered, within the socket's DEADLINE
 
 
 def test_a_body_slower_than_its_length_gets_408(server: Server) -> None:
@@ -57,7 +48,7 @@ def test_a_body_slower_than_its_length_gets_408(server: Server) -> None:
         connection.sendall(
             b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
         )
-        answer = read_all(connection)
+        answer = read_until_closed(connection)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error_type"] == "timeout"
 
@@ -68,7 +59,7 @@ def test_expect_continue_over_the_payload_limit_gets_413_not_100(server: Server)
             b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 50000000\r\nExpect: 100-continue\r\n\r\n"
         )
-        answer = read_all(connection)
+        answer = read_until_closed(connection)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"100 Continue" not in answer
     body = {"inputs": "x", "parameters": {"max_new_tokens": 1}}
@@ -84,7 +75,7 @@ def test_one_address_holds_at_most_its_cap_of_connections(server: Server) -> Non
         with connect(server) as connection:
             connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             try:
-                assert read_all(connection) == b""  # one too many: closed at once, unanswered
+                assert read_until_closed(connection) == b""  # one too many: closed at once, unanswered
             except ConnectionResetError:
                 pass  # ...or reset, the request unread
     finally:

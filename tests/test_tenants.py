@@ -7,7 +7,6 @@ One deployment with two keys: `ops`, an admin, and `tenant`, an ordinary key wit
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from conftest import Server, StreamWatcher, start_server, wait_for
+from conftest import Server, StreamWatcher, read_until_closed, start_server, wait_for
 
 KEYS = {
     "ops": {"key": "ops-secret-hunter2", "admin": True},
@@ -54,12 +53,7 @@ def shared(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, log_file:
 
 def metric(server: Server, name: str) -> float:
     """A counter from /metrics, read with the metrics key."""
-    response = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}, timeout=10)
-    assert response.status_code == 200, response.text
-    for line in response.text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
+    return server.metric(name, headers={"Authorization": f"Bearer {METRICS_KEY}"})
 
 
 def in_flight(server: Server, who: str) -> list[dict]:
@@ -135,13 +129,9 @@ def test_generate_refuses_a_stream_flag_it_would_ignore(shared: Server) -> None:
 
 def raw_exchange(server: Server, request: bytes) -> bytes:
     """Sends bytes no HTTP client would, and reads the answer until the server closes the connection."""
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as connection:
+    with server.raw_connection(timeout=30) as connection:
         connection.sendall(request)
-        chunks = []
-        while chunk := connection.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks)
+        return read_until_closed(connection)
 
 
 def malformed_auth_corpus() -> list[bytes]:
