@@ -127,11 +127,20 @@ class Scheduler:
         self._wakeup.clear()
 
     async def _check_shards(self) -> None:
-        """Reconnects if the shards do not answer, or answer as other processes than the ones warmed up."""
+        """Reconnects if the shards do not answer, or answer as other processes than the ones warmed up. A request
+        that arrives meanwhile cuts the check short: it is served at once rather than after a slow shard's Info
+        (and a shard that is really gone fails its step, which recovers the same way)."""
         if self.reconnect is None:
             return
+        check = asyncio.ensure_future(self.client.infos(timeout=self.client.step_timeout))
+        arrival = asyncio.ensure_future(self._wakeup.wait())
+        await asyncio.wait([check, arrival], return_when=asyncio.FIRST_COMPLETED)
+        arrival.cancel()
+        if not check.done():
+            check.cancel()
+            return
         try:
-            infos = await self.client.infos(timeout=self.client.step_timeout)
+            infos = check.result()
             if [info.instance for info in infos] == self.client.instances:
                 return
             error = ShardError("the shards were restarted while the router was idle")

@@ -251,6 +251,28 @@ async def test_an_idle_check_reconnects_only_to_restarted_or_silent_shards() -> 
     assert _restarts(s) == 2
 
 
+class _SilentShards(_Shards):
+    """Ranks whose Info never answers (a shard stopped, as tests/test_priority.py does with SIGSTOP)."""
+
+    async def infos(self, timeout: float | None = None) -> list[SimpleNamespace]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_an_arrival_cuts_an_idle_check_short() -> None:
+    """Found by tests/test_priority.py: a request that came while the idle check waited on a stopped shard's Info
+    was admitted only after the shard answered, so the next arrival overtook it. The arrival ends the check."""
+    s = scheduler()
+    s.client = _SilentShards(["a"])
+    s.reconnect = _reconnected(s)
+    check = asyncio.ensure_future(s._check_shards())
+    await asyncio.sleep(0)
+    assert not check.done()
+    s._wakeup.set()
+    await asyncio.wait_for(check, 30)
+    assert _restarts(s) == 0
+
+
 class _RunShards:
     """Shards whose decode run answers the step results the test hands them, one at a time."""
 
