@@ -25,11 +25,9 @@ def one_row(tiny_model: Path) -> Iterator[Server]:
     assert server.stop() == 0
 
 
-def _queue_size(server: Server) -> float:
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith("conveyor_queue_size "):
-            return float(line.split()[1])
-    return 0.0
+def _states(server: Server) -> list[str]:
+    """Each request's state (running or queued), as GET /v1/requests lists them."""
+    return sorted(row["state"] for row in httpx.get(f"{server.url}/v1/requests").json()["data"])
 
 
 def _served_in_order(server: Server, urgent: Callable[[], None]) -> list[str]:
@@ -54,10 +52,11 @@ def _served_in_order(server: Server, urgent: Callable[[], None]) -> list[str]:
     with server.shards_paused():
         for thread in threads:
             thread.start()
-        wait_for(lambda: _queue_size(server) >= 3, 120, "three low-priority requests waiting")
+        one_admitted = ["queued"] * 3 + ["running"]
+        wait_for(lambda: _states(server) == one_admitted, 120, "one low-priority request admitted, three waiting")
         threads.append(threading.Thread(target=high))
         threads[-1].start()
-        wait_for(lambda: _queue_size(server) >= 4, 120, "the urgent request waiting with them")
+        wait_for(lambda: _states(server) == ["queued"] + one_admitted, 120, "the urgent request waiting with them")
     for thread in threads:
         thread.join(300)
     return finished
