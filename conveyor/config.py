@@ -147,6 +147,14 @@ class Config:
         "decode steps the shards may run in one call while nobody waits to join (1: a call per step); an arrival "
         "or a cancellation ends the run after the step in progress",
     )
+    speculate: int = flag(
+        0,
+        "speculative decoding: draft tokens (prompt lookup) each decoding request may have verified per step "
+        "(0: off); greedy output is unchanged. Requests may ask for fewer (`speculate`)",
+    )
+    speculate_max_batch: int = flag(
+        4, "speculate only while at most this many requests run (a larger batch is compute-bound: drafts cost)"
+    )
     prefix_caching: bool = flag(
         True, "share the KV blocks of common prompt prefixes", action=argparse.BooleanOptionalAction
     )

@@ -27,6 +27,8 @@ class Finished:
     finish_reason: str  # length | eos_token | stop_sequence
     generated_tokens: int
     seed: int | None
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified for the request...
+    accepted_tokens: int = 0  # ...and accepted
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ def tokens_from_pb(tokens: pb.Tokens) -> list[Token]:
     ]
 
 
-def events_from_generation(generation: pb.Generation) -> list[TokenEvent]:
-    """A step's generation becomes one event per token; the last carries `finished` when the request ended."""
+def events_from_generation(generation: pb.Generation, drafted: int = 0, accepted: int = 0) -> list[TokenEvent]:
+    """A step's generation becomes one event per token; the last carries `finished` when the request ended, with
+    the draft tokens verified and accepted over the request's life."""
     tokens = tokens_from_pb(generation.tokens)
     prefill = tuple(tokens_from_pb(generation.prefill_tokens))
     finished = None
@@ -67,6 +70,8 @@ def events_from_generation(generation: pb.Generation) -> list[TokenEvent]:
             finish_reason=FINISH_REASONS[f.finish_reason],
             generated_tokens=f.generated_tokens,
             seed=f.seed if f.HasField("seed") else None,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
         )
     tops = [tuple(tokens_from_pb(t)) for t in generation.top_tokens]
     events = []

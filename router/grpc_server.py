@@ -78,6 +78,8 @@ def details_pb(d: Details) -> pb.Details:
         tokens=[token_pb(t) for t in d.tokens],
         top_tokens=[pb.TopTokens(tokens=[token_pb(t) for t in top]) for top in d.top_tokens or ()],
         input_length=d.input_length,
+        drafted_tokens=d.drafted_tokens,
+        accepted_tokens=d.accepted_tokens,
     )
 
 

@@ -115,16 +115,30 @@ def details_json(d: Details) -> api.Details:
     }
     if d.top_tokens is not None:
         body["top_tokens"] = [[token_json(t) for t in top] for top in d.top_tokens]
+    body.update(speculative_json(d))
     return body
 
 
 def stream_details_json(d: Details) -> api.StreamDetails:
     """A stream's last event: its tokens went out one by one, the prompt's length comes instead."""
-    return {
+    body: api.StreamDetails = {
         "finish_reason": d.finish_reason,
         "generated_tokens": d.generated_tokens,
         "seed": d.seed,
         "input_length": d.input_length,
+    }
+    body.update(speculative_json(d))
+    return body
+
+
+def speculative_json(d: Details) -> api.Speculative:
+    """Present only for a request that had drafts verified."""
+    if not d.drafted_tokens:
+        return {}
+    return {
+        "drafted_tokens": d.drafted_tokens,
+        "accepted_tokens": d.accepted_tokens,
+        "acceptance_rate": round(d.accepted_tokens / d.drafted_tokens, 4),
     }
 
 

@@ -160,6 +160,8 @@ def make_scheduler(args: Config, connection: Connection, metrics: Metrics, recon
         static_batch_timeout=args.static_batch_timeout,
         watermark_blocks=allocator.num_blocks // 100,
         max_decode_steps=max(1, args.max_decode_steps),
+        speculate=max(0, args.speculate),
+        speculate_max_batch=args.speculate_max_batch,
     )
     return Scheduler(connection.client, planner, allocator, metrics, reconnect, args.max_request_retries)
 

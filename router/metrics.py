@@ -83,6 +83,17 @@ class Metrics:
             "Decode runs ended early by an arrival that could join or a cancellation",
             registry=r,
         )
+        self.speculative_drafted = Counter(
+            "conveyor_speculative_drafted_tokens", "Draft tokens verified (speculative decoding)", registry=r
+        )
+        self.speculative_accepted = Counter(
+            "conveyor_speculative_accepted_tokens",
+            "Draft tokens accepted: each is a token made without a step of its own",
+            registry=r,
+        )
+        self.speculative_steps = Counter(
+            "conveyor_speculative_steps", "Request steps that verified at least one draft token", registry=r
+        )
         self.shard_step = Histogram(
             "conveyor_shard_step_duration_seconds",
             "A step inside the slowest shard: forward, sampling and detokenizing",

@@ -21,7 +21,7 @@ from conveyor.grammar import Constraint
 
 @dataclass(frozen=True)
 class Parameters:
-    """A request's parameters as every API's request becomes them (`router/mapping.py`), under TGI's names."""
+    """A request's parameters as every API's request becomes them (`from_tgi`, `from_openai`), under TGI's names."""
 
     sampling: Sampling = Sampling()  # what the shards get
     max_new_tokens: int | None = None  # always set after validation
@@ -35,6 +35,7 @@ class Parameters:
     grammar: Constraint | None = None  # structured output: what the text must match
     priority: int = 0  # lower is served first
     cache_salt: str | None = None  # whose cached prompt blocks it may share (see Sequence.cache_scope)
+    speculate: int | None = None  # most draft tokens per step, within the server's (None: the server's)
 
     @property
     def seed(self) -> int | None:
@@ -73,6 +74,7 @@ def from_tgi(p: GenerateParameters) -> Parameters:
         grammar=p.grammar.constraint() if p.grammar is not None else None,
         priority=p.priority,
         cache_salt=p.cache_salt,
+        speculate=p.speculate,
     )
 
 
@@ -97,4 +99,5 @@ def from_openai(
         grammar=grammar,
         priority=request.priority,
         cache_salt=request.cache_salt,
+        speculate=request.speculate,
     )

@@ -103,6 +103,8 @@ class Details:
     prefill: tuple[Token, ...] = ()
     tokens: tuple[Token, ...] = ()
     top_tokens: tuple[tuple[Token, ...], ...] | None = None  # per token; None unless `top_n_tokens` asked for them
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
+    accepted_tokens: int = 0
 
 
 def details(
@@ -117,6 +119,8 @@ def details(
         prefill=tuple(prefill),
         tokens=tuple(e.token for e in events),
         top_tokens=tuple(e.top_tokens for e in events) if valid.parameters.top_n_tokens else None,
+        drafted_tokens=finished.drafted_tokens,
+        accepted_tokens=finished.accepted_tokens,
     )
 
 

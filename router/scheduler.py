@@ -91,6 +91,8 @@ class Scheduler:
             "chunked_prefill": True,
             "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
             "max_decode_steps": self.config.max_decode_steps,
+            "speculate": self.config.speculate,
+            "speculate_max_batch": self.config.speculate_max_batch,
             "block_size": allocator.block_size,
             "kv_blocks_total": allocator.num_blocks,
             "kv_blocks_free": allocator.free_blocks,
@@ -166,8 +168,8 @@ class Scheduler:
                 await self._recover(exc)
                 return
         self._observe(result)
-        self.planner.advance(plan)
         self._send(result)
+        self.planner.advance(plan, {g.request_id: len(g.tokens.ids) for g in result.generations})
         if result.batch is None:  # every sequence of the batch finished
             self._batch = None
             self._forget(in_batch)
@@ -257,16 +259,28 @@ class Scheduler:
             yield tracing.inject(span)
 
     def _send(self, result: StepResult) -> None:
+        """Records each sequence's new tokens (the planner's prefix cache reads them) and streams them."""
         by_id = {s.id: s for s in self.running}
         for generation in result.generations:
             sequence = by_id.get(generation.request_id)
-            if sequence is None or sequence.cancelled:
+            if sequence is None:
                 continue
             sequence.generated_ids.extend(generation.tokens.ids)
-            for event in events_from_generation(generation):
+            if generation.drafted:
+                self._count_drafts(sequence, generation.drafted, len(generation.tokens.ids) - 1)
+            if sequence.cancelled:
+                continue
+            for event in events_from_generation(generation, sequence.drafted_tokens, sequence.accepted_tokens):
                 sequence.events.put_nowait(event)
                 if event.finished is not None:
                     sequence.status = SequenceStatus.FINISHED
+
+    def _count_drafts(self, sequence: Sequence, drafted: int, accepted: int) -> None:
+        sequence.drafted_tokens += drafted
+        sequence.accepted_tokens += accepted
+        self.metrics.speculative_drafted.inc(drafted)
+        self.metrics.speculative_accepted.inc(accepted)
+        self.metrics.speculative_steps.inc()
 
     # --- leaving the batch --------------------------------------------------------------------------------
 
@@ -407,10 +421,13 @@ def sampling_pb(p: Parameters) -> pb.SamplingParameters:
 
 
 def _updates(plan: StepPlan) -> list[pb.RequestUpdate]:
-    """What the shards learn with the step of each running sequence: blocks it grew into, the chunk it reads."""
-    return [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling]
+    """What the shards learn with the step of each running sequence: blocks it grew into, the chunk it reads, the
+    drafts it may have verified."""
+    return [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling or s.step_drafts]
 
 
 def _update(sequence: Sequence) -> pb.RequestUpdate:
     chunk = sequence.step_tokens if sequence.is_prefilling else 0
-    return pb.RequestUpdate(request_id=sequence.id, new_blocks=sequence.step_new_blocks, chunk_len=chunk)
+    return pb.RequestUpdate(
+        request_id=sequence.id, new_blocks=sequence.step_new_blocks, chunk_len=chunk, speculate=sequence.step_drafts
+    )

@@ -54,6 +54,11 @@ class Sequence:
     # This step, as the planner decided it; the loop applies it once the shards ran the step.
     step_tokens: int = 0  # tokens computed at this step: 1 when decoding, a prompt chunk when prefilling
     step_new_blocks: list[int] = field(default_factory=list)  # appended to the block table at this step
+    step_drafts: int = 0  # decoding: the most draft tokens the shards may verify at this step (its blocks hold them)
+
+    # Speculative decoding, over its whole life: draft tokens verified, and accepted.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     # Tracing: the span of the call that made this request, and the one timing its wait in the queue.
     span: Span | None = None
@@ -90,6 +95,15 @@ class Sequence:
         return [*self.request.input_ids, *self.generated_ids]
 
     @property
+    def may_speculate(self) -> bool:
+        """Drafts are verified by sampling each position as a plain step would; penalties (which count the tokens
+        of the step before) and grammars (whose matcher would have to roll back) are not drafted for."""
+        p = self.request.parameters
+        s = p.sampling
+        penalised = s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
+        return p.speculate != 0 and p.grammar is None and not penalised
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prefill_tokens
 
@@ -105,6 +119,7 @@ class Sequence:
     def plan_step(self, tokens: int, new_blocks: list[int] = ()) -> None:
         self.step_tokens = tokens
         self.step_new_blocks = []
+        self.step_drafts = 0
         self.reserve(new_blocks)
 
     def reserve(self, blocks: list[int]) -> None:

@@ -46,6 +46,11 @@ class PlannerConfig:
     # With nobody waiting to join and every running request decoding, a step may be a run of up to this many
     # decode steps in one call (the shards go from one to the next without waiting for the router).
     max_decode_steps: int = 1
+    # Speculative decoding: in a step of decoding sequences only, each may have up to this many draft tokens
+    # verified (0: off), while at most `speculate_max_batch` run: a larger batch is compute-bound, and drafts that
+    # are rejected then cost real work.
+    speculate: int = 0
+    speculate_max_batch: int = 4
 
 
 @dataclass
@@ -99,8 +104,32 @@ class StepPlanner:
             if self.config.scheduling is Scheduling.STATIC:
                 budget = 1 << 30  # a static batch reads all its prompts at once, as a padded batch would
             self._admit(budget, plan)
+            self._add_drafts(plan)
             self._extend_run(plan)
         return plan
+
+    def _add_drafts(self, plan: StepPlan) -> None:
+        """Draft budgets for a step of decoding sequences only, few enough to be bound by memory rather than
+        compute: each sequence that may speculate gets up to `speculate` (its own `speculate` if lower, and no
+        more than its `max_new_tokens` leaves), and the blocks for them if free ones are left (drafts never
+        preempt, and a sequence cut short of blocks drafts fewer)."""
+        config = self.config
+        if not config.speculate or plan.admitted or not plan.running or len(self.running) > config.speculate_max_batch:
+            return
+        if any(s.is_prefilling for s in plan.running):
+            return
+        size = self.allocator.block_size
+        for sequence in plan.running:
+            asked = sequence.request.parameters.speculate
+            limit = config.speculate if asked is None else min(asked, config.speculate)
+            room = (len(sequence.block_table) + self.allocator.free_blocks) * size - sequence.num_computed_tokens - 1
+            drafts = min(limit, sequence.max_new_tokens - len(sequence.generated_ids) - 1, room)
+            if drafts <= 0 or not sequence.may_speculate:
+                continue
+            missing = self.allocator.blocks_for(sequence.num_computed_tokens + 1 + drafts) - len(sequence.block_table)
+            if missing > 0:
+                sequence.reserve(self.allocator.allocate(missing) or [])
+            sequence.step_drafts = drafts
 
     def waiting_to_join(self) -> bool:
         """Whether a waiting request could join at the next step, were there blocks for it: a decode run does
@@ -114,6 +143,8 @@ class StepPlanner:
         limit = self.config.max_decode_steps
         if limit <= 1 or plan.admitted or not plan.running or self.waiting_to_join():
             return
+        if any(s.step_drafts for s in plan.running):
+            return  # a speculating step already makes several tokens
         if any(s.is_prefilling for s in plan.running):
             return
         remaining = {s: max(1, s.max_new_tokens - len(s.generated_ids)) for s in plan.running}
@@ -253,10 +284,19 @@ class StepPlanner:
 
     # --- after a step -------------------------------------------------------------------------------------
 
-    def advance(self, plan: StepPlan) -> None:
-        """The step ran: each sequence's computed tokens move on, and its full blocks enter the prefix cache."""
+    def advance(self, plan: StepPlan, generated: dict[int, int] | None = None) -> None:
+        """The step ran: each sequence's computed tokens move on, and its full blocks enter the prefix cache.
+        `generated`: tokens each sequence got at the step (its generated tokens must be recorded first). A sequence
+        that drafted computed its next token and the drafts accepted, which is as many as it got; its blocks past
+        what its next token needs go back, as the shards cut their copy of its block table by the same rule."""
         for sequence in plan.sequences:
-            self.advance_sequence(sequence, sequence.step_tokens)
+            if not sequence.step_drafts:
+                self.advance_sequence(sequence, sequence.step_tokens)
+                continue
+            self.advance_sequence(sequence, (generated or {}).get(sequence.id, 1))
+            keep = self.allocator.blocks_for(sequence.num_computed_tokens + 1)
+            self.allocator.release(sequence.block_table[keep:])
+            del sequence.block_table[keep:]
 
     def advance_sequence(self, sequence: Sequence, tokens: int) -> None:
         """`tokens` more of the sequence's KV are computed (one per step of a decode run)."""

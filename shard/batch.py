@@ -42,10 +42,11 @@ class Batch:
         return pb.CachedBatch(id=self.id, request_ids=[r.id for r in self.requests], size=self.size)
 
     def update(self, updates: list[pb.RequestUpdate]) -> None:
-        """Grows block tables and sets this step's prompt chunks; prefilling rows not named read nothing."""
+        """Grows block tables and sets this step's prompt chunks and draft budgets; rows not named read nothing
+        and draft nothing."""
         index = {r.id: r for r in self.requests}
-        for state in self.prefilling:
-            state.chunk_len = 0
+        for state in self.requests:
+            state.chunk_len = state.speculate = 0
         for update in updates:
             if (state := index.get(update.request_id)) is None:
                 raise BadRequest(f"batch {self.id} has no request {update.request_id} to update")

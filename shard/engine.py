@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from conveyor.shard import drafts
 from conveyor.shard.batch import Batch
 from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
 from conveyor.shard.distributed import ProcessGroup
@@ -141,6 +142,8 @@ class Engine:
         start = time.perf_counter_ns()
         self._mask_ns = 0
         decoding = batch.decoding
+        for state in decoding:
+            state.drafts = drafts.propose(state.token_ids, min(state.speculate, state.remaining_tokens - 1))
         rows = decoding + [r for r in batch.prefilling if r.chunk_len]
         if not rows:
             raise BadRequest(f"batch {batch.id} has nothing to compute at this step")
@@ -168,7 +171,7 @@ class Engine:
         counts = []
         for state, tokens in zip(rows, new_tokens):
             if state.is_decoding:
-                counts.append(1)
+                counts.append(len(tokens))  # its next token, and each draft token to verify
             elif id(state) not in ends:
                 counts.append(0)
             else:
@@ -181,12 +184,13 @@ class Engine:
         """Samples the decoding rows with the batch's sampler and the rows that just finished their prompt with
         a new one, which then joins the batch's."""
         generations: list[pb.Generation] = []
+        decoded = sum(1 + len(s.drafts) for s in decoding)
         if decoding:
-            generations = self._record(decoding, batch.sampler, logits[: len(decoding)])
+            generations = self._decode(decoding, batch.sampler, logits[:decoded])
         if not ending:
             return generations
         counts = [len(s.input_ids) if s.prefill_logprobs else 1 for s in ending]
-        ends = (len(decoding) + torch.cumsum(torch.tensor(counts), 0)).tolist()
+        ends = (decoded + torch.cumsum(torch.tensor(counts), 0)).tolist()
         sampler = Sampler.build(
             [s.params for s in ending],
             [s.input_ids for s in ending],
@@ -200,6 +204,44 @@ class Engine:
                 generation.prefill_tokens.CopyFrom(self.generations.prefill_tokens(state, logits[end - count : end]))
         batch.start_decoding(ending, sampler)
         return generations + new
+
+    def _decode(self, decoding: list[RequestState], sampler: Sampler, logits: torch.Tensor) -> list[pb.Generation]:
+        """Samples each decoding row at its first position and, while the token it chose is the draft fed at the
+        next position, at that one too (speculative decoding's verification). Each position is sampled exactly as
+        a step without drafts would sample it, with the row's next draw: a greedy row gets greedy's tokens, and a
+        sampled one the target's own distribution (a draft is a point mass, so keeping the sample, and going on
+        only when it equals the draft, is the rejection rule), with the same tokens for the same seed. KV written
+        for rejected drafts is left behind: the row's length says where its next token goes."""
+        counts = [1 + len(s.drafts) for s in decoding]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        generations = self._record(decoding, sampler, logits[starts] if len(logits) > len(decoding) else logits)
+        for j in range(1, max(counts)):
+            alive = [
+                i
+                for i, s in enumerate(decoding)
+                if len(s.drafts) >= j and s.drafts[j - 1] == s.next_token and not generations[i].HasField("finished")
+            ]
+            if not alive:
+                break
+            more = self._record(
+                [decoding[i] for i in alive], sampler.filter(alive), logits[[starts[i] + j for i in alive]]
+            )
+            for i, generation in zip(alive, more):
+                _extend(generations[i], generation)
+        for state, generation in zip(decoding, generations):
+            self._settle_drafts(state, generation)
+        return generations
+
+    def _settle_drafts(self, state: RequestState, generation: pb.Generation) -> None:
+        """After a step that let the row speculate: its KV length counts only the drafts accepted, and its block
+        table keeps what its next token needs (the router cuts its own copy by the same rule)."""
+        if not state.speculate:
+            return
+        accepted = len(generation.tokens.ids) - 1
+        generation.drafted = len(state.drafts)
+        state.num_computed_tokens -= len(state.drafts) - accepted
+        del state.block_table[math.ceil((state.num_computed_tokens + 1) / self.block_size) :]
+        state.drafts, state.speculate = [], 0
 
     def _record(self, states: list[RequestState], sampler: Sampler, logits: torch.Tensor) -> list[pb.Generation]:
         """Samples one token per row of `logits` [B, V], within each constrained row's grammar; each request
@@ -317,3 +359,13 @@ def available_ram(cgroup: Path = Path("/sys/fs/cgroup"), meminfo: Path = Path("/
         if cap.isdigit():
             return max(0, min(available, int(cap) - used))
     return available
+
+
+def _extend(generation: pb.Generation, more: pb.Generation) -> None:
+    """One row's next accepted position joins its step's generation: another token, its alternatives, and the
+    end of the request if that token ended it."""
+    for field in ("ids", "logprobs", "texts", "is_special"):
+        getattr(generation.tokens, field).extend(getattr(more.tokens, field))
+    generation.top_tokens.extend(more.top_tokens)
+    if more.HasField("finished"):
+        generation.finished.CopyFrom(more.finished)

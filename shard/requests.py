@@ -39,6 +39,9 @@ class RequestState:
     chunk_len: int = 0  # prefilling: prompt tokens to read at the next step (0: none)
     next_token: int | None = None  # decoding: the token fed at the next step
     matcher: Any = None  # a constrained request's llguidance matcher, advanced by every token it generates
+    resumed_tokens: int = 0  # the last input_ids a resumed request had generated before its preemption
+    speculate: int = 0  # decoding: the most draft tokens to verify at the next step (the router sets it each step)
+    drafts: list[int] = field(default_factory=list)  # decoding: this step's draft tokens, fed after next_token
 
     @property
     def is_decoding(self) -> bool:
@@ -72,6 +75,7 @@ class RequestState:
             prefill_logprobs=request.prefill_logprobs,
             top_n_tokens=request.top_n_tokens,
             block_table=list(request.blocks),
+            resumed_tokens=resumed,
         )
         if request.grammar:
             try:
@@ -96,8 +100,12 @@ class RequestState:
         self.num_computed_tokens, self.chunk_len = cache_len, chunk
 
     def update(self, update: pb.RequestUpdate) -> None:
-        """Grows the block table and sets this step's prompt chunk."""
+        """Grows the block table and sets this step's prompt chunk or draft budget."""
         self.block_table.extend(update.new_blocks)
+        if update.speculate:
+            if not self.is_decoding or self.matcher is not None:
+                raise BadRequest(f"request {self.id} cannot speculate: it is reading its prompt or constrained")
+            self.speculate = update.speculate
         if not update.chunk_len:
             return
         if self.is_decoding:
@@ -109,7 +117,7 @@ class RequestState:
     def step_tokens(self) -> list[int]:
         """The tokens this step feeds: the next token when decoding, else the prompt chunk (maybe none)."""
         if self.is_decoding:
-            return [self.next_token]
+            return [self.next_token, *self.drafts]
         start = self.num_computed_tokens
         return self.input_ids[start : start + self.chunk_len]
 
@@ -128,6 +136,12 @@ class RequestState:
         if not self.matcher.consume_token(token_id):
             log.warning("grammar refused a token", extra={"request": self.id, "error": self.matcher.get_error()})
         return self.matcher.is_stopped()
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Its whole text as tokens: the prompt, then every token generated (a resumed request's prompt ends with
+        the tokens it had generated, which `generated_ids` holds too)."""
+        return self.input_ids[: len(self.input_ids) - self.resumed_tokens] + self.generated_ids
 
     @property
     def remaining_tokens(self) -> int:

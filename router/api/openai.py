@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from conveyor.router.api.base import Part, Text, limited, refused
 from conveyor.router.api.constraints import ConstraintFields
-from conveyor.router.api.tgi import MIN_POSITIVE, Queueing, SharedSampling
+from conveyor.router.api.tgi import MIN_POSITIVE, Serving, SharedSampling
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 from typing_extensions import NotRequired, TypedDict
 
@@ -27,7 +27,7 @@ class StreamOptions(Part):
     include_usage: bool | None = None
 
 
-class OpenAIRequest(SharedSampling, ConstraintFields, Queueing):
+class OpenAIRequest(SharedSampling, ConstraintFields, Serving):
     """What both OpenAI routes take (each route's docstring gives the rules between fields)."""
 
     model: Annotated[str, Field(description="Any name: the server serves one model")] = None  # type: ignore[assignment]

@@ -87,8 +87,12 @@ WARPERS: dict[str, Any] = {
 }
 
 
-class Queueing(Schema):
-    """Where a request waits, and whose cached prompt blocks it may reuse, on every front door."""
+MAX_SPECULATE = 16  # draft tokens a request may ask to verify per step (the server's --speculate bounds it)
+
+
+class Serving(Schema):
+    """How a request is served, on every front door: where it waits, whose cached prompt blocks it may reuse, and
+    how far it may speculate."""
 
     priority: Annotated[
         int,
@@ -110,9 +114,19 @@ class Queueing(Schema):
             "of one key keep their prompts apart, or keys that agree share theirs (vLLM's cache_salt)",
         ),
     ] = None
+    speculate: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            le=MAX_SPECULATE,
+            description="Speculative decoding: the most draft tokens verified per step for this request, within the "
+            "server's --speculate (0: off; default: the server's). Greedy output is unchanged, and sampled output "
+            "keeps its distribution and, with a seed, its tokens",
+        ),
+    ] = None
 
 
-class GenerateParameters(Sampling, Queueing):
+class GenerateParameters(Sampling, Serving):
     max_new_tokens: Annotated[
         int, Field(ge=1, description="Default: what the total token limit leaves"), limited("max_total_tokens", 1)
     ] = None  # type: ignore[assignment]
@@ -162,7 +176,15 @@ class Token(TypedDict):
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
 
-class Details(TypedDict):
+class Speculative(TypedDict, total=False):
+    """Speculative decoding's share of a request, when it had drafts verified."""
+
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+
+
+class Details(Speculative):
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None
@@ -176,7 +198,7 @@ class GenerateResponse(TypedDict):
     details: NotRequired[Details]
 
 
-class StreamDetails(TypedDict):
+class StreamDetails(Speculative):
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None

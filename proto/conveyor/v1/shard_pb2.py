@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63onveyor/v1/shard.proto\x12\x0b\x63onveyor.v1\"\r\n\x0bInfoRequest\"\x86\x02\n\x0cInfoResponse\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x12\n\nmodel_type\x18\x08 \x01(\t\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\r\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x0b\n\x03pid\x18\x0b \x01(\r\x12\x0c\n\x04rank\x18\x0c \x01(\r\x12\x10\n\x08instance\x18\r \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0e \x01(\x04\x12\x10\n\x08quantize\x18\x0f \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\xdb\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\"^\n\x12StoppingParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\"\xc3\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x33\n\nparameters\x18\x03 \x01(\x0b\x32\x1f.conveyor.v1.SamplingParameters\x12<\n\x13stopping_parameters\x18\x04 \x01(\x0b\x32\x1f.conveyor.v1.StoppingParameters\x12\x18\n\x10prefill_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x06 \x01(\r\x12\x0e\n\x06\x62locks\x18\x07 \x03(\r\x12\x11\n\tcache_len\x18\t \x01(\r\x12\x16\n\tchunk_len\x18\n \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0eresumed_tokens\x18\x0b \x01(\r\x12\x0f\n\x07grammar\x18\x0c \x01(\tB\x0c\n\n_chunk_lenJ\x04\x08\x08\x10\t\"J\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nnew_blocks\x18\x02 \x03(\r\x12\x11\n\tchunk_len\x18\x03 \x01(\r\"U\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12&\n\x08requests\x18\x02 \x03(\x0b\x32\x14.conveyor.v1.Request\x12\x0c\n\x04size\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"H\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\x85\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xdb\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12+\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x13.conveyor.v1.Tokens\x12#\n\x06tokens\x18\x03 \x01(\x0b\x32\x13.conveyor.v1.Tokens\x12\x31\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1a.conveyor.v1.GeneratedTextH\x00\x88\x01\x01\x12\'\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x13.conveyor.v1.TokensB\x0b\n\t_finished\">\n\x07Timings\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\x12\x0f\n\x07mask_ns\x18\x05 \x01(\x04J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05\"\xa6\x01\n\x0ePrefillRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.conveyor.v1.Batch\x12\x33\n\x0c\x63\x61\x63hed_batch\x18\x02 \x01(\x0b\x32\x18.conveyor.v1.CachedBatchH\x00\x88\x01\x01\x12+\n\x07updates\x18\x03 \x03(\x0b\x32\x1a.conveyor.v1.RequestUpdateB\x0f\n\r_cached_batch\"\x9e\x01\n\x0fPrefillResponse\x12,\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x17.conveyor.v1.Generation\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.conveyor.v1.CachedBatchH\x00\x88\x01\x01\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.conveyor.v1.TimingsB\x08\n\x06_batch\"g\n\rDecodeRequest\x12)\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x18.conveyor.v1.CachedBatch\x12+\n\x07updates\x18\x02 \x03(\x0b\x32\x1a.conveyor.v1.RequestUpdate\"_\n\x10\x44\x65\x63odeRunRequest\x12*\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x1a.conveyor.v1.DecodeRequest\x12\x11\n\tmax_steps\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x01(\x08\"\x9d\x01\n\x0e\x44\x65\x63odeResponse\x12,\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x17.conveyor.v1.Generation\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.conveyor.v1.CachedBatchH\x00\x88\x01\x01\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.conveyor.v1.TimingsB\x08\n\x06_batch\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\">\n\x13\x46ilterBatchResponse\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x18.conveyor.v1.CachedBatch\"z\n\rWarmupRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.conveyor.v1.Batch\x12\x1e\n\x16max_batch_total_tokens\x18\x05 \x01(\r\x12\x14\n\x0cstep_timeout\x18\x06 \x01(\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"J\n\x0eWarmupResponse\x12\"\n\x1amax_supported_total_tokens\x18\x01 \x01(\r\x12\x14\n\x0cstep_timeout\x18\x02 \x01(\x02*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\xa2\x05\n\x05Shard\x12;\n\x04Info\x12\x18.conveyor.v1.InfoRequest\x1a\x19.conveyor.v1.InfoResponse\x12\x41\n\x06Health\x12\x1a.conveyor.v1.HealthRequest\x1a\x1b.conveyor.v1.HealthResponse\x12_\n\x10ServiceDiscovery\x12$.conveyor.v1.ServiceDiscoveryRequest\x1a%.conveyor.v1.ServiceDiscoveryResponse\x12M\n\nClearCache\x12\x1e.conveyor.v1.ClearCacheRequest\x1a\x1f.conveyor.v1.ClearCacheResponse\x12\x41\n\x06Warmup\x12\x1a.conveyor.v1.WarmupRequest\x1a\x1b.conveyor.v1.WarmupResponse\x12\x44\n\x07Prefill\x12\x1b.conveyor.v1.PrefillRequest\x1a\x1c.conveyor.v1.PrefillResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.conveyor.v1.DecodeRequest\x1a\x1b.conveyor.v1.DecodeResponse\x12K\n\tDecodeRun\x12\x1d.conveyor.v1.DecodeRunRequest\x1a\x1b.conveyor.v1.DecodeResponse(\x01\x30\x01\x12P\n\x0b\x46ilterBatch\x12\x1f.conveyor.v1.FilterBatchRequest\x1a .conveyor.v1.FilterBatchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63onveyor/v1/shard.proto\x12\x0b\x63onveyor.v1\"\r\n\x0bInfoRequest\"\x86\x02\n\x0cInfoResponse\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x12\n\nmodel_type\x18\x08 \x01(\t\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\r\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x0b\n\x03pid\x18\x0b \x01(\r\x12\x0c\n\x04rank\x18\x0c \x01(\r\x12\x10\n\x08instance\x18\r \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0e \x01(\x04\x12\x10\n\x08quantize\x18\x0f \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\xdb\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\"^\n\x12StoppingParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\"\xc3\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x33\n\nparameters\x18\x03 \x01(\x0b\x32\x1f.conveyor.v1.SamplingParameters\x12<\n\x13stopping_parameters\x18\x04 \x01(\x0b\x32\x1f.conveyor.v1.StoppingParameters\x12\x18\n\x10prefill_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x06 \x01(\r\x12\x0e\n\x06\x62locks\x18\x07 \x03(\r\x12\x11\n\tcache_len\x18\t \x01(\r\x12\x16\n\tchunk_len\x18\n \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0eresumed_tokens\x18\x0b \x01(\r\x12\x0f\n\x07grammar\x18\x0c \x01(\tB\x0c\n\n_chunk_lenJ\x04\x08\x08\x10\t\"]\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nnew_blocks\x18\x02 \x03(\r\x12\x11\n\tchunk_len\x18\x03 \x01(\r\x12\x11\n\tspeculate\x18\x04 \x01(\r\"U\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12&\n\x08requests\x18\x02 \x03(\x0b\x32\x14.conveyor.v1.Request\x12\x0c\n\x04size\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"H\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\x85\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xec\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12+\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x13.conveyor.v1.Tokens\x12#\n\x06tokens\x18\x03 \x01(\x0b\x32\x13.conveyor.v1.Tokens\x12\x31\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1a.conveyor.v1.GeneratedTextH\x00\x88\x01\x01\x12\'\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x13.conveyor.v1.Tokens\x12\x0f\n\x07\x64rafted\x18\x06 \x01(\rB\x0b\n\t_finished\">\n\x07Timings\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\x12\x0f\n\x07mask_ns\x18\x05 \x01(\x04J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05\"\xa6\x01\n\x0ePrefillRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.conveyor.v1.Batch\x12\x33\n\x0c\x63\x61\x63hed_batch\x18\x02 \x01(\x0b\x32\x18.conveyor.v1.CachedBatchH\x00\x88\x01\x01\x12+\n\x07updates\x18\x03 \x03(\x0b\x32\x1a.conveyor.v1.RequestUpdateB\x0f\n\r_cached_batch\"\x9e\x01\n\x0fPrefillResponse\x12,\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x17.conveyor.v1.Generation\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.conveyor.v1.CachedBatchH\x00\x88\x01\x01\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.conveyor.v1.TimingsB\x08\n\x06_batch\"g\n\rDecodeRequest\x12)\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x18.conveyor.v1.CachedBatch\x12+\n\x07updates\x18\x02 \x03(\x0b\x32\x1a.conveyor.v1.RequestUpdate\"_\n\x10\x44\x65\x63odeRunRequest\x12*\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x1a.conveyor.v1.DecodeRequest\x12\x11\n\tmax_steps\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x01(\x08\"\x9d\x01\n\x0e\x44\x65\x63odeResponse\x12,\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x17.conveyor.v1.Generation\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.conveyor.v1.CachedBatchH\x00\x88\x01\x01\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.conveyor.v1.TimingsB\x08\n\x06_batch\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\">\n\x13\x46ilterBatchResponse\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x18.conveyor.v1.CachedBatch\"z\n\rWarmupRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.conveyor.v1.Batch\x12\x1e\n\x16max_batch_total_tokens\x18\x05 \x01(\r\x12\x14\n\x0cstep_timeout\x18\x06 \x01(\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"J\n\x0eWarmupResponse\x12\"\n\x1amax_supported_total_tokens\x18\x01 \x01(\r\x12\x14\n\x0cstep_timeout\x18\x02 \x01(\x02*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\xa2\x05\n\x05Shard\x12;\n\x04Info\x12\x18.conveyor.v1.InfoRequest\x1a\x19.conveyor.v1.InfoResponse\x12\x41\n\x06Health\x12\x1a.conveyor.v1.HealthRequest\x1a\x1b.conveyor.v1.HealthResponse\x12_\n\x10ServiceDiscovery\x12$.conveyor.v1.ServiceDiscoveryRequest\x1a%.conveyor.v1.ServiceDiscoveryResponse\x12M\n\nClearCache\x12\x1e.conveyor.v1.ClearCacheRequest\x1a\x1f.conveyor.v1.ClearCacheResponse\x12\x41\n\x06Warmup\x12\x1a.conveyor.v1.WarmupRequest\x1a\x1b.conveyor.v1.WarmupResponse\x12\x44\n\x07Prefill\x12\x1b.conveyor.v1.PrefillRequest\x1a\x1c.conveyor.v1.PrefillResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.conveyor.v1.DecodeRequest\x1a\x1b.conveyor.v1.DecodeResponse\x12K\n\tDecodeRun\x12\x1d.conveyor.v1.DecodeRunRequest\x1a\x1b.conveyor.v1.DecodeResponse(\x01\x30\x01\x12P\n\x0b\x46ilterBatch\x12\x1f.conveyor.v1.FilterBatchRequest\x1a .conveyor.v1.FilterBatchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'conveyor.v1.shard_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2887
-  _globals['_FINISHREASON']._serialized_end=2989
+  _globals['_FINISHREASON']._serialized_start=2923
+  _globals['_FINISHREASON']._serialized_end=3025
   _globals['_INFOREQUEST']._serialized_start=40
   _globals['_INFOREQUEST']._serialized_end=53
   _globals['_INFORESPONSE']._serialized_start=56
@@ -56,37 +56,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUEST']._serialized_start=810
   _globals['_REQUEST']._serialized_end=1133
   _globals['_REQUESTUPDATE']._serialized_start=1135
-  _globals['_REQUESTUPDATE']._serialized_end=1209
-  _globals['_BATCH']._serialized_start=1211
-  _globals['_BATCH']._serialized_end=1296
-  _globals['_CACHEDBATCH']._serialized_start=1298
-  _globals['_CACHEDBATCH']._serialized_end=1370
-  _globals['_TOKENS']._serialized_start=1372
-  _globals['_TOKENS']._serialized_end=1446
-  _globals['_GENERATEDTEXT']._serialized_start=1449
-  _globals['_GENERATEDTEXT']._serialized_end=1582
-  _globals['_GENERATION']._serialized_start=1585
-  _globals['_GENERATION']._serialized_end=1804
-  _globals['_TIMINGS']._serialized_start=1806
-  _globals['_TIMINGS']._serialized_end=1868
-  _globals['_PREFILLREQUEST']._serialized_start=1871
-  _globals['_PREFILLREQUEST']._serialized_end=2037
-  _globals['_PREFILLRESPONSE']._serialized_start=2040
-  _globals['_PREFILLRESPONSE']._serialized_end=2198
-  _globals['_DECODEREQUEST']._serialized_start=2200
-  _globals['_DECODEREQUEST']._serialized_end=2303
-  _globals['_DECODERUNREQUEST']._serialized_start=2305
-  _globals['_DECODERUNREQUEST']._serialized_end=2400
-  _globals['_DECODERESPONSE']._serialized_start=2403
-  _globals['_DECODERESPONSE']._serialized_end=2560
-  _globals['_FILTERBATCHREQUEST']._serialized_start=2562
-  _globals['_FILTERBATCHREQUEST']._serialized_end=2621
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=2623
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=2685
-  _globals['_WARMUPREQUEST']._serialized_start=2687
-  _globals['_WARMUPREQUEST']._serialized_end=2809
-  _globals['_WARMUPRESPONSE']._serialized_start=2811
-  _globals['_WARMUPRESPONSE']._serialized_end=2885
-  _globals['_SHARD']._serialized_start=2992
-  _globals['_SHARD']._serialized_end=3666
+  _globals['_REQUESTUPDATE']._serialized_end=1228
+  _globals['_BATCH']._serialized_start=1230
+  _globals['_BATCH']._serialized_end=1315
+  _globals['_CACHEDBATCH']._serialized_start=1317
+  _globals['_CACHEDBATCH']._serialized_end=1389
+  _globals['_TOKENS']._serialized_start=1391
+  _globals['_TOKENS']._serialized_end=1465
+  _globals['_GENERATEDTEXT']._serialized_start=1468
+  _globals['_GENERATEDTEXT']._serialized_end=1601
+  _globals['_GENERATION']._serialized_start=1604
+  _globals['_GENERATION']._serialized_end=1840
+  _globals['_TIMINGS']._serialized_start=1842
+  _globals['_TIMINGS']._serialized_end=1904
+  _globals['_PREFILLREQUEST']._serialized_start=1907
+  _globals['_PREFILLREQUEST']._serialized_end=2073
+  _globals['_PREFILLRESPONSE']._serialized_start=2076
+  _globals['_PREFILLRESPONSE']._serialized_end=2234
+  _globals['_DECODEREQUEST']._serialized_start=2236
+  _globals['_DECODEREQUEST']._serialized_end=2339
+  _globals['_DECODERUNREQUEST']._serialized_start=2341
+  _globals['_DECODERUNREQUEST']._serialized_end=2436
+  _globals['_DECODERESPONSE']._serialized_start=2439
+  _globals['_DECODERESPONSE']._serialized_end=2596
+  _globals['_FILTERBATCHREQUEST']._serialized_start=2598
+  _globals['_FILTERBATCHREQUEST']._serialized_end=2657
+  _globals['_FILTERBATCHRESPONSE']._serialized_start=2659
+  _globals['_FILTERBATCHRESPONSE']._serialized_end=2721
+  _globals['_WARMUPREQUEST']._serialized_start=2723
+  _globals['_WARMUPREQUEST']._serialized_end=2845
+  _globals['_WARMUPRESPONSE']._serialized_start=2847
+  _globals['_WARMUPRESPONSE']._serialized_end=2921
+  _globals['_SHARD']._serialized_start=3028
+  _globals['_SHARD']._serialized_end=3702
 # @@protoc_insertion_point(module_scope)
