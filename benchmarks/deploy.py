@@ -250,9 +250,12 @@ def _offline_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def llamacpp_serve(model_dir: Path, dtype: str, slots: int, context: int, timeout: float) -> Iterator[str]:
+def llamacpp_serve(
+    model_dir: Path, dtype: str, slots: int, context: int, timeout: float, extra: list[str] = ()
+) -> Iterator[str]:
     """llama.cpp's server on the model as GGUF, continuous batching over `slots` sequences of `context` tokens
-    each, one thread per core; served under the model directory's path, as vLLM and `transformers serve`."""
+    each, one thread per core; served under the model directory's path, as vLLM and `transformers serve`.
+    `extra`: more of its flags (its n-gram speculation, for benchmarks/speculation.py)."""
     server = llamacpp_server()
     assert isinstance(server, Path), server
     model = gguf(model_dir, dtype)
@@ -276,5 +279,6 @@ def llamacpp_serve(model_dir: Path, dtype: str, slots: int, context: int, timeou
         "--threads-http",  # one per open stream: its default (the core count) drops connections past it
         str(slots + 8),
         "--cont-batching",
+        *extra,
     ]
     yield from _serve(command, f"llama.cpp-{GGUF_TYPES[dtype]}", port, timeout, _offline_env())

@@ -88,6 +88,8 @@ class Details:
     prefill: list[Token] = field(default_factory=list)
     tokens: list[Token] = field(default_factory=list)
     top_tokens: list[list[Token]] = field(default_factory=list)
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ def _details(d: pb.Details) -> Details:
         prefill=[_token(t) for t in d.prefill],
         tokens=[_token(t) for t in d.tokens],
         top_tokens=[[_token(t) for t in top.tokens] for top in d.top_tokens],
+        drafted_tokens=d.drafted_tokens,
+        accepted_tokens=d.accepted_tokens,
     )
 
 
@@ -158,8 +162,8 @@ def _request(
     """`text-generation`'s parameters (and defaults: 20 new tokens, greedy, details on), plus at most one
     structured-output constraint: a JSON schema, any JSON object, a regex, a choice, or a Lark grammar. Any other
     field of the proto's `Parameters` (temperature, top_k, top_p, typical_p, min_p, seed, repetition_penalty,
-    frequency_penalty, presence_penalty, truncate, ignore_eos, return_full_text, decoder_input_details...) goes
-    by its name; None leaves it unset, and a name the proto does not have is a TypeError."""
+    frequency_penalty, presence_penalty, truncate, ignore_eos, return_full_text, decoder_input_details,
+    speculate...) goes by its name; None leaves it unset, and a name the proto does not have is a TypeError."""
     unknown = sorted(set(parameters) - set(pb.Parameters.DESCRIPTOR.fields_by_name))
     if unknown:
         raise TypeError(f"unknown parameter `{unknown[0]}`")

@@ -148,9 +148,9 @@ class Config:
         "or a cancellation ends the run after the step in progress",
     )
     speculate: int = flag(
-        0,
+        8,
         "speculative decoding: draft tokens (prompt lookup) each decoding request may have verified per step "
-        "(0: off); greedy output is unchanged. Requests may ask for fewer (`speculate`)",
+        "(0: off); greedy output and a seed's tokens are unchanged. Requests may ask for fewer (`speculate`)",
     )
     speculate_max_batch: int = flag(
         4, "speculate only while at most this many requests run (a larger batch is compute-bound: drafts cost)"

@@ -55,6 +55,10 @@ class Dashboard:
             "num_shard": self.info.num_shard,
             "status": "recovering" if scheduler.recovering else "serving",
             "restarts": int(_counter(self.infer.metrics.shard_restarts)),
+            "speculative": {
+                "drafted": int(_counter(self.infer.metrics.speculative_drafted)),
+                "accepted": int(_counter(self.infer.metrics.speculative_accepted)),
+            },
             "queue_by_priority": {str(priority): count for priority, count in waiting.items()},
             "queue_length": sum(waiting.values()),
             "batch_size": len(scheduler.running),

@@ -48,9 +48,10 @@ DEPLOYMENTS = {
 }
 
 
-# This module's own deployments decode in runs of several steps per call where they can (off by default on CPU):
-# the oracle holds for those too, across every model type and two ranks.
-RUNS = ("--max-decode-steps", "8")
+# This module's own deployments decode in runs of several steps per call where they can (off by default on CPU),
+# with no drafts (a speculating step is never part of a run): the oracle holds for runs too, across every model
+# type and two ranks. The speculating deployments come after them, and the session's server speculates by default.
+RUNS = ("--max-decode-steps", "8", "--speculate", "0")
 
 
 @pytest.fixture(scope="module")

@@ -851,3 +851,75 @@ def test_runs_are_off_by_default() -> None:
     sim = Sim()
     decoding(sim, make_sequence(0, 5, max_new_tokens=20))
     assert sim.planner.plan().steps == 1
+
+
+# --- speculative decoding -----------------------------------------------------------------------------------
+
+
+def test_a_small_batch_of_decoding_sequences_gets_draft_budgets_and_their_blocks() -> None:
+    sim = Sim(speculate=8, speculate_max_batch=2)
+    a, b = make_sequence(0, 14, max_new_tokens=30), make_sequence(1, 5, max_new_tokens=4)
+    decoding(sim, a, b)
+    plan = sim.planner.plan()
+    assert plan.steps == 1 and plan.running == [a, b]
+    assert a.step_drafts == 8 and b.step_drafts == 2  # b: 4 new tokens, 1 made, the next one its own
+    assert a.step_tokens == b.step_tokens == 1  # what is computed for sure: the next token
+    assert len(a.block_table) == 2 and a.step_new_blocks == a.block_table[1:]  # 14 + 1 + 8 KV slots
+
+
+def test_a_step_advances_by_the_drafts_accepted_and_gives_back_the_blocks_past_the_next_token() -> None:
+    sim = Sim(speculate=8)
+    a = make_sequence(0, 14, max_new_tokens=30)
+    decoding(sim, a)
+    free = sim.allocator.free_blocks
+    plan = sim.planner.plan()
+    assert a.step_drafts == 8 and sim.allocator.free_blocks == free - 1
+    a.generated_ids.append(7)  # every draft rejected: the step made its one token
+    sim.planner.advance(plan, {a.id: 1})
+    assert a.num_computed_tokens == 15 and len(a.block_table) == 1 and sim.allocator.free_blocks == free
+
+    plan = sim.planner.plan()
+    a.generated_ids.extend([8, 9, 10])  # two drafts accepted, then the target's own token
+    sim.planner.advance(plan, {a.id: 3})
+    assert a.num_computed_tokens == 18 and len(a.block_table) == 2  # slot 18, the next token's, is in block 2
+
+
+def test_drafts_never_preempt_they_shrink_to_the_free_blocks() -> None:
+    sim = Sim(speculate=8, num_blocks=2, block_size=4)
+    a = make_sequence(0, 3, max_new_tokens=20)
+    decoding(sim, a)
+    plan = sim.planner.plan()
+    assert a.step_drafts == 4 and not plan.preempted and sim.allocator.free_blocks == 0  # 3 + 1 + 4 = 8 slots
+
+
+def test_no_drafts_in_a_large_batch_or_for_penalised_constrained_or_unwilling_requests() -> None:
+    from conveyor.router.api.tgi import Sampling
+
+    large = Sim(speculate=4, speculate_max_batch=1)
+    a, b = make_sequence(0, 5, max_new_tokens=20), make_sequence(1, 5, max_new_tokens=20)
+    decoding(large, a, b)
+    large.planner.plan()
+    assert a.step_drafts == b.step_drafts == 0
+
+    sim = Sim(speculate=4)
+    penalised, unwilling, modest = (make_sequence(n, 5, max_new_tokens=20) for n in range(3))
+    penalised.request = _with(penalised, sampling=Sampling(repetition_penalty=1.3))
+    unwilling.request = _with(unwilling, speculate=0)
+    modest.request = _with(modest, speculate=2)
+    decoding(sim, penalised, unwilling, modest)
+    sim.planner.plan()
+    assert (penalised.step_drafts, unwilling.step_drafts, modest.step_drafts) == (0, 0, 2)
+
+
+def _with(sequence: Sequence, **parameters) -> ValidRequest:
+    from dataclasses import replace
+
+    return replace(sequence.request, parameters=replace(sequence.request.parameters, **parameters))
+
+
+def test_speculation_is_off_by_default_in_the_planner() -> None:
+    sim = Sim()
+    a = make_sequence(0, 5, max_new_tokens=20)
+    decoding(sim, a)
+    sim.planner.plan()
+    assert a.step_drafts == 0

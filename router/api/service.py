@@ -51,6 +51,11 @@ class Caller(TypedDict):
     admin: Annotated[bool, Field(description="Whether it sees and may cancel every key's requests")]
 
 
+class Drafts(TypedDict):
+    drafted: Annotated[int, Field(description="Draft tokens verified since the start (speculative decoding)")]
+    accepted: Annotated[int, Field(description="...of which accepted: tokens made without a step of their own")]
+
+
 class DashboardState(TypedDict):
     model: str
     dtype: str
@@ -59,6 +64,7 @@ class DashboardState(TypedDict):
     num_shard: int
     status: Annotated[Literal["serving", "recovering"], Field(description="recovering: the shards are restarting")]
     restarts: Annotated[int, Field(description="Times the shards were lost and reconnected to, since the start")]
+    speculative: Drafts
     queue_by_priority: Annotated[dict[str, int], Field(description="Requests waiting, by priority")]
     queue_length: int
     batch_size: Annotated[int, Field(description="Requests in the running batch")]

@@ -191,9 +191,10 @@ SHARED_VALID = {
     "repetition_penalty": POSITIVE,
     "frequency_penalty": PENALTY,
     "presence_penalty": PENALTY,
-    # Not sampling, but on both APIs alike (`Queueing`).
+    # Not sampling, but on both APIs alike (`Serving`).
     "priority": st.integers(-(2**31), 2**31 - 1),
     "cache_salt": st.text(min_size=1, max_size=256),
+    "speculate": st.integers(0, 16),
 }
 TGI_VALID = {
     **SHARED_VALID,
