@@ -215,11 +215,14 @@ class Engine:
         counts = [1 + len(s.drafts) for s in decoding]
         starts = [sum(counts[:i]) for i in range(len(counts))]
         generations = self._record(decoding, sampler, logits[starts] if len(logits) > len(decoding) else logits)
+        alive = list(range(len(decoding)))  # rows whose every position so far chose the draft fed after it
         for j in range(1, max(counts)):
             alive = [
                 i
-                for i, s in enumerate(decoding)
-                if len(s.drafts) >= j and s.drafts[j - 1] == s.next_token and not generations[i].HasField("finished")
+                for i in alive
+                if len(decoding[i].drafts) >= j
+                and decoding[i].drafts[j - 1] == decoding[i].next_token
+                and not generations[i].HasField("finished")
             ]
             if not alive:
                 break

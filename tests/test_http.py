@@ -25,7 +25,9 @@ def generate(server: Server, body: dict) -> httpx.Response:
 
 
 def test_sse_events_have_tgi_shape(server: Server) -> None:
-    events = stream_events(server, {"inputs": "def f():", "parameters": {"max_new_tokens": 5, "details": True}})
+    # TGI's shape exactly: no drafts, whose counts would add Conveyor's own keys to the details.
+    body = {"inputs": "def f():", "parameters": {"max_new_tokens": 5, "details": True, "speculate": 0}}
+    events = stream_events(server, body)
     assert len(events) == 5
     for n, event in enumerate(events, start=1):
         assert set(event) == {"index", "token", "generated_text", "details"}

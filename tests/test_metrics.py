@@ -23,7 +23,9 @@ def value(samples: dict, name: str, **labels: str) -> float:
 def test_counters_and_histograms_move_with_requests(server: Server) -> None:
     before = scrape(server)
     r = httpx.post(
-        f"{server.url}/generate", json={"inputs": "def f():", "parameters": {"max_new_tokens": 5}}, timeout=60
+        f"{server.url}/generate",
+        json={"inputs": "def f():", "parameters": {"max_new_tokens": 5, "speculate": 0}},  # a decode step per token
+        timeout=60,
     )
     assert r.status_code == 200
     assert httpx.post(f"{server.url}/generate", json={"inputs": ""}).status_code == 422

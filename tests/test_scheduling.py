@@ -136,7 +136,8 @@ def launch(model_dir: Path, *flags: str) -> Server:
 # test_without_prefix_caching_...: a start less, and the two do not meet (that test's requests come one after the
 # other anyway, and the mode test reads its decode steps as a difference).
 MODES = {
-    "sequential": ["--scheduling", "sequential", "--no-prefix-caching"],
+    # One decode step per token (no drafts): the test counts them.
+    "sequential": ["--scheduling", "sequential", "--no-prefix-caching", "--speculate", "0"],
     "static": ["--scheduling", "static", "--max-batch-size", "4", "--static-batch-timeout", "0.5"],
 }
 # A 16-token step budget far below the longest prompt allowed: long prompts must be chunked. The prefix cache is

@@ -109,3 +109,16 @@ def test_a_step_keeps_only_the_accepted_drafts_kv_and_the_blocks_it_needs(engine
         assert len(state.block_table) == -(-(state.num_computed_tokens + 1) // engine.block_size)
         assert state.speculate == 0 and state.drafts == []
     assert drafted > 0
+
+
+def test_a_row_whose_draft_was_rejected_takes_no_later_draft(engine: Engine, tiny_model: Path) -> None:
+    """Found by a stress run: a row that rejected its first draft became 'alive' again at the third position when
+    its second draft equalled the token it had chosen first, and took that position's token. Four long rows
+    drafting together hit it on the tiny model (rows 0 and 1 went wrong at tokens 39 and 97)."""
+    prompts = [f"def step_{n}(x):" for n in (1, 5, 6, 8)]
+    requests = [_request(engine, n, prompt, 150) for n, prompt in enumerate(prompts)]
+    tokens, drafted, accepted = _generate(engine, requests, speculate=8)
+    for n, prompt in enumerate(prompts):
+        reference = greedy_reference(tiny_model, prompt, 150)  # ends early where the model's second EOS comes
+        assert tokens[n][: len(reference)] == reference, prompt
+    assert accepted > 0

@@ -475,6 +475,7 @@ ODD_VALUES: list[Any] = [
 TGI_PARAMETER_NAMES = [
     "priority",
     "cache_salt",
+    "speculate",
     "temperature",
     "top_k",
     "top_p",
