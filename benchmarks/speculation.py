@@ -118,7 +118,8 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> tuple[float, flo
     values = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        values[name] = float(value) if value else 0.0
+        if not line.startswith("#") and value:
+            values[name] = float(value)
     return (
         values.get("conveyor_speculative_drafted_tokens_total", 0.0),
         values.get("conveyor_speculative_accepted_tokens_total", 0.0),
