@@ -122,3 +122,19 @@ def test_a_row_whose_draft_was_rejected_takes_no_later_draft(engine: Engine, tin
         reference = greedy_reference(tiny_model, prompt, 150)  # ends early where the model's second EOS comes
         assert tokens[n][: len(reference)] == reference, prompt
     assert accepted > 0
+
+
+def test_every_accepted_token_brings_its_logprob_and_alternatives(engine: Engine) -> None:
+    request = _request(engine, 0, REPEATING, 40)
+    request.top_n_tokens = 3
+    batch = Batch.from_pb(pb.Batch(id=1, requests=[request], size=1), engine.states(pb.Batch(requests=[request])))
+    several = 0
+    while batch is not None:
+        (generation,), batch, _ = engine.step(batch)
+        tokens = generation.tokens
+        assert len(tokens.ids) == len(tokens.logprobs) == len(tokens.texts) == len(generation.top_tokens)
+        assert all(top.ids[0] == token for top, token in zip(generation.top_tokens, tokens.ids))  # greedy: the best
+        several += len(tokens.ids) > 1
+        if batch is not None:
+            batch.update([_update(engine, batch.requests[0], 4)])
+    assert several > 0
