@@ -127,8 +127,10 @@ class StepPlanner:
             if drafts <= 0 or not sequence.may_speculate:
                 continue
             missing = self.allocator.blocks_for(sequence.num_computed_tokens + 1 + drafts) - len(sequence.block_table)
-            if missing > 0:
-                sequence.reserve(self.allocator.allocate(missing) or [])
+            blocks = self.allocator.allocate(missing) if missing > 0 else []
+            if blocks is None:
+                continue  # the shards would find the drafts' slots missing: no drafts rather than a failed step
+            sequence.reserve(blocks)
             sequence.step_drafts = drafts
 
     def waiting_to_join(self) -> bool:
