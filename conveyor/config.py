@@ -152,6 +152,16 @@ class Config:
         "speculative decoding: draft tokens (prompt lookup) each decoding request may have verified per step "
         "(0: off); greedy output and a seed's tokens are unchanged. Requests may ask for fewer (`speculate`)",
     )
+    speculate_model: str | None = flag(
+        None,
+        "draft tokens from a second model instead of prompt lookup: a model directory or Hub id with the same "
+        "vocabulary, or 'self' (the target's own checkpoint, best with --speculate-quantize)",
+    )
+    speculate_quantize: str | None = flag(
+        None,
+        "quantize the draft model at load (int8, int4: fewer bytes to read per drafted token)",
+        choices=QUANTIZATIONS,
+    )
     speculate_max_batch: int = flag(
         4, "speculate only while at most this many requests run (a larger batch is compute-bound: drafts cost)"
     )

@@ -11,13 +11,15 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from conveyor.shard import drafts
+from conveyor.shard import draft_model, drafts
 from conveyor.shard.batch import Batch
 from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
 from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.draft_model import DraftModel
 from conveyor.shard.generations import Generations
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits
@@ -39,9 +41,23 @@ GPU_MEMORY_FRACTION = 0.9
 StepOutput = tuple[list[pb.Generation], Batch | None, pb.Timings]
 
 
+@dataclass(frozen=True)
+class Draft:
+    """The draft model's choice (--speculate-model, --speculate-quantize)."""
+
+    model: str  # a model directory, or "self": the target's own checkpoint
+    quantize: str | None = None
+
+
 class Engine:
     def __init__(
-        self, model_dir: str | Path, dtype: str, device: torch.device, group: ProcessGroup, quantize: str | None = None
+        self,
+        model_dir: str | Path,
+        dtype: str,
+        device: torch.device,
+        group: ProcessGroup,
+        quantize: str | None = None,
+        draft: Draft | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
@@ -74,6 +90,30 @@ class Engine:
         shape = self.model.shape
         self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
         self.cache: KVCache | None = None
+        self.drafter = None if draft is None else self._load_draft(model_dir, draft)
+
+    def _load_draft(self, model_dir: str | Path, draft: Draft) -> DraftModel:
+        """The draft model: the target's own checkpoint (`self`) or another with the same vocabulary, read for
+        this rank as the target is, quantized if asked."""
+        from transformers import AutoConfig
+
+        source = model_dir if draft.model == "self" else draft.model
+        checkpoint_config = AutoConfig.from_pretrained(source)
+        config = language_config(checkpoint_config)
+        if config.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({config.vocab_size}) is not the target's ({self.vocab_size})"
+            )
+        weights = Weights(source, self.group, self.dtype, self.device, weight_names(checkpoint_config))
+        weights.quantize = draft.quantize
+        model = model_for(config, weights).eval()
+        shape = model.shape
+        cache_shape = (config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
+        log.info(
+            "draft model",
+            extra={"model": str(source), "quantize": draft.quantize or "none", "bytes": model_bytes(model)},
+        )
+        return DraftModel(model, self.run_model, cache_shape, self.block_size, self.dtype, self.device)
 
     def info(self) -> pb.InfoResponse:
         return pb.InfoResponse(
@@ -121,6 +161,8 @@ class Engine:
             torch.cuda.empty_cache()  # the scratch pool's memory goes back before the free memory is read
         num_blocks = self.group.min(self._pool_blocks(request.max_batch_total_tokens))
         self.cache = self.allocate(num_blocks)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks)
         log.info("kv pool", extra={"blocks": num_blocks, "tokens": num_blocks * self.block_size})
         return num_blocks * self.block_size
 
@@ -129,6 +171,8 @@ class Engine:
             return math.ceil(requested_tokens / self.block_size)
         layers, kv_heads, head_dim = self._cache_shape
         per_block = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
+        if self.drafter is not None:
+            per_block += self.drafter.bytes_per_block()  # one block id holds the draft's KV too
         return max(1, int(_free_memory(self.device) // per_block))
 
     # --- a step -------------------------------------------------------------------------------------------
@@ -142,8 +186,7 @@ class Engine:
         start = time.perf_counter_ns()
         self._mask_ns = 0
         decoding = batch.decoding
-        for state in decoding:
-            state.drafts = drafts.propose(state.token_ids, min(state.speculate, state.remaining_tokens - 1))
+        self._propose(decoding)
         rows = decoding + [r for r in batch.prefilling if r.chunk_len]
         if not rows:
             raise BadRequest(f"batch {batch.id} has nothing to compute at this step")
@@ -162,6 +205,16 @@ class Engine:
         finished = all(g.HasField("finished") for g in generations) and len(generations) == batch.size
         timings = pb.Timings(total_ns=time.perf_counter_ns() - start, mask_ns=self._mask_ns)
         return generations, None if finished else batch, timings
+
+    def _propose(self, decoding: list[RequestState]) -> None:
+        """This step's drafts: from the draft model when there is one, else by prompt lookup."""
+        limits = [min(s.speculate, s.remaining_tokens - 1) for s in decoding]
+        if self.drafter is not None and any(k > 0 for k in limits):
+            for state, proposed in zip(decoding, self.drafter.propose(decoding, limits)):
+                state.drafts = proposed
+            return
+        for state, limit in zip(decoding, limits):
+            state.drafts = drafts.propose(state.token_ids, limit)
 
     @staticmethod
     def _logit_counts(rows: list[RequestState], new_tokens: list[list[int]], ending: list[RequestState]) -> list[int]:
@@ -243,6 +296,7 @@ class Engine:
         accepted = len(generation.tokens.ids) - 1
         generation.drafted = len(state.drafts)
         state.num_computed_tokens -= len(state.drafts) - accepted
+        draft_model.settle(state)
         del state.block_table[math.ceil((state.num_computed_tokens + 1) / self.block_size) :]
         state.drafts, state.speculate = [], 0
 
@@ -281,18 +335,32 @@ class Engine:
     ) -> torch.Tensor:
         """The model over the KV pool: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1.
         `reaches[i]`: the longer of sequence i's prompt and its length (LongRoPE's choice; default: lengths)."""
+        return self.run_model(self.model, self.cache, new_tokens, starts, blocks, lengths, logit_counts, reaches)
+
+    def run_model(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        new_tokens: list[list[int]],
+        starts: list[int],
+        blocks: list[list[int]],
+        lengths: list[int],
+        logit_counts: list[int],
+        reaches: list[int] | None = None,
+    ) -> torch.Tensor:
+        """`forward` with a model and KV pool of the caller's: the target's, or the draft model's."""
         device = self.device
         ids = to_device(torch.tensor([t for n in new_tokens for t in n], dtype=torch.long), device)
         positions = to_device(torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]), device)
         query_lens = [len(n) for n in new_tokens]
-        metas = build_per_window(self.model.windows, blocks, lengths, query_lens, self.block_size, device)
+        metas = build_per_window(model.windows, blocks, lengths, query_lens, self.block_size, device)
         ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
         keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
         reach = None
-        if self.model.needs_reach:
+        if model.needs_reach:
             per_token = torch.repeat_interleave(torch.tensor(reaches or lengths), torch.tensor(query_lens))
             reach = to_device(per_token, device)
-        return self.model(ids, positions, self.cache, metas, to_device(keep, device), reach)
+        return model(ids, positions, cache, metas, to_device(keep, device), reach)
 
 
 def model_bytes(model: torch.nn.Module) -> int:

@@ -17,7 +17,7 @@ import torch
 from conveyor.launcher.model_source import resolve_model
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import ProcessGroup, initialize
-from conveyor.shard.engine import Engine
+from conveyor.shard.engine import Draft, Engine
 from conveyor.shard.layers.quantize import QuantizationUnavailable
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models import MODEL_TYPES, language_config
@@ -59,7 +59,8 @@ def load(args: Config) -> Engine:
     if device.type == "cpu" and (threads := threads_per_rank(_local_world_size(group), usable_cores())) is not None:
         torch.set_num_threads(threads)
     try:
-        return Engine(args.model_id, args.dtype, device, group, args.quantize)
+        draft = Draft(args.speculate_model, args.speculate_quantize) if args.speculate_model else None
+        return Engine(args.model_id, args.dtype, device, group, args.quantize, draft)
     except QuantizationUnavailable as exc:
         raise SystemExit(f"conveyor-shard: {exc}") from None
 
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     except (AddressError, OSError) as exc:
         raise SystemExit(f"conveyor-shard: {exc}") from None
     args = replace(args, model_id=str(resolve_model(args.model_id, args.demo_size, args.revision)))
+    if args.speculate_model not in (None, "self"):
+        args = replace(args, speculate_model=str(resolve_model(args.speculate_model, args.demo_size, None)))
     conveyor_log.setup(f"shard-{os.environ.get('RANK', '0')}", args.log_level)
     tracing.setup("conveyor-shard", args.otlp_endpoint)
     try:

@@ -42,6 +42,7 @@ class RequestState:
     resumed_tokens: int = 0  # the last input_ids a resumed request had generated before its preemption
     speculate: int = 0  # decoding: the most draft tokens to verify at the next step (the router sets it each step)
     drafts: list[int] = field(default_factory=list)  # decoding: this step's draft tokens, fed after next_token
+    draft_len: int = 0  # tokens whose KV the draft model has (shard/draft_model.py)
 
     @property
     def is_decoding(self) -> bool:

@@ -403,12 +403,13 @@ def test_speculation_benchmark_measures_drafts_off_and_on(tiny_model: Path, tmp_
     """One round on the tiny model without llama.cpp: a row per Conveyor system, workload and concurrency, every
     request served, and drafts verified only where they are on (their acceptance is the real model's business)."""
     results = tmp_path / "speculation.json"
-    flags = ["--rounds", "1", "--concurrency", "1", "--max-tokens", "8", "--skip-llamacpp", "--json", str(results)]
+    flags = ["--rounds", "1", "--concurrency", "1", "--max-tokens", "8", "--skip-llamacpp", "--draft-quantize", "float"]
+    flags += ["--json", str(results)]
     command = [sys.executable, "-m", "conveyor.benchmarks.speculation", "--model-id", str(tiny_model), *flags]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.splitlines()[0].startswith("| system | workload | streams |")
     rows = json.loads(results.read_text())
-    assert set(rows) == {f"conveyor-{s}/{w}/1" for s in ("off", "ngram") for w in ("chat", "edit")}
+    assert set(rows) == {f"conveyor-{s}/{w}/1" for s in ("off", "ngram", "draft-float") for w in ("chat", "edit")}
     for key, row in rows.items():
         assert row["failed"] == 0 and row["tok_s"] > 0, (key, row)
     assert rows["conveyor-off/chat/1"]["drafted"] == rows["conveyor-off/edit/1"]["drafted"] == 0

@@ -47,6 +47,9 @@ DEPLOYMENTS = {
     "llama-2-shards": ("tiny_model", ["--num-shard", "2"]),
     "llama-speculate": ("tiny_model", SPECULATE),
     "llama-speculate-2-shards": ("tiny_model", ["--num-shard", "2", *SPECULATE]),
+    # Drafts from a draft model: the target itself, 4-bit (drafts that are often wrong), and in float on 2 ranks.
+    "llama-draft-self-int4": ("tiny_model", [*SPECULATE, "--speculate-model", "self", "--speculate-quantize", "int4"]),
+    "llama-draft-self-2-shards": ("tiny_model", ["--num-shard", "2", *SPECULATE, "--speculate-model", "self"]),
 }
 
 

@@ -138,3 +138,24 @@ def test_every_accepted_token_brings_its_logprob_and_alternatives(engine: Engine
         if batch is not None:
             batch.update([_update(engine, batch.requests[0], 4)])
     assert several > 0
+
+
+@pytest.fixture(scope="module")
+def self_drafting(tiny_model: Path) -> Engine:
+    """The target drafting for itself (float32: every greedy draft is what the target chooses)."""
+    from conveyor.shard.engine import Draft
+
+    engine = Engine(tiny_model, "float32", torch.device("cpu"), ProcessGroup(0, 1), draft=Draft("self"))
+    engine.cache = engine.allocate(4 * BLOCKS)
+    engine.drafter.allocate(4 * BLOCKS)
+    return engine
+
+
+def test_a_draft_model_proposes_and_greedy_output_is_unchanged(self_drafting: Engine, tiny_model: Path) -> None:
+    prompts = [f"def step_{n}(x):" for n in (1, 5, 6, 8)]
+    requests = [_request(self_drafting, n, prompt, 60) for n, prompt in enumerate(prompts)]
+    tokens, drafted, accepted = _generate(self_drafting, requests, speculate=4)
+    for n, prompt in enumerate(prompts):
+        reference = greedy_reference(tiny_model, prompt, 60)
+        assert tokens[n][: len(reference)] == reference, prompt
+    assert drafted > 0 and accepted >= 0.9 * drafted, (drafted, accepted)  # the same model: nearly all kept
