@@ -114,9 +114,7 @@ class StepPlanner:
         more than its `max_new_tokens` leaves), and the blocks for them if free ones are left (drafts never
         preempt, and a sequence cut short of blocks drafts fewer)."""
         config = self.config
-        if not config.speculate or plan.admitted or not plan.running or len(self.running) > config.speculate_max_batch:
-            return
-        if any(s.is_prefilling for s in plan.running):
+        if not config.speculate or len(self.running) > config.speculate_max_batch or not _decoding_only(plan):
             return
         size = self.allocator.block_size
         for sequence in plan.running:
@@ -143,12 +141,10 @@ class StepPlanner:
         `max_decode_steps`, if the free blocks let every sequence grow that far (a run preempts nobody: it stays
         one step otherwise). A sequence needs blocks for the tokens it will feed before its `max_new_tokens`."""
         limit = self.config.max_decode_steps
-        if limit <= 1 or plan.admitted or not plan.running or self.waiting_to_join():
+        if limit <= 1 or not _decoding_only(plan) or self.waiting_to_join():
             return
         if any(s.step_drafts for s in plan.running):
             return  # a speculating step already makes several tokens
-        if any(s.is_prefilling for s in plan.running):
-            return
         remaining = {s: max(1, s.max_new_tokens - len(s.generated_ids)) for s in plan.running}
         steps = min(limit, max(remaining.values()))
         blocks_for = self.allocator.blocks_for
@@ -317,3 +313,8 @@ class StepPlanner:
         if sequence in self.running:
             self.running.remove(sequence)
         self.release(sequence)
+
+
+def _decoding_only(plan: StepPlan) -> bool:
+    """A step in which every sequence decodes: nobody joins and no prompt is being read (runs and drafts only)."""
+    return not plan.admitted and bool(plan.running) and not any(s.is_prefilling for s in plan.running)

@@ -28,8 +28,8 @@ class DraftModel:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        """`forward(model, cache, new_tokens, starts, blocks, lengths, logit_counts)`: the engine's flat forward;
-        `cache_shape`: (layers, KV heads on this rank, head dim)."""
+        """`forward`: the engine's flat forward (`Engine.forward`, given this model and pool); `cache_shape`:
+        (layers, KV heads on this rank, head dim)."""
         self.model, self.forward, self._cache_shape = model, forward, cache_shape
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.cache: KVCache | None = None
@@ -60,9 +60,8 @@ class DraftModel:
     def _step(self, states: list[RequestState], feeds: list[list[int]]) -> list[int]:
         starts = [s.draft_len for s in states]
         lengths = [start + len(feed) for start, feed in zip(starts, feeds)]
-        logits = self.forward(
-            self.model, self.cache, feeds, starts, [s.block_table for s in states], lengths, [1] * len(states)
-        )
+        blocks, counts = [s.block_table for s in states], [1] * len(states)
+        logits = self.forward(feeds, starts, blocks, lengths, counts, model=self.model, cache=self.cache)
         for state, length in zip(states, lengths):
             state.draft_len = length
         return logits.argmax(dim=-1).tolist()

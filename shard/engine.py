@@ -113,7 +113,7 @@ class Engine:
             "draft model",
             extra={"model": str(source), "quantize": draft.quantize or "none", "bytes": model_bytes(model)},
         )
-        return DraftModel(model, self.run_model, cache_shape, self.block_size, self.dtype, self.device)
+        return DraftModel(model, self.forward, cache_shape, self.block_size, self.dtype, self.device)
 
     def info(self) -> pb.InfoResponse:
         return pb.InfoResponse(
@@ -207,14 +207,15 @@ class Engine:
         return generations, None if finished else batch, timings
 
     def _propose(self, decoding: list[RequestState]) -> None:
-        """This step's drafts: from the draft model when there is one, else by prompt lookup."""
+        """This step's drafts: from the draft model when there is one, else by prompt lookup (a row's whole text
+        is gathered only when it may draft: every decode step passes here)."""
         limits = [min(s.speculate, s.remaining_tokens - 1) for s in decoding]
         if self.drafter is not None and any(k > 0 for k in limits):
             for state, proposed in zip(decoding, self.drafter.propose(decoding, limits)):
                 state.drafts = proposed
             return
         for state, limit in zip(decoding, limits):
-            state.drafts = drafts.propose(state.token_ids, limit)
+            state.drafts = drafts.propose(state.token_ids, limit) if limit > 0 else []
 
     @staticmethod
     def _logit_counts(rows: list[RequestState], new_tokens: list[list[int]], ending: list[RequestState]) -> list[int]:
@@ -332,23 +333,15 @@ class Engine:
         lengths: list[int],
         logit_counts: list[int],
         reaches: list[int] | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """The model over the KV pool: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1.
-        `reaches[i]`: the longer of sequence i's prompt and its length (LongRoPE's choice; default: lengths)."""
-        return self.run_model(self.model, self.cache, new_tokens, starts, blocks, lengths, logit_counts, reaches)
-
-    def run_model(
-        self,
-        model: torch.nn.Module,
-        cache: KVCache,
-        new_tokens: list[list[int]],
-        starts: list[int],
-        blocks: list[list[int]],
-        lengths: list[int],
-        logit_counts: list[int],
-        reaches: list[int] | None = None,
-    ) -> torch.Tensor:
-        """`forward` with a model and KV pool of the caller's: the target's, or the draft model's."""
+        `reaches[i]`: the longer of sequence i's prompt and its length (LongRoPE's choice; default: lengths).
+        `model` and `cache`: another model and its pool (the draft model's); default: the target's."""
+        model = self.model if model is None else model
+        cache = self.cache if cache is None else cache
         device = self.device
         ids = to_device(torch.tensor([t for n in new_tokens for t in n], dtype=torch.long), device)
         positions = to_device(torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]), device)
