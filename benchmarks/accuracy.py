@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
 from conveyor.benchmarks.progress import note
 
 TEXT = Path(__file__).with_name("data") / "accuracy.txt"

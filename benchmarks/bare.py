@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from conveyor.benchmarks.progress import note
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
 from conveyor.benchmarks.backends import Backend, RequestOptions
 from conveyor.benchmarks.workload import Prompt
 

@@ -49,10 +49,10 @@ import time
 import urllib.request
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conveyor import cpu
 from conveyor.benchmarks import bare, deploy, real_model
 from conveyor.benchmarks.compare_report import (
     BARE,
@@ -70,9 +70,7 @@ from conveyor.benchmarks.metrics import BenchmarkResult
 from conveyor.benchmarks.plot import plot_results
 from conveyor.benchmarks.progress import note
 from conveyor.benchmarks.serve import BenchmarkConfig, length_range, load_tokenizer, run
-from conveyor.benchmarks.workload import LengthSpec, Prompt, build_prompts
-
-from conveyor import cpu
+from conveyor.benchmarks.workload import LengthSpec, Prompt, Workload, build_prompts
 
 MODES = ("continuous", "static", "sequential")
 DTYPE_SUFFIX = {"float32": "", "bfloat16": BF16}
@@ -80,16 +78,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REAL = "real"  # --model-id: SmolLM2-135M-Instruct, prepared by benchmarks/real_model.py
 MODELS = [REAL, "demo"]  # the default: the real model first (what users see), then the demo model
 CHECK_TOKENS = 30  # enough for a sentence naming the answer
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[Prompt]
-    rates: list[float]
-    max_concurrency: int | None
-    seed: int
-    short: set[int] = field(default_factory=set)  # long-prompt workload: indexes of the short streams
 
 
 def spec(span: tuple[int, int]) -> LengthSpec:
@@ -505,7 +493,7 @@ def resolve(model_id: str, demo_size: str) -> Path:
     launcher resolves it."""
     if model_id == REAL:
         return real_model.prepare()
-    from conveyor.launcher.model_source import resolve_model
+    from conveyor.model_source import resolve_model
 
     return resolve_model(model_id, demo_size)
 

@@ -8,17 +8,15 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+
+from conveyor import cpu
 from conveyor.benchmarks.bare import BareResult
 from conveyor.benchmarks.metrics import BenchmarkResult, RateResult, Summary
 from conveyor.benchmarks.report import number
-
-from conveyor import cpu
-
-if TYPE_CHECKING:
-    from conveyor.benchmarks.compare import Workload
+from conveyor.benchmarks.workload import Workload
 
 CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM, LLAMACPP = (
     "conveyor-continuous",

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 from conveyor.benchmarks import shards
 from conveyor.benchmarks.shards import DeploymentFailed  # noqa: F401 - callers catch it from here
-from conveyor.launcher.demo_model import cache_root
+from conveyor.paths import cache_root
 
 # The peers serve local directories and send nothing off this machine (benchmarks, like tests, send traffic to
 # loopback only): no Hub lookups, and none of the usage statistics vLLM reports by default.

@@ -49,12 +49,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
 from conveyor.benchmarks.bare import BareLoop
 from conveyor.benchmarks.progress import note
 from conveyor.benchmarks.report import number
-from conveyor.v1 import shard_pb2 as pb
-
 from conveyor.grammar import Constraint, GrammarCache, closed
+from conveyor.v1 import shard_pb2 as pb
 
 TARGET_SHARE = 10.0  # % of the decode step the mask may take at the largest batch (the target)
 PROMPT = "The user record, as JSON:\n"
@@ -547,7 +547,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from conveyor.launcher.model_source import resolve_model
+    from conveyor.model_source import resolve_model
 
     args = parse_args(argv)
     model_dir = resolve_model(args.model_id, args.demo_size)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from conveyor.benchmarks.client import RequestRecord
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")

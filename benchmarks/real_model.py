@@ -33,7 +33,7 @@ CHECK_ANSWER = "Paris"
 
 
 def model_dir() -> Path:
-    from conveyor.launcher.demo_model import cache_root
+    from conveyor.paths import cache_root
 
     return cache_root() / "models" / NAME
 

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import aiohttp
 import psutil
+
 from conveyor.benchmarks import shards
 
 DEMO = "demo"

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from conveyor.benchmarks.backends import BACKENDS, Backend, RequestOptions, backend
 from conveyor.benchmarks.client import RequestRecord, send
 from conveyor.benchmarks.metrics import SLO_METRICS, BenchmarkResult, RateResult, load_results, summarize

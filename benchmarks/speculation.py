@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from conveyor.benchmarks import deploy
 from conveyor.benchmarks.backends import ChatBackend, RequestOptions
 from conveyor.benchmarks.client import RequestRecord, send

@@ -120,11 +120,13 @@ CORPUS: dict[str, tuple[str, dict]] = {
 def front_door(model_dir: Path) -> Callable[[str, bytes], object]:
     """A call from (route, raw body) to the internal request(s), as the routes make them (their request parsing,
     not their handlers: nothing is queued). The one place to change when the front door's code does."""
+    from transformers import AutoTokenizer
+
     from conveyor.router.api.base import parse
     from conveyor.router.api.openai import ChatRequest, CompletionRequest
-    from conveyor.router.openai import OpenAIRoutes
-    from conveyor.router.validation import Limits, Validation
-    from transformers import AutoTokenizer
+    from conveyor.router.frontends.openai import OpenAIRoutes
+    from conveyor.router.limits import Limits
+    from conveyor.router.pipeline.validation import Validation
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     validation = Validation(tokenizer, Limits(max_input_tokens=2047, max_total_tokens=2048), model_dir=str(model_dir))
@@ -168,7 +170,7 @@ def table(medians: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from conveyor.launcher.model_source import resolve_model
+    from conveyor.model_source import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-id", default="demo", help="a model directory, or demo (its tokenizer and chat template)")

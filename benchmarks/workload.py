@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -140,3 +140,15 @@ def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> li
         gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count)
     times = np.cumsum(gaps)
     return (times * (count / rate / times[-1])).tolist()
+
+
+@dataclass
+class Workload:
+    """One named workload of a comparison: its prompts, the rates to offer them at, and its concurrency cap."""
+
+    name: str
+    prompts: list[Prompt]
+    rates: list[float]
+    max_concurrency: int | None
+    seed: int
+    short: set[int] = field(default_factory=set)  # long-prompt workload: indexes of the short streams

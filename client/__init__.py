@@ -1,5 +1,5 @@
 """Conveyor's Python clients: `Client` and `AsyncClient` over the gRPC front door (see `client.py`). The router's
-own transport to its shards is not public API and lives with it (`conveyor.router.shard_client`)."""
+own transport to its shards is not public API and lives with it (`conveyor.router.transport.shard_client`)."""
 
 from conveyor.client.client import (
     AsyncClient,

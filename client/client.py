@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
 from conveyor.v1 import generate_pb2 as pb
 from conveyor.v1 import generate_pb2_grpc as pb_grpc
 

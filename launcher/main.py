@@ -19,13 +19,12 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from conveyor.launcher.model_source import resolve_model
-from conveyor.launcher.processes import ChildDied, Deployment
-from conveyor.router.keys import load_keys
-
 from conveyor import config
 from conveyor import log as conveyor_log
 from conveyor.config import Config
+from conveyor.keys import load_keys
+from conveyor.launcher.processes import ChildDied, Deployment
+from conveyor.model_source import resolve_model
 from conveyor.shard_channels import AddressError, Security, parse_tcp, rank_address
 
 log = logging.getLogger(__name__)

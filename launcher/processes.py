@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from conveyor.v1 import shard_pb2 as pb
-from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 from conveyor.config import Config
 from conveyor.lifeline import launcher_env
+from conveyor.v1 import shard_pb2 as pb
+from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # imported when needed: it imports torch, which a single-node launcher never needs
     from conveyor.group_store import GroupStore

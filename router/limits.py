@@ -9,15 +9,24 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from conveyor.router.validation import Limits
-from conveyor.v1 import shard_pb2 as pb
-
 from conveyor.config import Config
+from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOTAL_TOKENS = 4096
 DEFAULT_PREFILL_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The token limits every request is validated against."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_new_tokens_default: int | None = None  # None: default max_new_tokens = max_total_tokens - input_length
 
 
 class LimitError(ValueError):

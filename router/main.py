@@ -17,25 +17,25 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from aiohttp import web
-from conveyor.launcher.model_source import resolve_model
-from conveyor.router import grpc_server as grpc_front_door
-from conveyor.router.block_allocator import BlockAllocator
-from conveyor.router.connect import Connection, connect, first_connect, shard_address
-from conveyor.router.connections import ClientCap, ConnectionLimits
-from conveyor.router.grpc_server import TextGenerationService
-from conveyor.router.http import HttpServer, ServerInfo
-from conveyor.router.infer import Infer
-from conveyor.router.keys import load_keys
-from conveyor.router.limits import LimitError
-from conveyor.router.metrics import Metrics
-from conveyor.router.scheduler import Reconnect, Scheduler
-from conveyor.router.step_planner import PlannerConfig, Scheduling
-from conveyor.router.validation import Validation
 
 from conveyor import config, lifeline, tracing
 from conveyor import log as conveyor_log
 from conveyor.config import Config
 from conveyor.group_store import GroupStore
+from conveyor.keys import load_keys
+from conveyor.model_source import resolve_model
+from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.infer import Infer
+from conveyor.router.core.scheduler import Reconnect, Scheduler
+from conveyor.router.core.step_planner import PlannerConfig, Scheduling
+from conveyor.router.frontends import grpc_server as grpc_front_door
+from conveyor.router.frontends.app import HttpServer, ServerInfo
+from conveyor.router.frontends.connections import ClientCap, ConnectionLimits
+from conveyor.router.frontends.grpc_server import TextGenerationService
+from conveyor.router.limits import LimitError
+from conveyor.router.metrics import Metrics
+from conveyor.router.pipeline.validation import Validation
+from conveyor.router.transport.connect import Connection, connect, first_connect, shard_address
 from conveyor.shard_channels import Security
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ value can cost acceptances, never a wrong token.
 from __future__ import annotations
 
 import torch
+
 from conveyor.shard.layers.attention import KVCache
 from conveyor.shard.requests import RequestState
 

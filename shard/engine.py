@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from conveyor.grammar import GrammarCache
 from conveyor.shard import draft_model, drafts
 from conveyor.shard.batch import Batch
 from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
@@ -29,8 +31,6 @@ from conveyor.shard.requests import BadRequest, RequestState
 from conveyor.shard.sampling import Sampler
 from conveyor.shard.weights import Weights
 from conveyor.v1 import shard_pb2 as pb
-
-from conveyor.grammar import GrammarCache
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from conveyor.shard.requests import RequestState
 from conveyor.shard.sampling import Sample
 from conveyor.v1 import shard_pb2 as pb

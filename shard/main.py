@@ -14,7 +14,12 @@ import signal
 from dataclasses import replace
 
 import torch
-from conveyor.launcher.model_source import resolve_model
+
+from conveyor import config, lifeline, tracing
+from conveyor import log as conveyor_log
+from conveyor.config import Config
+from conveyor.cpu import threads_per_rank, usable_cores
+from conveyor.model_source import resolve_model
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Draft, Engine
@@ -23,11 +28,6 @@ from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.models import MODEL_TYPES, language_config
 from conveyor.shard.server import serve
 from conveyor.shard.torch_thread import TorchThread
-
-from conveyor import config, lifeline, tracing
-from conveyor import log as conveyor_log
-from conveyor.config import Config
-from conveyor.cpu import threads_per_rank, usable_cores
 from conveyor.shard_channels import AddressError, Security, rank_address
 
 log = logging.getLogger(__name__)

@@ -17,12 +17,12 @@ import signal
 import sys
 
 import grpc
-from conveyor.v1 import shard_pb2 as pb
-from conveyor.v1 import shard_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor.config import SECRET
 from conveyor.shard_channels import Security
+from conveyor.v1 import shard_pb2 as pb
+from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -6,12 +6,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.grammar import GrammarCache, GrammarError
 from conveyor.shard.detokenize import IncrementalDetokenizer
 from conveyor.shard.sampling import SamplingParams
 from conveyor.shard.stopping import FinishReason, StoppingCriteria
 from conveyor.v1 import shard_pb2 as pb
-
-from conveyor.grammar import GrammarCache, GrammarError
 
 log = logging.getLogger(__name__)
 

@@ -22,18 +22,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
+
+from conveyor import tracing
 from conveyor.shard.batch import Batch
 from conveyor.shard.engine import Engine, StepOutput
 from conveyor.shard.requests import BadRequest
 from conveyor.shard.torch_thread import TorchThread
 from conveyor.shard.watchdog import WATCH_SECONDS, StepWatch, step_timeout
+from conveyor.shard_channels import CHANNEL_OPTIONS, Security
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from opentelemetry.trace import SpanKind
-
-from conveyor import tracing
-from conveyor.shard_channels import CHANNEL_OPTIONS, Security
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,9 @@ import math
 from pathlib import Path
 
 import torch
-from conveyor.shard.distributed import ProcessGroup
 from safetensors import safe_open
+
+from conveyor.shard.distributed import ProcessGroup
 
 
 class WeightError(ValueError):

@@ -22,7 +22,8 @@ import httpx
 import loopback
 import pytest
 import sseclient
-from conveyor.launcher import demo_model
+
+from conveyor import demo_model
 
 # The probe prompt whose greedy continuation ends on the extra EOS id the test model declares.
 EOS_PROBE_PROMPT = "def main():"
@@ -485,7 +486,7 @@ def server(session_deployments: Deployments) -> Server:
 @pytest.fixture(scope="session")
 def small_kv(session_deployments: Deployments) -> Server:
     """A KV pool of 32 blocks of 16 tokens: a few long requests outgrow it, so the scheduler has to preempt. One
-    deployment for tests/test_kv_blocks.py, tests/test_scheduling.py and tests/faults/test_soak.py (a start is
+    deployment for tests/e2e/test_kv_blocks.py, tests/e2e/test_scheduling.py and tests/faults/test_soak.py (a start is
     12-20 s on 2 cores): they read counters as differences, and the soak's SIGKILLed shard comes back with the
     same pool (its size is given, not measured)."""
     server = session_deployments.get("small_kv")

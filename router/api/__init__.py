@@ -4,5 +4,5 @@ docs all come from them. `base` holds what every API shares; `tgi` and `openai` 
 Requests are strict models (a JSON `true` is not a number, `5.0` is not an integer, NaN is not a float, an
 unknown field is refused, a null is "unset"); responses are TypedDicts, which the routes fill as plain dicts, so
 that serving a token costs nothing more than it did. The rules that depend on the deployment (token lengths,
-`--max-stop-sequences`, `--max-top-n-tokens`) are a second, explicit stage in `router/validation.py`.
+`--max-stop-sequences`, `--max-top-n-tokens`) are a second, explicit stage in `router/pipeline/validation.py`.
 """

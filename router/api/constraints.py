@@ -1,16 +1,55 @@
 """Structured output as each API asks for it: TGI's `parameters.grammar`, OpenAI's `response_format`, vLLM's
-`structured_outputs` and `guided_*` fields. Each shape reads into one `Constraint` (`router/structured.py`),
-whose compiling is checked later, once per distinct constraint (`Validation.check_grammar`)."""
+`structured_outputs` and `guided_*` fields. Each shape reads into one `Constraint` (`build`, the one place each kind's
+value is checked), whose compiling is checked later, once per distinct constraint (`Validation.check_grammar`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from conveyor.router.api.base import Schema, Text
-from conveyor.router.structured import build
 from pydantic import Field, model_validator
 
-from conveyor.grammar import MAX_CONSTRAINT_BYTES, Constraint
+from conveyor.grammar import MAX_CONSTRAINT_BYTES, Constraint, GrammarError
+from conveyor.router.api.base import Schema, Text, ValidationError
+
+
+def build(kind: str, value: Any, where: str) -> Constraint:
+    """The one place each kind's value is checked, whichever field carries it; `where` names the field in the
+    error. What llguidance cannot take even before compiling is refused here (a 422) rather than raising later
+    (a 500): a lone surrogate (json.loads accepts `\\ud800`; Rust strings cannot hold it), a schema given as JSON
+    text nested deeper than Python's parser recurses, and a boolean schema (`true`, `false`), to which
+    llguidance's JSON options do not apply."""
+    try:
+        constraint = _constraint(kind, value)
+        if constraint.kind == "json_schema" and not constraint.value.startswith("{"):
+            raise GrammarError("a JSON schema must be a JSON object")
+        constraint.grammar  # noqa: B018 - builds (and caches) the grammar text, which checks the value
+    except UnicodeEncodeError:
+        raise ValidationError(f"`{where}` must be valid Unicode text (it contains a lone surrogate)") from None
+    except RecursionError:
+        raise ValidationError(f"`{where}` is nested too deeply") from None
+    except GrammarError as exc:
+        raise ValidationError(f"`{where}`: {exc}") from None
+    except ValueError as exc:  # llguidance refusing the value (an integer beyond 64 bits in a schema, say)
+        label = "json schema" if kind in ("json", "json_schema") else kind.replace("_", " ")
+        raise ValidationError(f"`{where}`: invalid {label}: {exc}") from None
+    return constraint
+
+
+def _constraint(kind: str, value: Any) -> Constraint:
+    if kind in ("json", "json_schema"):
+        return Constraint.json_schema(value)
+    if kind == "json_object":
+        if value is not None and value is not True:  # `in (None, True)` would take 1 for true
+            raise GrammarError("`json_object` takes no value but true")
+        return Constraint("json_object")
+    if kind == "regex":
+        return Constraint.regex(value)
+    if kind == "choice":
+        return Constraint.choice(value)
+    if kind == "grammar":
+        return Constraint.grammar_text(value)
+    raise GrammarError(f"unknown kind `{kind}`")
+
 
 SIZE = f"At most {MAX_CONSTRAINT_BYTES // 1024} KiB."
 SchemaOrText = Annotated[

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
+from typing_extensions import NotRequired, TypedDict
+
 from conveyor.router.api.base import Part, Text, limited, refused
 from conveyor.router.api.constraints import ConstraintFields
 from conveyor.router.api.tgi import MIN_POSITIVE, Serving, SharedSampling
-from pydantic import AfterValidator, ConfigDict, Field, model_validator
-from typing_extensions import NotRequired, TypedDict
 
 MAX_CHOICES = 8  # n, and prompts per completion request, at most
 MAX_MESSAGES = 1024  # messages per chat request: far beyond any conversation that fits a context window

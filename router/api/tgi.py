@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from pydantic import AfterValidator, Field
+from typing_extensions import NotRequired, TypedDict
+
 from conveyor.router.api.base import (
     UINT32_MAX,
     Penalty,
@@ -21,8 +24,6 @@ from conveyor.router.api.base import (
     refused,
 )
 from conveyor.router.api.constraints import TgiGrammar
-from pydantic import AfterValidator, Field
-from typing_extensions import NotRequired, TypedDict
 
 # Sampling floats travel to the shards as float32, where a positive value below ~1e-45 is 0, which the shard
 # reads as "unset" (1.0): `temperature: 1e-50` sampled at temperature 1, `top_p: 1e-50` from the whole

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-from conveyor.launcher.demo_model import cache_root
 
 from conveyor import cpu
+from conveyor.paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+
 from conveyor.shard.device import to_device
 from conveyor.shard.kernels import build as kernels
 

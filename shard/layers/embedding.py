@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.layers.quantize import Int8Weight

@@ -23,9 +23,9 @@ import os
 
 import torch
 import torch.nn.functional as F
-from conveyor.shard.layers.quantize import Int4Weight, Int8BlockWeight, Int8Weight, QuantizationUnavailable
 
 from conveyor import cpu
+from conveyor.shard.layers.quantize import Int4Weight, Int8BlockWeight, Int8Weight, QuantizationUnavailable
 
 BACKENDS = ("auto", "onednn", "torch")
 SMALL_ROWS = 2  # rows up to which the small-rows kernel beats oneDNN (see above)

@@ -9,6 +9,7 @@ partial sum, and an all-reduce adds them up.
 from __future__ import annotations
 
 import torch
+
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.weights import Weights

@@ -6,6 +6,7 @@ the demo model), and the torch code below stays the reference path and the GPU's
 from __future__ import annotations
 
 import torch
+
 from conveyor.shard.kernels import build as kernels
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from conveyor.shard.models import gemma, llama
 from conveyor.shard.weights import WeightError, Weights
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from conveyor.shard.layers.attention import KVCache, Metadatas, paged_attention
 from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear

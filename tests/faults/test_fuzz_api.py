@@ -89,8 +89,8 @@ def test_every_route_is_fuzzed(api, server: Server) -> None:
         {("POST", p) for p in POST_ROUTES} | {("GET", p) for p in GET_ROUTES} | {("DELETE", p) for p in DELETE_ROUTES}
     )
     assert operations - {("GET", "/openapi.json")} == expected
-    # The document's own route (schemathesis leaves it out; tests/test_openapi.py validates it) is the rest of
-    # what the app serves, which tests/test_openapi.py checks against the routing table.
+    # The document's own route (schemathesis leaves it out; tests/e2e/test_openapi.py validates it) is the rest of
+    # what the app serves, which tests/e2e/test_openapi.py checks against the routing table.
     documented = set(httpx.get(f"{server.url}/openapi.json").json()["paths"])
     assert documented == {path for _, path in expected} | {"/openapi.json"}
 

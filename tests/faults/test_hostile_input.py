@@ -12,7 +12,9 @@ import threading
 import grpc
 import pytest
 from conftest import Server
-from conveyor.router.validation import Limits, Validation, ValidationError
+
+from conveyor.router.limits import Limits
+from conveyor.router.pipeline.validation import Validation, ValidationError
 
 DEEP_ARRAY = b"[" * 100_000 + b"]" * 100_000
 DEEP_PARAMETERS = b'{"inputs": "x", "parameters": ' + b'{"a": ' * 5_000 + b"1" + b"}" * 5_000 + b"}"

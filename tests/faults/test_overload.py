@@ -2,7 +2,7 @@
 Every request is answered 200 or 429 (a JSON error, never a hang or a dropped connection), the slots of the
 admitted requests come back, and the deployment serves a full house again afterwards.
 
-tests/test_lifecycle.py checks one refusal while two long streams hold a cap of 2; this is the burst.
+tests/e2e/test_lifecycle.py checks one refusal while two long streams hold a cap of 2; this is the burst.
 """
 
 from __future__ import annotations

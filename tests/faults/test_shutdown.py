@@ -4,7 +4,7 @@ OpenAI's routes. They all finish; meanwhile /health, the gRPC front door and eve
 and no socket left. Past `--graceful-termination-timeout`, the requests still running or queued end with an
 error event instead of being cut off.
 
-tests/test_lifecycle.py checks the single-stream case against the reference tokens; these widen it.
+tests/e2e/test_lifecycle.py checks the single-stream case against the reference tokens; these widen it.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from clients import (
     wait_until,
 )
 from conftest import Deployments, Server, free_port, start_server, used
-from conveyor.client import AsyncClient, ConveyorError
 from test_lifecycle import _socket_dir
+
+from conveyor.client import AsyncClient, ConveyorError
 
 BATCH = 3
 LONG = 500  # tokens: two rounds of the batch outlast by far the checks made during the drain

@@ -2,7 +2,7 @@
 
 - A request whose KV could never fit the pool, even alone, is refused with 422 at validation: it never waits in
   the queue (where the planner would preempt it for ever). `--max-total-tokens` is what validation enforces, and
-  the router refuses to start when the pool measured at warmup is smaller than that (tests/test_kv_blocks.py),
+  the router refuses to start when the pool measured at warmup is smaller than that (tests/e2e/test_kv_blocks.py),
   so "fits the limits" means "fits an empty pool".
 - A request that fits alone but not beside others waits for room (or is preempted and recomputed); it is never
   failed for lack of KV that a later moment gives.
@@ -22,6 +22,7 @@ import grpc
 import httpx
 import pytest
 from conftest import Server, start_server, wait_for
+
 from conveyor.v1 import shard_pb2 as spb
 from conveyor.v1 import shard_pb2_grpc as spb_grpc
 

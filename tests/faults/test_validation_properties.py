@@ -20,6 +20,10 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
 from conveyor.router.api.base import parse
 from conveyor.router.api.constraints import ConstraintFields
 from conveyor.router.api.openai import ChatRequest, CompletionRequest, Message
@@ -30,14 +34,12 @@ from conveyor.router.api.tgi import (
     WARPERS,
     GenerateParameters,
 )
-from conveyor.router.openai import Choice, OpenAIRoutes
-from conveyor.router.request import ValidRequest
-from conveyor.router.scheduler import sampling_pb
-from conveyor.router.validation import Limits, Validation, ValidationError
+from conveyor.router.core.scheduler import sampling_pb
+from conveyor.router.frontends.openai import Choice, OpenAIRoutes
+from conveyor.router.limits import Limits
+from conveyor.router.pipeline.request import ValidRequest
+from conveyor.router.pipeline.validation import Validation, ValidationError
 from conveyor.shard.sampling import Sampler, SamplingParams
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-from pydantic import BaseModel
 
 EXAMPLES = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "0"))
 LIMITS = Limits(max_input_tokens=32, max_total_tokens=64, max_stop_sequences=3, max_top_n_tokens=4)

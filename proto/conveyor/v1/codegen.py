@@ -1,6 +1,6 @@
 """Regenerates the committed gRPC stubs from the .proto files beside this module.
 
-The stubs are committed so that an install needs no code generation; `tests/test_proto_stubs.py` runs this
+The stubs are committed so that an install needs no code generation; `tests/checks/test_proto_stubs.py` runs this
 into a temporary folder and diffs, so a .proto edit without regenerated stubs fails CI.
 Run with `make proto` (or `python -m conveyor.v1.codegen`).
 """

@@ -1,0 +1,106 @@
+"""The waiting line, shared fairly between API keys.
+
+Admission takes the lowest priority value first (vLLM's convention). Within one priority, a sequence that ran
+before (preempted, or replayed after a failed step) goes first, by arrival: it was admitted and charged already.
+Then the keys with new work waiting take turns in proportion to their weights, by virtual time (start-time fair
+queueing): each key has a clock that moves on by the tokens it is admitted with (prompt + max_new_tokens)
+divided by its weight, and the key whose clock is earliest goes next, its oldest request first. A key that had
+nothing waiting starts at the clock of the last admission, so idling banks no credit: a key that floods the
+line delays the others by at most its share. Virtual time rather than deficit round robin: it needs no quantum
+tuned to request sizes, and a key with one huge request and a key with many small ones still split by tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+
+from conveyor.router.core.sequence import Sequence
+
+_Entry = tuple[tuple[int, bool, int], Sequence]
+
+
+@dataclass
+class _Tenant:
+    """One key's waiting sequences, by (priority, new rather than resumed, arrival)."""
+
+    weight: float
+    clock: float = 0.0
+    waiting: list[_Entry] = field(default_factory=list)
+
+
+def _place(sequence: Sequence) -> tuple[int, bool, int]:
+    return (sequence.priority, sequence.batched_at is None, sequence.id)
+
+
+class Queue:
+    def __init__(self) -> None:
+        self._tenants: dict[str, _Tenant] = {}
+        self._clock = 0.0  # the clock of the last admission: where a key that starts waiting joins
+
+    def __len__(self) -> int:
+        return sum(1 for s in self._waiting() if not s.cancelled)
+
+    def _waiting(self) -> list[Sequence]:
+        return [s for t in self._tenants.values() for _, s in t.waiting]
+
+    def append(self, sequence: Sequence) -> None:
+        tenant = self._tenants.setdefault(sequence.key.name, _Tenant(sequence.key.weight))
+        if not tenant.waiting:
+            tenant.clock = max(tenant.clock, self._clock)
+        heapq.heappush(tenant.waiting, (_place(sequence), sequence))
+
+    def appendleft(self, sequence: Sequence) -> None:
+        """A preempted or replayed sequence: its place is its own (priority, arrival), ahead of every new request of
+        its priority, since it was admitted before them."""
+        self.append(sequence)
+
+    def peek(self) -> Sequence | None:
+        """The sequence admission takes next (without taking it)."""
+        head = self._head()
+        return None if head is None else head[1]
+
+    def _head(self) -> tuple[_Tenant, Sequence] | None:
+        self._drop_cancelled()
+        return min(((t, t.waiting[0][1]) for t in self._tenants.values() if t.waiting), key=self._rank, default=None)
+
+    @staticmethod
+    def _rank(head: tuple[_Tenant, Sequence]) -> tuple[int, bool, float, int]:
+        tenant, sequence = head
+        priority, new, arrival = _place(sequence)
+        return (priority, new, tenant.clock if new else 0.0, arrival)
+
+    def popleft(self) -> Sequence:
+        if (head := self._head()) is None:
+            raise IndexError("pop from an empty queue")
+        tenant, sequence = head
+        heapq.heappop(tenant.waiting)
+        if sequence.batched_at is None:  # charged once, when first admitted
+            self._clock = tenant.clock
+            tenant.clock += (sequence.num_prompt_tokens + sequence.max_new_tokens) / tenant.weight
+        return sequence
+
+    def _drop_cancelled(self) -> None:
+        """Requests whose client left while waiting never reach a shard."""
+        for tenant in self._tenants.values():
+            if any(s.cancelled for _, s in tenant.waiting):
+                tenant.waiting = [entry for entry in tenant.waiting if not entry[1].cancelled]
+                heapq.heapify(tenant.waiting)
+
+    def ordered(self) -> list[Sequence]:
+        """The waiting sequences by (priority, resumed first, arrival): the order admission would take them in
+        with one key."""
+        entries = [entry for t in self._tenants.values() for entry in t.waiting]
+        return [s for _, s in sorted(entries, key=lambda entry: entry[0])]
+
+    def by_priority(self) -> dict[int, int]:
+        """How many sequences wait at each priority (those cancelled meanwhile are not counted)."""
+        return dict(sorted(Counter(s.priority for s in self._waiting() if not s.cancelled).items()))
+
+    def take_all(self) -> list[Sequence]:
+        """Empties the line (the server is stopping): every waiting sequence, in order."""
+        sequences = self.ordered()
+        for tenant in self._tenants.values():
+            tenant.waiting = []
+        return sequences

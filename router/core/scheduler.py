@@ -1,0 +1,432 @@
+"""The batching loop: one task owns the shards' batch, and each step is planned, posted and applied here.
+
+`StepPlanner` decides what a step computes (it owns the running set and the blocks); this loop turns the plan
+into one RPC and applies its result. If sequences join at a step, the RPC is a `Prefill` carrying them with
+the running batch as `cached_batch` (a mixed step: their prompt chunks go through the same forward as the
+running decodes); otherwise a `Decode`. Either way it carries `updates`: the blocks each running sequence grows
+into and the next chunk of each prompt still being read. A preemption is a `FilterBatch` before the step.
+After every step each token goes to its sequence's stream at once, and sequences that finished, or whose client
+went away, are filtered out of the shards' batch so that their blocks are free for the next step. A plan of
+several steps (`StepPlan.steps`: all decoding, nobody waiting to join) is a `DecodeRun`, applied step by step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+from conveyor import tracing
+from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.events import events_from_generation
+from conveyor.router.core.queue import Queue
+from conveyor.router.core.sequence import Sequence, SequenceStatus
+from conveyor.router.core.settle import Settle
+from conveyor.router.core.step_planner import PlannerConfig, StepPlan, StepPlanner
+from conveyor.router.metrics import Metrics
+from conveyor.router.pipeline.request import Parameters
+from conveyor.router.transport.connect import Connection
+from conveyor.router.transport.shard_client import Metadata, ShardedClient, ShardError, StepResult
+from conveyor.v1 import shard_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+RECONNECT_SECONDS = 0.2  # between two tries to reach restarted shards
+IDLE_CHECK_SECONDS = 1.0  # how often an idle router makes sure its shards are the ones it warmed up
+
+Reconnect = Callable[[], Awaitable[Connection]]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        client: ShardedClient,
+        config: PlannerConfig,
+        allocator: BlockAllocator,
+        metrics: Metrics,
+        reconnect: Reconnect | None = None,
+        max_request_retries: int = 2,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.allocator = allocator
+        self.metrics = metrics
+        self.reconnect = reconnect  # warmed-up shards again, after a failed step (None: nothing to recover)
+        self.max_request_retries = max_request_retries
+        self.queue = Queue()
+        self.settle = Settle()  # how long an idle server waits for a burst to finish arriving
+        self.planner = StepPlanner(config, allocator, self.queue)
+        self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
+        self._batch: pb.CachedBatch | None = None  # the running batch on the shards
+        self._wakeup = asyncio.Event()
+        self._request_ids = itertools.count()
+        self._batch_ids = itertools.count()
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Every sequence in the shards' batch, in admission order (the planner's list: there is no other)."""
+        return self.planner.running
+
+    def submit(self, sequence: Sequence) -> None:
+        self.queue.append(sequence)
+        self.metrics.queue_size.set(len(self.queue))
+        self._wakeup.set()
+
+    def new_request_id(self) -> int:
+        return next(self._request_ids)
+
+    def describe(self) -> dict:
+        """What /info shows of the batching policy, and the KV pool's use, live (free counts evictable cached
+        blocks)."""
+        allocator = self.allocator
+        return {
+            "status": "recovering" if self.recovering else "serving",
+            "scheduling": self.config.scheduling.value,
+            "prefix_caching": allocator.prefix_caching,
+            "chunked_prefill": True,
+            "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+            "max_decode_steps": self.config.max_decode_steps,
+            "speculate": self.config.speculate,
+            "speculate_max_batch": self.config.speculate_max_batch,
+            "block_size": allocator.block_size,
+            "kv_blocks_total": allocator.num_blocks,
+            "kv_blocks_free": allocator.free_blocks,
+            "kv_blocks_cached": allocator.cached_blocks,
+        }
+
+    async def run(self) -> None:
+        """Runs for ever: plan a step, drop what it preempted, post it, apply its result."""
+        while True:
+            if not self.running:
+                await self.settle.wait(lambda: len(self.queue))
+            plan = self.planner.plan()
+            if plan.preempted and not await self._drop_preempted(plan.preempted):
+                continue  # the shards were lost meanwhile: recovery put the plan's sequences back in the queue
+            if plan.empty:
+                await self._idle()
+                continue
+            await self._step(plan)
+            self._update_gauges()
+
+    async def _idle(self) -> None:
+        """Nothing to compute: wait for a request, or for a static batch's timeout. Every IDLE_CHECK_SECONDS of
+        that the shards are looked at, so that a group restarted meanwhile is found, reconnected and warmed up
+        before a request pays for it with a failed step and a replay."""
+        self._update_gauges()
+        deadline = self.planner.next_deadline()
+        until_deadline = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), min(until_deadline, IDLE_CHECK_SECONDS))
+        except asyncio.TimeoutError:
+            if until_deadline > IDLE_CHECK_SECONDS:  # the check's turn, not the static batch's
+                await self._check_shards()
+            return
+        self._wakeup.clear()
+
+    async def _check_shards(self) -> None:
+        """Reconnects if the shards do not answer, or answer as other processes than the ones warmed up. A request
+        that arrives meanwhile cuts the check short: it is served at once rather than after a slow shard's Info
+        (and a shard that is really gone fails its step, which recovers the same way)."""
+        if self.reconnect is None:
+            return
+        check = asyncio.ensure_future(self.client.infos(timeout=self.client.step_timeout))
+        arrival = asyncio.ensure_future(self._wakeup.wait())
+        await asyncio.wait([check, arrival], return_when=asyncio.FIRST_COMPLETED)
+        arrival.cancel()
+        if not check.done():
+            check.cancel()
+            return
+        try:
+            infos = check.result()
+            if [info.instance for info in infos] == self.client.instances:
+                return
+            error = ShardError("the shards were restarted while the router was idle")
+        except ShardError as exc:
+            error = exc
+        await self._recover(error)
+
+    # --- one step -----------------------------------------------------------------------------------------
+
+    async def _step(self, plan: StepPlan) -> None:
+        if plan.steps > 1:
+            await self._run(plan)
+            return
+        self._join(plan.admitted)
+        self._count(plan)
+        method = "prefill" if plan.admitted else "decode"
+        in_batch = list(self.running)
+        with self._step_span(method, in_batch) as metadata:
+            try:
+                with self.metrics.step.labels(method).time():
+                    result = await self._post(plan, metadata)
+            except ShardError as exc:
+                await self._recover(exc)
+                return
+        self._observe(result)
+        self._send(result)
+        self.planner.advance(plan, {g.request_id: len(g.tokens.ids) for g in result.generations})
+        if result.batch is None:  # every sequence of the batch finished
+            self._batch = None
+            self._forget(in_batch)
+            return
+        try:
+            self._batch = await self._keep(result.batch, [s for s in in_batch if self._alive(s)])
+        except ShardError as exc:
+            await self._recover(exc)
+
+    async def _run(self, plan: StepPlan) -> None:
+        """A decode run: up to `plan.steps` steps in one call, each applied as it comes (its tokens streamed at
+        once, finished sequences let go); an arrival that could join, or a client gone, ends it after the step in
+        progress, and the loop's next step is planned as usual."""
+        with self._step_span("decode_run", list(self.running)) as metadata:
+            try:
+                run = await self.client.decode_run([self._batch], plan.steps, metadata, _updates(plan))
+                self.metrics.decode_runs.inc()
+                try:
+                    last = time.perf_counter()
+                    while (result := await run.next()) is not None:
+                        now = time.perf_counter()
+                        self.metrics.step.labels("decode").observe(now - last)
+                        last = now
+                        self._apply_run_step(result)
+                        if not run.stopping and self._cut_run():
+                            self.metrics.decode_runs_cut.inc()
+                            await run.stop()
+                finally:
+                    run.close()
+                if self._batch is not None:
+                    self._batch = await self._keep(self._batch, [s for s in self.running if self._alive(s)])
+            except ShardError as exc:
+                await self._recover(exc)
+
+    def _cut_run(self) -> bool:
+        return self.planner.waiting_to_join() or any(s.cancelled for s in self.running)
+
+    def _apply_run_step(self, result: StepResult) -> None:
+        """One step of a run: every sequence that got a token computed one more; those the shards dropped from
+        the batch (finished) leave the running set."""
+        self._observe(result)
+        stepped = {g.request_id for g in result.generations}
+        for sequence in self.running:
+            if sequence.id in stepped:
+                self.planner.advance_sequence(sequence, 1)
+        self._send(result)
+        live = set(result.batch.request_ids) if result.batch is not None else set()
+        self._forget([s for s in self.running if s.id not in live])
+        self._batch = result.batch
+
+    def _observe(self, result: StepResult) -> None:
+        """The step's time inside the slowest shard, and its token masks' share."""
+        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
+        if result.timings.mask_ns:
+            self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
+
+    async def _post(self, plan: StepPlan, metadata: Metadata) -> StepResult:
+        updates = _updates(plan)
+        if not plan.admitted:
+            return await self.client.decode([self._batch], metadata, updates)
+        requests = [request_pb(s) for s in plan.admitted]
+        batch = pb.Batch(id=next(self._batch_ids), requests=requests, size=len(requests))
+        return await self.client.prefill(batch, metadata, self._batch, updates)
+
+    def _join(self, sequences: Iterable[Sequence]) -> None:
+        """Their wait in the queue ends the first time they join (not when a preempted one comes back)."""
+        now = time.monotonic()
+        for sequence in sequences:
+            if sequence.batched_at is None:
+                sequence.batched_at = now
+                sequence.queue_span.end()
+                self.metrics.queue_time.observe(now - sequence.queued_at)
+                self.metrics.prompt_tokens.inc(sequence.num_prompt_tokens)
+
+    def _count(self, plan: StepPlan) -> None:
+        self.metrics.prefix_cache_queries.inc(plan.cache_queries)
+        self.metrics.prefix_cache_hits.inc(plan.cache_hits)
+        chunks = [s for s in plan.sequences if s.num_computed_tokens + s.step_tokens < s.num_prefill_tokens]
+        self.metrics.prefill_chunks.inc(len(chunks))
+
+    @contextmanager
+    def _step_span(self, method: str, sequences: list[Sequence]) -> Iterator[Metadata]:
+        """A span for one step, in the trace of its first request and linked to every other one; yields the
+        gRPC metadata that carries it to the shards."""
+        spans = [s.span for s in sequences if s.span]
+        with tracing.span(method, spans[0] if spans else None, links=spans[1:], batch_size=len(spans)) as span:
+            yield tracing.inject(span)
+
+    def _send(self, result: StepResult) -> None:
+        """Records each sequence's new tokens (the planner's prefix cache reads them) and streams them."""
+        by_id = {s.id: s for s in self.running}
+        for generation in result.generations:
+            sequence = by_id.get(generation.request_id)
+            if sequence is None:
+                continue
+            sequence.generated_ids.extend(generation.tokens.ids)
+            if generation.drafted:
+                self._count_drafts(sequence, generation.drafted, len(generation.tokens.ids) - 1)
+            if sequence.cancelled:
+                continue
+            for event in events_from_generation(generation, sequence.drafted_tokens, sequence.accepted_tokens):
+                sequence.events.put_nowait(event)
+                if event.finished is not None:
+                    sequence.status = SequenceStatus.FINISHED
+
+    def _count_drafts(self, sequence: Sequence, drafted: int, accepted: int) -> None:
+        sequence.drafted_tokens += drafted
+        sequence.accepted_tokens += accepted
+        self.metrics.speculative_drafted.inc(drafted)
+        self.metrics.speculative_accepted.inc(accepted)
+        self.metrics.speculative_steps.inc()
+
+    # --- leaving the batch --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _alive(sequence: Sequence) -> bool:
+        return not sequence.is_finished and not sequence.cancelled
+
+    async def _keep(self, batch: pb.CachedBatch, keep: list[Sequence]) -> pb.CachedBatch | None:
+        """Keeps on the shards only `keep`; the rest of the batch's sequences leave the running set."""
+        kept, in_batch = {s.id for s in keep}, set(batch.request_ids)
+        self._forget([s for s in self.running if s.id not in kept and s.id in in_batch])
+        if len(kept) == len(batch.request_ids):
+            return batch
+        if not kept:
+            await self.client.clear_cache(batch.id)
+            return None
+        return await self.client.filter_batch(batch.id, [r for r in batch.request_ids if r in kept])
+
+    def _forget(self, sequences: Iterable[Sequence]) -> None:
+        for sequence in list(sequences):
+            self.planner.remove(sequence)
+
+    async def _drop_preempted(self, preempted: list[Sequence]) -> bool:
+        """The planner took the preempted sequences' blocks: the shards must forget them before the next step.
+        False when the shards failed meanwhile: the step just planned is void (it would decode a batch that no
+        longer exists), and its sequences are back in the queue."""
+        self.metrics.preemptions.inc(len(preempted))
+        log.info("preempted", extra={"requests": [s.id for s in preempted]})
+        if self._batch is None:
+            return True
+        try:  # the planner already took them out of the running set: keep what is left
+            self._batch = await self._keep(self._batch, list(self.running))
+        except ShardError as exc:
+            await self._recover(exc)
+            return False
+        return True
+
+    # --- failure and recovery -----------------------------------------------------------------------------
+
+    async def _recover(self, error: ShardError) -> None:
+        """A step failed (a rank died, hung or raised), or an idle check found the shards gone or restarted, so
+        the shards' batch is lost. Every running sequence goes back to the queue to be recomputed from its prompt
+        and the tokens it has streamed, as after a preemption: its stream goes on after a pause with no gap and
+        no duplicate. The loop then waits until the shards answer again (the launcher restarts a group that lost
+        a rank; a hung group is killed here first), warms them up, and resumes with an empty KV pool."""
+        log.error("shards lost; recovering", extra={"error": str(error)})
+        self.recovering, self._batch = True, None
+        # A group across nodes restarts whatever the failure: a node lost whole (its launcher with its ranks) moves
+        # no epoch itself, and the ranks that survived may sit idle in a group that can never run again.
+        if error.timed_out or self.client.restart_group is not None:
+            self.client.kill()
+        self._replay(str(error))
+        self._update_gauges()
+        await self._reconnect()
+        self.recovering = False
+
+    def _replay(self, message: str) -> None:
+        """The failed step is blamed on the suspects in it if there are any (sequences replayed after an earlier
+        failure that had not read their tokens back yet: they join alone, see StepPlanner._admit), else on every
+        sequence in it. A sequence blamed more than `max_request_retries` times ends with an error instead: a
+        prompt that kills the shards every time cannot kill them for ever."""
+        failed = list(self.running)
+        blamed = [s for s in failed if s.suspect] or failed
+        for sequence in reversed(failed):  # each goes to the front: in reverse, they keep their order
+            if sequence.is_finished or sequence.cancelled:
+                self.planner.remove(sequence)
+                continue
+            sequence.num_replays += sequence in blamed
+            if sequence.num_replays > self.max_request_retries:
+                self.planner.remove(sequence)
+                sequence.fail(f"the request was in {sequence.num_replays} failed steps, the last: {message}")
+                continue
+            sequence.suspect = True
+            self.planner.requeue(sequence)
+            self.metrics.requests_replayed.inc()
+
+    async def _reconnect(self) -> None:
+        """Tries until restarted shards answer and are warmed up; their KV died with them, so the pool starts
+        empty (prefix cache included), sized by the new warmup."""
+        if self.reconnect is None:
+            raise RuntimeError("a step failed and this scheduler cannot reconnect to shards")
+        await self.client.close()
+        while True:
+            try:
+                connection = await self.reconnect()
+                break
+            except Exception as exc:  # noqa: BLE001 - shards still down or starting: try again
+                log.info("shards not ready yet", extra={"error": str(exc)})
+                await asyncio.sleep(RECONNECT_SECONDS)
+        self.client = connection.client
+        self.allocator.reset(connection.num_blocks)
+        self.metrics.shard_restarts.inc()
+        log.warning("shards recovered", extra={"queued": len(self.queue), "kv_blocks": connection.num_blocks})
+
+    def abort(self, message: str) -> None:
+        """Ends every request, running or queued, with an `unavailable` error event: the server is stopping and
+        they could not finish. Only once the loop is stopped (it would step the sequences otherwise)."""
+        for sequence in [*self.running, *self.queue.take_all()]:
+            self.planner.remove(sequence)
+            if not sequence.is_finished:
+                sequence.fail(message, "unavailable")
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_size.set(len(self.queue))
+        self.metrics.batch_size.set(len(self.running))
+        self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
+        self.metrics.kv_blocks_used.set(self.allocator.num_blocks - self.allocator.free_blocks)
+
+
+def request_pb(sequence: Sequence) -> pb.Request:
+    """The sequence as a shard gets it when it joins: a resumed one (after a preemption) brings the tokens it
+    generated; its prefix-cache hit is the KV it starts with, and `step_tokens` the first chunk it reads."""
+    p = sequence.request.parameters
+    return pb.Request(
+        id=sequence.id,
+        input_ids=sequence.token_ids,
+        resumed_tokens=len(sequence.generated_ids),
+        parameters=sampling_pb(p),
+        stopping_parameters=pb.StoppingParameters(
+            max_new_tokens=p.max_new_tokens, stop_sequences=p.stop, ignore_eos_token=p.ignore_eos
+        ),
+        prefill_logprobs=p.decoder_input_details and not sequence.generated_ids,
+        top_n_tokens=p.top_n_tokens,
+        blocks=sequence.block_table,
+        cache_len=sequence.num_computed_tokens,
+        chunk_len=sequence.step_tokens,
+        grammar=p.grammar.grammar if p.grammar is not None else "",
+    )
+
+
+def sampling_pb(p: Parameters) -> pb.SamplingParameters:
+    """Every sampling field under its own name (the proto uses the router's names, so a new sampling parameter
+    needs nothing here); `do_sample` is the resolved rule, and a greedy request's seed is 0."""
+    values = {f.name: getattr(p.sampling, f.name) for f in pb.SamplingParameters.DESCRIPTOR.fields}
+    values.update(do_sample=p.sampling.samples, seed=p.seed or 0)
+    return pb.SamplingParameters(**values)
+
+
+def _updates(plan: StepPlan) -> list[pb.RequestUpdate]:
+    """What the shards learn with the step of each running sequence: blocks it grew into, the chunk it reads, the
+    drafts it may have verified."""
+    return [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling or s.step_drafts]
+
+
+def _update(sequence: Sequence) -> pb.RequestUpdate:
+    chunk = sequence.step_tokens if sequence.is_prefilling else 0
+    return pb.RequestUpdate(
+        request_id=sequence.id, new_blocks=sequence.step_new_blocks, chunk_len=chunk, speculate=sequence.step_drafts
+    )

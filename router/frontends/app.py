@@ -1,0 +1,110 @@
+"""The HTTP server (aiohttp): every route and middleware assembled into one app, and the routes no API owns
+(`/metrics`, `/openapi.json`)."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from conveyor import __version__
+from conveyor.keys import ApiKey, KeyRing
+from conveyor.router.core.infer import Infer
+from conveyor.router.frontends import openapi
+from conveyor.router.frontends.connections import ConnectionLimits, body_deadline_middleware, refuse_large_expectations
+from conveyor.router.frontends.dashboard import Dashboard
+from conveyor.router.frontends.middleware import (
+    draining_middleware,
+    hide_server_version,
+    json_body_middleware,
+    json_errors_middleware,
+    json_protocol_errors,
+    key_middleware,
+    send_request_id,
+    trace_middleware,
+)
+from conveyor.router.frontends.openai import OpenAIRoutes
+from conveyor.router.frontends.responses import UNAUTHORIZED, VALIDATION, json_error
+from conveyor.router.frontends.service import RequestControl
+from conveyor.router.frontends.tgi import TgiRoutes
+from conveyor.router.pipeline.validation import Validation
+from conveyor.router.server_info import ServerInfo
+
+log = logging.getLogger(__name__)
+
+
+# Refusals that never reach `Infer`, which counts the others (overloaded, generation) itself.
+_UNQUEUED_REFUSALS = {VALIDATION.status: VALIDATION.error_type, UNAUTHORIZED.status: UNAUTHORIZED.error_type}
+
+
+class HttpServer:
+    def __init__(
+        self,
+        infer: Infer,
+        validation: Validation,
+        info: ServerInfo,
+        keys: KeyRing | None = None,
+        payload_limit: int = 2_000_000,
+        connections: ConnectionLimits | None = None,
+        metrics_key: str | None = None,
+    ) -> None:
+        # The metrics key as a ring of its own: one way to read and compare a `Bearer` credential.
+        self.metrics_keys = KeyRing((ApiKey("metrics", metrics_key),)) if metrics_key else None
+        self.infer = infer
+        self.connections = connections or ConnectionLimits()
+        self.validation = validation
+        self.info = info
+        self.keys = keys or KeyRing()
+        self.payload_limit = payload_limit
+        self.draining = False
+
+    def app(self) -> web.Application:
+        json_protocol_errors()
+        app = web.Application(
+            client_max_size=self.payload_limit,
+            middlewares=[
+                trace_middleware,
+                self._count_refusals,
+                json_errors_middleware,
+                key_middleware(self.keys),
+                draining_middleware(lambda: self.draining),
+                body_deadline_middleware(self.connections.body_timeout),
+                json_body_middleware,
+            ],
+        )
+        app.on_response_prepare.append(send_request_id)
+        app.on_response_prepare.append(hide_server_version)
+        TgiRoutes(self.infer, self.validation, self.info, lambda: self.draining).register(app)
+        app.router.add_get("/metrics", self.get_metrics)
+        app.router.add_get("/openapi.json", self.get_openapi)
+        OpenAIRoutes(self.infer, self.validation, self.info.model_id).register(app)
+        RequestControl(self.infer).register(app)
+        Dashboard(self.infer, self.info).register(app)
+        refuse_large_expectations(app, self.payload_limit)
+        return app
+
+    @web.middleware
+    async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:
+        """Requests refused before they reach the queue (the queue and streams count the rest)."""
+        response = await handler(request)
+        if (outcome := _UNQUEUED_REFUSALS.get(response.status)) is not None:
+            self.infer.metrics.requests.labels(outcome).inc()
+        return response
+
+    async def get_openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi.document(__version__, self.info.limits))
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        """Open, unless a --metrics-key is set: then that key or an admin key (the per-key figures name every
+        tenant and show what each is doing)."""
+        if self.metrics_keys is not None and not self._may_read_metrics(request.headers.get("Authorization", "")):
+            return json_error(401, "GET /metrics needs the metrics key or an admin key: Bearer <key>", "unauthorized")
+        body, content_type = self.infer.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    def _may_read_metrics(self, authorization: str) -> bool:
+        assert self.metrics_keys is not None
+        if self.metrics_keys.identify(authorization) is not None:
+            return True
+        key = self.keys.identify(authorization) if not self.keys.open else None
+        return key is not None and key.admin

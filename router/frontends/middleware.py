@@ -1,0 +1,187 @@
+"""The aiohttp middlewares every route shares: the trace of each generation call, the API key (which tenant
+calls) and the request's id, the JSON Content-Type of request bodies, and JSON bodies for the errors aiohttp
+raises itself (an oversized body, an unknown route, a body that does not decompress, a request it cannot even
+parse), so that every error has one shape."""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from opentelemetry.trace import SpanKind
+
+from conveyor import tracing
+from conveyor.keys import ApiKey, KeyRing
+from conveyor.router.frontends.responses import UNAUTHORIZED, error_body, json_error
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def trace_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """POST calls get a server span, continuing the caller's trace when a W3C `traceparent` header came in."""
+    if request.method != "POST":
+        return await handler(request)
+    parent = tracing.extract(request.headers)
+    with tracing.span(f"POST {request.path}", parent, kind=SpanKind.SERVER) as span:
+        response = await handler(request)
+        span.set_attribute("http.status_code", response.status)
+        return response
+
+
+# GET routes that show requests or their owners: behind the API key like every POST and DELETE route. The other
+# GET routes (health, info, metrics, models, the OpenAPI document, the dashboard's page) stay open for probes and
+# scrapers; the dashboard's page reads its figures from /dashboard/state.
+PRIVATE_GETS = frozenset({"/v1/requests", "/dashboard/state"})
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:~-]{1,128}")
+
+
+def name_request(given: str) -> str:
+    """A request's id, sent back to its caller and used to cancel it: the caller's own (`X-Request-Id`, gRPC's
+    `x-request-id`) if it is a safe token (at most 128 letters, digits or `._:~-`), else a new one."""
+    return given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+def request_id(request: web.Request) -> str:
+    if "request_id" not in request:
+        request["request_id"] = name_request(request.headers.get("X-Request-Id", ""))
+    return request["request_id"]
+
+
+async def send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response carries `X-Request-Id`, streams (whose headers leave before the handler ends) and errors
+    included: an `on_response_prepare` signal, not a middleware."""
+    response.headers["X-Request-Id"] = request_id(request)
+
+
+SERVER = "conveyor"  # the `Server` header of every answer
+
+
+async def hide_server_version(request: web.Request, response: web.StreamResponse) -> None:
+    """`Server: conveyor` instead of aiohttp's Python and aiohttp versions, which tell a scanner what to try."""
+    response.headers["Server"] = SERVER
+
+
+def caller(request: web.Request) -> ApiKey:
+    """The key a request came with (`key_middleware` checked it)."""
+    return request["key"]
+
+
+def key_middleware(keys: KeyRing) -> Middleware:
+    """Which API key calls (`Authorization: Bearer <key>`), for POST and DELETE routes and `PRIVATE_GETS`; an open
+    server (no key) lets everyone in as "anonymous"."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = keys.identify(request.headers.get("Authorization", ""))
+        if key is None and (request.method in ("POST", "DELETE") or request.path in PRIVATE_GETS):
+            message = "a valid API key is required: Authorization: Bearer <key>"
+            return json_error(UNAUTHORIZED.status, message, UNAUTHORIZED.error_type, openai=_openai(request))
+        request["key"] = key
+        return await handler(request)
+
+    return middleware
+
+
+def draining_middleware(draining: Callable[[], bool]) -> Middleware:
+    """During a drain every POST route, TGI's and OpenAI's, refuses new work (503 `unavailable`), so that the
+    requests in flight are the last; GET routes still answer (`/health` with its own 503)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "POST" and draining():
+            return json_error(503, "server is shutting down", "unavailable", openai=_openai(request))
+        return await handler(request)
+
+    return middleware
+
+
+def _openai(request: web.Request) -> bool:
+    """OpenAI's routes answer errors in OpenAI's shape (with `error_type` beside it)."""
+    return request.path.startswith("/v1/")
+
+
+@web.middleware
+async def json_body_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every POST body is JSON: a body declared as something else (text/plain, a form) is refused with 415
+    rather than parsed as JSON anyway. A body with no Content-Type at all is read as JSON, as TGI's clients and
+    `curl --data-binary` without a header expect."""
+    declared = request.headers.get("Content-Type")
+    if request.method == "POST" and declared is not None and not _is_json(declared):
+        message = f"Content-Type must be application/json (with charset utf-8, if any). Given: {declared[:100]}"
+        return json_error(415, message, "unsupported_media_type", openai=_openai(request))
+    return await handler(request)
+
+
+def _is_json(content_type: str) -> bool:
+    mime, *params = (part.strip().lower() for part in content_type.split(";"))
+    if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
+        return False
+    charsets = [p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")]
+    return all(charset in ("utf-8", "utf8") for charset in charsets)
+
+
+@web.middleware
+async def json_errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    openai = _openai(request)
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return json_error(413, f"request body too large: {exc.text}", "payload_too_large", openai)
+    except web.HTTPNotFound:
+        return json_error(404, f"no route {request.method} {request.path}", "not_found", openai)
+    except web.HTTPMethodNotAllowed as exc:
+        response = json_error(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed", openai)
+        response.headers["Allow"] = exc.headers.get("Allow", "")
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return json_error(exc.status, exc.text or exc.reason, "bad_request" if exc.status < 500 else "internal", openai)
+    except (RequestPayloadError, HttpProcessingError) as exc:  # a body that does not decode (bad gzip), a bad chunk
+        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
+        message = cause.message if isinstance(cause, HttpProcessingError) else str(cause)
+        return json_error(400, f"the request body could not be read: {message}", "bad_request", openai)
+    except Exception:  # a bug, never the client's fault: still one JSON shape, and the trace in the log
+        log.exception("unhandled error", extra={"path": request.path})
+        return json_error(500, "internal error", "internal", openai)
+
+
+def _unquoted(message: str | None) -> str:
+    """aiohttp's parse error without the bytes it quotes: those are the client's header line, Authorization
+    included, which must not be echoed back (nor logged: see conveyor.log.redact)."""
+    lines = (message or "").strip().splitlines()
+    first = lines[0] if lines else ""
+    return re.split(r":?\s*b['\"]", first, maxsplit=1)[0].rstrip(": ")
+
+
+def json_protocol_errors() -> None:
+    """Makes the answers aiohttp gives before any route or middleware runs JSON as well: a request it cannot
+    parse (a header line over 8190 bytes, more than 128 headers, a malformed request line, chunk or length, a
+    Content-Encoding it cannot decode) gets a 400 with `{"error", "error_type": "bad_request"}` instead of
+    text/plain. aiohttp has no setting for this, so its `RequestHandler.handle_error` is wrapped (once, for
+    this process): the status, the logging and the closing of the connection stay aiohttp's."""
+    original = RequestHandler.handle_error
+    if getattr(original, "conveyor_json", False):
+        return
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
+        response = original(self, request, status, exc, message)
+        if status < 500:
+            body = error_body(_unquoted(message) or response.reason, "bad_request")
+        else:
+            body = error_body("internal error" if status == 500 else response.reason, "internal")
+        json_response = web.json_response(body, status=status, headers={"Server": SERVER})
+        json_response.force_close()
+        return json_response
+
+    handle_error.conveyor_json = True  # type: ignore[attr-defined]
+    RequestHandler.handle_error = handle_error  # type: ignore[method-assign]

@@ -1,0 +1,97 @@
+"""Reaching warmed-up shards: at startup, and again each time the shard group has been restarted.
+
+The order is TGI's: discover every rank from rank 0, clear their caches, read `Info`, run `Warmup` with the
+largest prefill the limits allow (which sizes the KV pool), and only then serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from conveyor.config import Config
+from conveyor.group_store import GroupStore
+from conveyor.router.limits import ResolvedLimits, resolve_limits, warmup_request
+from conveyor.router.transport.shard_client import ShardedClient, ShardError
+from conveyor.shard_channels import Security
+from conveyor.v1 import shard_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Connection:
+    client: ShardedClient
+    info: pb.InfoResponse  # rank 0's
+    limits: ResolvedLimits  # with the KV capacity the warmup measured
+
+    @property
+    def num_blocks(self) -> int:
+        return self.limits.max_batch_total_tokens // self.info.block_size
+
+
+def shard_address(args: Config) -> str:
+    """Where the router finds rank 0: --shard-address, or the socket of a launcher's rank 0."""
+    if args.shard_address:
+        return args.shard_address
+    if args.shard_uds_path:
+        return f"unix://{args.shard_uds_path}-0"
+    raise SystemExit("conveyor-router needs --shard-address (or --shard-uds-path)")
+
+
+async def first_connect(args: Config, tokenizer, security: Security, group: GroupStore | None = None) -> Connection:
+    """The first connection, tried until --startup-timeout: a router started on its own (another container,
+    another host) may come up before its shards do. The launcher starts it only once they answer."""
+    deadline = time.monotonic() + args.startup_timeout
+    while True:
+        try:
+            return await connect(args, tokenizer, security, group)
+        except ShardError as exc:  # shards not answering yet; wrong limits and the like fail at once
+            if time.monotonic() > deadline:
+                raise
+            log.info("shards not ready yet", extra={"error": str(exc)})
+            await asyncio.sleep(FIRST_CONNECT_SECONDS)
+
+
+FIRST_CONNECT_SECONDS = 0.5
+
+
+def _check_ranks(urls: list[str], infos: list[pb.InfoResponse]) -> None:
+    """Each address must lead to the rank of its place, and to a group of their number."""
+    for place, (url, info) in enumerate(zip(urls, infos)):
+        if info.rank != place or info.world_size != len(urls):
+            raise ValueError(
+                f"{url} answers as rank {info.rank} of {info.world_size}, not rank {place} of {len(urls)} "
+                "(check --advertise-host and --shard-address)"
+            )
+
+
+async def connect(
+    args: Config, tokenizer, security: Security, group: GroupStore | None = None, first: Connection | None = None
+) -> Connection:
+    """A client to every rank, warmed up. On a reconnection, `first` is the first connection: its limits (which
+    requests were validated against) and its step deadline stay, and the warmup is a short one that asks for
+    the pool the first one measured (the capacity must still hold the longest request). `group` is the epoch
+    store of a group that spans several nodes: a hung one is restarted through it."""
+    client = await ShardedClient.connect(shard_address(args), security)
+    if group is not None:
+        epoch = group.epoch  # the group this client talks to: restarting moves the epoch on from it, once
+        client.restart_group = lambda: group.restart(epoch)
+    try:
+        await client.clear_cache()
+        infos = await client.infos()
+        _check_ranks(client.urls, infos)
+        client.pids, client.instances = [info.pid for info in infos], [info.instance for info in infos]
+        limits = first.limits if first else resolve_limits(args, infos[0], tokenizer)
+        log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})
+        request = warmup_request(limits, tokenizer, again=first is not None)
+        # The shards hold steps to the deadline too (their health says when one is past it): one deadline for all,
+        # the flag's, the first connection's, or the one the shards choose from their warmup.
+        request.step_timeout = first.client.step_timeout if first else args.shard_step_timeout or 0.0
+        capacity, client.step_timeout = await client.warmup(request, timeout=args.startup_timeout)
+        return Connection(client, infos[0], limits.with_capacity(capacity))
+    except BaseException:
+        await client.close()
+        raise

@@ -1,0 +1,293 @@
+"""`--quantize int8|int4`: weights stored as int8 with a scale per output row, or per block of 32 inputs for the
+integer kernel (int4: per group of 32), the kernels against the dequantized reference (with AVX-512 VNNI: against
+the product of x quantized in blocks of 32 as well), the bytes really saved, and serving end to end within a stated
+distance of float32's log-probabilities (tests/unit/test_real_model_accuracy.py holds a real model to its KL bounds)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Server, free_port, start_server
+
+from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.kernels import build as kernels
+from conveyor.shard.layers import gemm
+from conveyor.shard.layers.embedding import VocabParallelEmbedding
+from conveyor.shard.layers.gemm import Gemm
+from conveyor.shard.layers.quantize import INT4_GROUP, INT8_BLOCK, Int4Weight, Int8BlockWeight, Int8Weight
+
+# Mean absolute difference of prompt-token log-probabilities against float32's, on the tiny test model.
+LOGPROB_BOUND = {"int8": 0.05, "int4": 0.5}
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    if not kernels.load():
+        pytest.skip("the C++ kernels did not build here")
+
+
+def test_quantization_rounds_each_row_to_its_own_scale() -> None:
+    weight = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
+    weight[3] = 0
+    q = Int8Weight.quantize(weight)
+    assert q.values.dtype == torch.int8 and q.scales.dtype == torch.float32
+    assert q.values.abs().max() <= 127 and torch.equal(q.values[3], torch.zeros(40, dtype=torch.int8))
+    error = (q.dequantize() - weight).abs()
+    assert (error <= q.scales[:, None] / 2 + 1e-7).all()  # rounding: at most half a step
+    assert q.nbytes == 6 * 40 + 6 * 4
+
+
+def test_int8_blocks_round_each_block_to_its_own_scale() -> None:
+    """131 inputs: five blocks, the last padded with zeros; the stored order is the kernel's, and undone exactly."""
+    weight = torch.randn(6, 131, generator=torch.Generator().manual_seed(1))
+    weight[2, 32:64] = 0
+    q = Int8BlockWeight.quantize(weight)
+    assert q.values.dtype == torch.uint8 and q.values.shape == (6, 5 * INT8_BLOCK)
+    assert q.scales.dtype == torch.float16 and q.scales.shape == (6, 5)
+    steps = q.scales.float().repeat_interleave(INT8_BLOCK, dim=1)[:, :131]
+    assert ((q.dequantize() - weight).abs() <= steps / 2 + 1e-3 * steps).all()  # at most half a step (and fp16's)
+    assert torch.equal(q.dequantize()[2, 32:64], torch.zeros(32))
+    assert q.values.min() >= 1  # q + 128 with q in [-127, 127]
+    assert q.nbytes == 6 * 160 + 6 * 5 * 2
+
+
+def test_int4_rounds_each_group_to_its_own_scale() -> None:
+    """q4_0's scale: each group's value of largest magnitude is -8 steps exactly, so nothing is further than a
+    step from its value (half a step but where the other sign's extreme is cut at +7)."""
+    weight = torch.randn(4, 96, generator=torch.Generator().manual_seed(3))
+    weight[1, 32:64] = 0
+    q = Int4Weight.quantize(weight)
+    assert q.packed.dtype == torch.uint8 and q.packed.shape == (4, 48)
+    assert q.scales.dtype == torch.float16 and q.scales.shape == (4, 96 // INT4_GROUP)
+    steps = q.scales.float().abs().repeat_interleave(INT4_GROUP, dim=1)
+    error = (q.dequantize() - weight).abs()
+    assert (error <= steps + 1e-3 * steps).all()
+    assert (error <= steps / 2 + 1e-3 * steps).float().mean() > 0.99
+    groups = weight.view(4, 3, INT4_GROUP)
+    extremes = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    torch.testing.assert_close(-8 * q.scales.float(), torch.where(extremes != 0, extremes, -8.0), rtol=1e-3, atol=0)
+    assert torch.equal(q.dequantize()[1, 32:64], torch.zeros(32))
+    assert q.nbytes == 4 * 48 + 4 * 3 * 2
+
+
+# Each format's kernel and its inputs: int8 on an odd input size (a remainder past the vector width), int4 on a
+# multiple of its group of 32.
+KERNELS = {
+    "int8": (Int8Weight, 131, lambda x, q, b: torch.ops.conveyor.int8_gemm(x, q.values, q.scales, b)),
+    "int4": (Int4Weight, 128, lambda x, q, b: torch.ops.conveyor.int4_gemm(x, q.packed, q.scales, b)),
+}
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+def test_kernel_equals_the_dequantized_product(built, kind: str, dtype: torch.dtype, rows: int) -> None:
+    """Every row count (the kernels dot four rows of x at a time, then the rest in a smaller chunk)."""
+    fmt, size, kernel = KERNELS[kind]
+    generator = torch.Generator().manual_seed(rows)
+    q = fmt.quantize(torch.randn(37, size, generator=generator))
+    x = torch.randn(rows, size, generator=generator).to(dtype)
+    bias = torch.randn(37, generator=generator).to(dtype)
+    got = kernel(x, q, bias)
+    want = F.linear(x.double(), q.dequantize().double(), bias.double())
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert got.dtype == dtype
+    assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
+
+
+@pytest.fixture(scope="module")
+def vnni(built) -> None:
+    if not torch.ops.conveyor.int8_vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI: the integer kernel is not built here")
+
+
+def quantized_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as the integer kernels round them, in float64: int8 in blocks of 32 inputs with a scale each,
+    s = max|x| / 127 over the block (1 for zeros), q = round(x * (1 / s)), times s."""
+    rows, size = x.shape
+    blocks = -(-size // INT8_BLOCK)
+    xf = F.pad(x.float(), (0, blocks * INT8_BLOCK - size)).view(rows, blocks, INT8_BLOCK)
+    scales = xf.abs().amax(dim=-1, keepdim=True) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(xf * (1 / scales))
+    return (q.double() * scales.double()).view(rows, -1)[:, :size]
+
+
+def integer_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the integer kernels compute, in float64: x rounded in blocks (`quantized_blocks`) times the dequantized
+    weight (each product of a block's integers exact, and scaled by both blocks' scales)."""
+    out = quantized_blocks(x) @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+# Each format's integer kernel and the input sizes that reach its edges: int8's groups of blocks (16, then 8, 4, 2
+# and 1) at two blocks, five (4 + 1, the last block padded), ten (8 + 2, padded), 19 (16 + 2 + 1) and 48 (three
+# full groups); int4 one group (a chunk of four groups cut short), three, one whole chunk of 128, and 25 groups
+# (six chunks and one group).
+INTEGER_KERNELS = {
+    "int8": (
+        Int8BlockWeight,
+        [64, 131, 300, 600, 1536],
+        lambda x, q, b: torch.ops.conveyor.int8_vnni_gemm(x, q.values, q.scales, b),
+    ),
+    "int4": (
+        Int4Weight,
+        [32, 96, 128, 800],
+        lambda x, q, b: torch.ops.conveyor.int4_vnni_gemm(x, q.packed, q.scales, b),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "size"), [(kind, size) for kind, (_, sizes, _) in INTEGER_KERNELS.items() for size in sizes]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33, 70])
+def test_the_integer_kernels_are_the_product_of_quantized_rows(
+    vnni, kind: str, size: int, dtype: torch.dtype, rows: int
+) -> None:
+    """Every row count (one row takes four weight rows at a time, two to four take two, more take four by three
+    rows of x, and 37 weight rows leave a last block of one; 70 rows cross a tile of 64). Each block's sum is an
+    exact integer, so what is left is float32 accumulation and the output's rounding to its dtype."""
+    fmt, _, kernel = INTEGER_KERNELS[kind]
+    generator = torch.Generator().manual_seed(rows * size)
+    q = fmt.quantize(torch.randn(37, size, generator=generator))
+    x = torch.randn(rows, size, generator=generator).to(dtype)
+    x[0, :] = 0  # an all-zero row stays zero (its scale is 1, not 0)
+    bias = torch.randn(37, generator=generator).to(dtype)
+    got = kernel(x, q, bias)
+    want = integer_reference(x, q.dequantize(), bias)
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 5e-4}[dtype]
+    assert got.dtype == dtype
+    assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
+
+
+@pytest.mark.parametrize(("kind", "size"), [("int8", 600), ("int4", 800)])
+def test_a_rows_output_does_not_depend_on_its_batch(vnni, kind: str, size: int) -> None:
+    """The same bits for a row whatever rows share its call (one row, a few, many: each path's register blocking
+    differs, its sums' order does not), as the float32 path is batch-invariant: seeded sampling reproducible."""
+    fmt, _, kernel = INTEGER_KERNELS[kind]
+    generator = torch.Generator().manual_seed(size)
+    q = fmt.quantize(torch.randn(37, size, generator=generator))
+    x = torch.randn(70, size, generator=generator)
+    alone = torch.cat([kernel(x[m : m + 1], q, None) for m in range(70)])
+    for rows in (2, 3, 4, 5, 9, 70):
+        assert torch.equal(kernel(x[:rows], q, None), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("integer", [False, True], ids=["widening", "integer"])
+def test_a_quantized_layer_takes_the_integer_kernel_only_where_vnni_is_built(
+    built, monkeypatch, kind: str, integer: bool
+) -> None:
+    """Both choices of `gemm.vnni`, whatever this CPU has (the integer one runs only where it is built)."""
+    if integer and not torch.ops.conveyor.int8_vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setattr(gemm, "vnni", lambda: integer)
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(4))
+    layer = Gemm(weight, quantize=kind)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    dense = (layer.int8 or layer.int4).dequantize()
+    assert layer.vnni == integer
+    if kind == "int8":
+        assert isinstance(layer.int8, Int8BlockWeight if integer else Int8Weight)
+    if integer:
+        torch.testing.assert_close(layer(x), integer_reference(x, dense, None).float(), rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_layer_keeps_int8_only(built) -> None:
+    weight = torch.randn(96, 64)
+    layer = Gemm(weight, quantize="int8")
+    assert layer.int8 is not None and layer.int8.values.element_size() == 1
+    assert layer.weight is None and layer.plain is None  # no float copy left behind
+    scales = 96 * 2 * 2 if layer.vnni else 96 * 4  # float16 per block of 32 (integer kernel), or float32 per row
+    assert layer.nbytes == 96 * 64 + scales <= 0.3 * weight.nbytes
+    torch.testing.assert_close(layer.dense(), layer.int8.dequantize())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+def test_bf16_rows_of_an_int8_layer_match_the_dequantized_product(built, rows: int) -> None:
+    """Whichever kernel this CPU gives the layer: within bf16's rounding (and, with VNNI, x's rounding to int8 in
+    blocks) of the float product, with the bias."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 64, generator=generator), torch.randn(48, generator=generator).bfloat16()
+    layer = Gemm(weight.bfloat16(), quantize="int8")
+    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    want = F.linear(x.double(), layer.int8.dequantize().double(), bias.double())
+    got = layer(x, bias)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_a_quantized_embedding_looks_up_its_rows() -> None:
+    table = torch.randn(50, 16, generator=torch.Generator().manual_seed(2)).bfloat16()
+    embedding = VocabParallelEmbedding(table, ProcessGroup(0, 1), quantize="int8")
+    ids = torch.tensor([0, 7, 49, 7])
+    q = Int8Weight.quantize(table)
+    got = embedding(ids)
+    assert got.dtype == torch.bfloat16 and embedding.weight is None
+    torch.testing.assert_close(got, q.dequantize()[ids].bfloat16())
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path) -> Iterator[dict[str, Server]]:
+    """The tiny model served three times: float32, int8 and int4."""
+    started: dict[str, Server] = {}
+    try:
+        for name, flags in (("float32", []), ("int8", ["--quantize", "int8"]), ("int4", ["--quantize", "int4"])):
+            # CONVEYOR_GEMM=onednn: no plain copies beside the packed float weights, so weight_bytes is one copy.
+            env = {"CONVEYOR_GEMM": "onednn"}
+            started[name] = start_server(tiny_model, "--master-port", str(free_port()), *flags, env=env)
+    except BaseException:
+        for server in started.values():
+            server.stop()
+        raise
+    yield started
+    assert [s.stop() for s in started.values()] == [0, 0, 0]
+
+
+def prompt_logprobs(server: Server, prompt: str) -> list[float]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 1, "decoder_input_details": True, "details": True}}
+    response = httpx.post(f"{server.url}/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return [t["logprob"] for t in response.json()["details"]["prefill"][1:]]
+
+
+@pytest.mark.parametrize(("quantize", "share"), [("int8", 0.3), ("int4", 0.3)])
+def test_quantized_serving_stays_within_its_bound(
+    built, servers: dict[str, Server], quantize: str, share: float
+) -> None:
+    """Bytes: the linear layers and the head shrink to a quarter (int8) or ~14% (int4); the tiny model's
+    embedding is int8 either way and a large share of it, hence one ceiling for both here."""
+    full, quantized = servers["float32"], servers[quantize]
+    info = quantized.info()
+    assert info["quantize"] == quantize and full.info()["quantize"] is None
+    assert info["weight_bytes"] <= share * full.info()["weight_bytes"]
+    prompts = ["def add(a, b):\n    return a + b\n", "class Queue:\n    def __init__(self):\n        self.items = []"]
+    differences = []
+    for prompt in prompts:
+        a, b = prompt_logprobs(full, prompt), prompt_logprobs(quantized, prompt)
+        assert len(a) == len(b) > 10
+        differences += [abs(x - y) for x, y in zip(a, b)]
+    mean = sum(differences) / len(differences)
+    print(f"{quantize}: mean |logprob difference| {mean:.4f} nats over {len(differences)} tokens")
+    assert 0 < mean <= LOGPROB_BOUND[quantize], mean
+    body = {"inputs": prompts[0], "parameters": {"max_new_tokens": 8}}
+    assert httpx.post(f"{quantized.url}/generate", json=body, timeout=120).json()["generated_text"]
+
+
+def test_under_int4_the_head_stays_8_bit_as_llama_cpp_keeps_it(built) -> None:
+    from conveyor.shard.layers.embedding import ParallelLMHead
+
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    head = ParallelLMHead(weight, ProcessGroup(0, 1), quantize="int4")
+    assert head.gemm.int8 is not None and head.gemm.int4 is None  # every logit goes through it
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(head(x), x @ head.gemm.int8.dequantize().T, rtol=0.05, atol=0.05 * x.abs().max().item())

@@ -1,0 +1,115 @@
+"""The fused C++ ops of a decode step (residual add + RMSNorm, silu(gate) * up, the rotation) against the torch code
+they replace, which stays the reference path: the same bits where the kernel rounds as torch does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.shard.kernels import build as kernels
+from conveyor.shard.layers.norm import RMSNorm
+from conveyor.shard.layers.rotary import apply_rotary, rotate
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    if not kernels.load():
+        pytest.skip("the C++ kernels did not build here (the layers keep their torch paths)")
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotary_dim", [64, 48], ids=["whole-head", "partial"])
+def test_rotation_is_torch_bit_for_bit(built, dtype: torch.dtype, rotary_dim: int) -> None:
+    """Each product rounded, then the sum, as torch's muls and add round them (no fused multiply-add)."""
+    g = _generator(rotary_dim)
+    x = torch.randn(7, 12, 64, generator=g).to(dtype)
+    cos, sin = (torch.randn(7, 1, rotary_dim, generator=g).to(dtype) for _ in range(2))
+    want = apply_rotary(x, cos, sin)
+    got = x.clone()
+    torch.ops.conveyor.rotary_(got, cos, sin)
+    assert torch.equal(got, want)
+
+
+def test_rotate_takes_the_kernel_in_place_or_the_reference(built) -> None:
+    g = _generator(1)
+    x = torch.randn(3, 4, 32, generator=g)
+    cos, sin = torch.randn(3, 1, 32, generator=g), torch.randn(3, 1, 32, generator=g)
+    want = apply_rotary(x, cos, sin)
+    turned = x.clone()
+    assert rotate(turned, cos, sin, kernel=True) is turned  # in place
+    assert torch.equal(turned, want)
+    untouched = x.clone()
+    assert torch.equal(rotate(untouched, cos, sin, kernel=False), want)
+    assert torch.equal(untouched, x)  # the reference path leaves its input alone
+    strided = torch.randn(3, 4, 64, generator=g)[..., :32]  # not contiguous: the reference path
+    assert torch.equal(rotate(strided, cos, sin, kernel=True), apply_rotary(strided, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_mul_matches_torch(built, dtype: torch.dtype, rows: int) -> None:
+    """silu rounded to the dtype, then the product: torch's bits in the half types; in float32 exp may differ in
+    its last bit from torch's vectorized one."""
+    gate_up = torch.randn(rows, 2 * 100, generator=_generator(rows)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = torch.ops.conveyor.silu_mul(gate_up)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_silu_mul_refuses_an_odd_width(built) -> None:
+    with pytest.raises(RuntimeError, match="even last dimension"):
+        torch.ops.conveyor.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_adds_in_place_then_normalises(built, dtype: torch.dtype) -> None:
+    g = _generator(3)
+    hidden, delta = torch.randn(4, 96, generator=g).to(dtype), torch.randn(4, 96, generator=g).to(dtype)
+    norm = RMSNorm(torch.randn(96, generator=g).to(dtype), 1e-5)
+    original = hidden.clone()
+    want_hidden = hidden + delta
+    want = norm(want_hidden)
+    got = norm.add_forward(hidden, delta)
+    assert torch.equal(hidden, want_hidden)  # the residual stream took the add
+    assert torch.equal(got, want)
+    norm.kernel = False  # the torch path: the same add, the reference norm
+    torch.testing.assert_close(norm.add_forward(original, delta), want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(original, want_hidden)
+
+
+def test_add_rms_norm_refuses_a_mismatched_delta(built) -> None:
+    with pytest.raises(RuntimeError, match="delta shaped as x"):
+        torch.ops.conveyor.add_rms_norm_(torch.randn(2, 8), torch.randn(2, 4), torch.randn(8), 1e-5, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_kv_rotates_in_place_and_writes_the_caches(built, dtype: torch.dtype) -> None:
+    """The fused prologue equals the torch path: split, rotate q and k, index_copy_ k and v to their slots."""
+    g = _generator(4)
+    tokens, heads, kv_heads, head_dim = 3, 6, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    cos, sin = (torch.randn(tokens, 1, head_dim, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([5, 0, 17])
+    caches = [torch.zeros(3, 8, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    qk, v = qkv.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+    turned = apply_rotary(qk.reshape(tokens, heads + kv_heads, head_dim), cos, sin)
+    caches[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, turned[:, heads:])
+    caches[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v.reshape(tokens, kv_heads, head_dim))
+    fused = qkv.clone()
+    torch.ops.conveyor.rotary_kv_(fused, heads, kv_heads, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(fused.view(tokens, -1, head_dim)[:, :heads], turned[:, :heads])
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    with pytest.raises(RuntimeError, match="a slot beyond the caches"):
+        torch.ops.conveyor.rotary_kv_(fused, heads, kv_heads, cos, sin, caches[2], caches[3], torch.tensor([0, 1, 24]))

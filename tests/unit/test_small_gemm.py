@@ -1,0 +1,114 @@
+"""The small-rows GEMM kernel (one or two rows of a linear layer) against F.linear, and which rows take it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.kernels import build as kernels
+from conveyor.shard.layers import gemm
+from conveyor.shard.layers.gemm import Gemm, plain_copy_fits
+from conveyor.shard.weights import Weights
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    if not kernels.load():
+        pytest.skip("the C++ kernels did not build here (the fallback test below covers that)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(48, 64), (37, 131), (1000, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("op", ["small_gemm", "small_gemm_portable"])
+def test_kernel_equals_f_linear(
+    built, dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool, op: str
+) -> None:
+    """Odd sizes leave a remainder past the vector width (and out rows past the AVX-512 path's blocks of four);
+    each output row is a sum in float of widened products, so it matches float64 up to the output dtype's
+    rounding. `small_gemm_portable` is the plain C++ loop, which a CPU without AVX-512 runs: tested here too."""
+    generator = torch.Generator().manual_seed(rows * 1000 + shape[1])
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+    got = getattr(torch.ops.conveyor, op)(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+def test_kernel_refuses_what_it_does_not_compute(built) -> None:
+    weight = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        torch.ops.conveyor.small_gemm(torch.randn(5, 16), weight, None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.conveyor.small_gemm(torch.randn(1, 16, dtype=torch.bfloat16), weight, None)
+    with pytest.raises(RuntimeError, match=r"x \[M, in\]"):
+        torch.ops.conveyor.small_gemm(torch.randn(1, 15), weight, None)
+
+
+@pytest.mark.parametrize("plain_copy", [True, False], ids=["plain-copy", "packed-only"])
+def test_gemm_sends_few_rows_to_the_kernel(built, monkeypatch: pytest.MonkeyPatch, plain_copy: bool) -> None:
+    """Rows up to SMALL_ROWS take the kernel where a plain weight is kept; more rows, or no plain copy beside a
+    packed weight, take oneDNN. Every route gives F.linear's numbers."""
+    monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
+    calls: list[int] = []
+    real = torch.ops.conveyor.small_gemm
+    monkeypatch.setattr(gemm, "_small_gemm", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    layer = Gemm(weight, plain_copy)
+    assert layer.packed  # float32 on CPU: oneDNN everywhere
+    assert (layer.plain is not None) is plain_copy
+    for rows in range(1, 6):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert calls == (list(range(1, gemm.SMALL_ROWS + 1)) if plain_copy else [])
+    # Leading dimensions fold into rows, as for F.linear.
+    x = torch.randn(1, 2, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chosen", ["onednn", "torch"])
+def test_the_other_backends_never_take_the_kernel(monkeypatch: pytest.MonkeyPatch, chosen: str) -> None:
+    """CONVEYOR_GEMM=onednn or torch measure those backends alone: no plain copy, no kernel, nothing built."""
+    monkeypatch.setenv("CONVEYOR_GEMM", chosen)
+    monkeypatch.setattr(kernels, "load", lambda: pytest.fail("asked for the kernels"))
+    assert Gemm(torch.randn(8, 4)).plain is None
+
+
+def test_without_the_kernels_every_row_takes_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
+    monkeypatch.setattr(kernels, "load", lambda: False)
+    layer = Gemm(torch.randn(8, 4))
+    assert layer.plain is None
+    x = torch.randn(1, 4)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.dense()))
+
+
+def test_a_plain_weight_is_its_own_copy(built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN does not pack (here: float16), the kernel reads the one weight there is, copy or not."""
+    monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
+    weight = torch.randn(8, 4, dtype=torch.float16)
+    layer = Gemm(weight, plain_copy=False)
+    assert not layer.packed and layer.plain is layer.weight
+
+
+def test_plain_copies_only_where_memory_allows(tmp_path: Path) -> None:
+    """The engine keeps plain copies when twice the weights fit in PLAIN_COPY_SHARE of the memory, judged from
+    the checkpoint's headers in the serving dtype, per rank."""
+    save_file({"a": torch.zeros(100, 10), "b": torch.zeros(50, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
+    assert Weights(tmp_path, ProcessGroup(0, 1), torch.float32, torch.device("cpu")).nbytes() == 1050 * 4
+    assert Weights(tmp_path, ProcessGroup(0, 2), torch.bfloat16, torch.device("cpu")).nbytes() == 1050
+    share = gemm.PLAIN_COPY_SHARE
+    assert plain_copy_fits(1000, 2000 / share)
+    assert not plain_copy_fits(1001, 2000 / share)

@@ -1,0 +1,36 @@
+"""Reading a checkpoint's tensors by the names the model code asks for, including a multimodal wrapper's text
+weights, which live under another prefix beside tensors that are never read."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.models import language_config, weight_names
+from conveyor.shard.weights import Weights
+
+
+def test_a_wrappers_text_weights_are_read_under_the_text_models_names(gemma3_multimodal_model: Path) -> None:
+    config = AutoConfig.from_pretrained(gemma3_multimodal_model)
+    assert config.model_type == "gemma3" and language_config(config).model_type == "gemma3_text"
+    cpu = torch.device("cpu")
+    weights = Weights(gemma3_multimodal_model, ProcessGroup(0, 1), torch.float32, cpu, weight_names(config))
+    with safe_open(gemma3_multimodal_model / "model.safetensors", framework="pt") as stored:
+        names = list(stored.keys())
+        embedding = stored.get_tensor("language_model.model.embed_tokens.weight")
+        text_only = sum(math.prod(stored.get_slice(n).get_shape()) for n in names if n.startswith("language_model."))
+    assert any(n.startswith("vision_tower.") for n in names)
+    assert torch.equal(weights.get("model.embed_tokens.weight"), embedding)
+    assert "language_model.model.embed_tokens.weight" not in weights
+    assert not any("vision" in n or "projector" in n for n in weights._files)
+    assert weights.nbytes() == text_only * 4  # float32: the vision tower is not counted
+
+
+def test_a_text_checkpoint_keeps_its_own_names(tiny_model: Path) -> None:
+    weights = Weights(tiny_model, ProcessGroup(0, 1), torch.float32, torch.device("cpu"))
+    assert "model.embed_tokens.weight" in weights and "lm_head.weight" in weights
