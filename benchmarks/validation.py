@@ -126,6 +126,7 @@ def front_door(model_dir: Path) -> Callable[[str, bytes], object]:
     from conveyor.router.api.openai import ChatRequest, CompletionRequest
     from conveyor.router.frontends.openai import OpenAIRoutes
     from conveyor.router.limits import Limits
+    from conveyor.router.pipeline.request import tgi_request
     from conveyor.router.pipeline.validation import Validation
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -134,7 +135,7 @@ def front_door(model_dir: Path) -> Callable[[str, bytes], object]:
 
     def call(route: str, raw: bytes) -> object:
         if route == "generate":
-            return validation.validate(raw, stream=False)
+            return validation.validate(tgi_request(raw, stream=False))
         if route == "completions":
             return openai._completion_choices(parse(CompletionRequest, raw))
         return openai._chat_choices(parse(ChatRequest, raw))
@@ -153,7 +154,7 @@ def measure(model_dir: Path, repeat: int) -> dict[str, float]:
     for round_ in range(repeat):
         if round_ % max(1, repeat // 4) == 0:
             note(f"round {round_ + 1}/{repeat}")
-        shuffle(order)  # a body's place in the round (what ran before it) moved its time by up to 30%
+        shuffle(order)  # a body's place in the round (what ran before it) moved its time noticeably
         for name in order:
             route, raw = raws[name]
             start = time.perf_counter_ns()

@@ -145,7 +145,8 @@ async def _shut_down(
 
 
 # Prompt tokens per step while streams decode: on CPU a step's cost grows with every token, so a chunk of 64
-# keeps a mixed step within about twice a decode step (benchmarks/compare.py, long-prompt workload).
+# keeps a mixed step short enough for the short streams beside a long prompt (benchmarks/compare.py measures it:
+# the long-prompt workload and its target, the short streams' p99 ITL against their p50).
 DEFAULT_CHUNK_TOKENS = {"cpu": 64}
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-# Latency buckets from 1 ms to ~2 min, about x1.6 apart: decode steps on CPU are 10-300 ms, requests seconds.
+# Latency buckets from 1 ms to ~2 min, about x1.6 apart: decode steps on CPU take tens to hundreds of ms, requests
+# seconds.
 LATENCY_BUCKETS = tuple(round(0.001 * 1.6**k, 6) for k in range(26))
 
 OUTCOMES = ("success", "validation", "overloaded", "generation", "unavailable", "cancelled", "unauthorized")

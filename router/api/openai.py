@@ -185,10 +185,6 @@ class ChatRequest(OpenAIRequest):
             raise ValueError("`tool_choice` needs `tools`")
         return self
 
-    @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
-
 
 # --- answers -----------------------------------------------------------------------------------------------------
 

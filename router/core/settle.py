@@ -22,8 +22,9 @@ class Settle:
     nobody new has been queued for `quiet` seconds, and after `limit` seconds in all. Otherwise the first
     arrivals start decoding at once and the rest of a burst is read in small chunks behind them, waiting
     seconds for a first token. Counting event-loop turns instead was not enough: a client sending 32
-    requests takes several milliseconds to get them all through HTTP parsing and validation, and on a
-    2-core machine the first step then took 1 or 2 of them (measured: first tokens spread over 6 s)."""
+    requests takes many turns to get them all through HTTP parsing and validation, and on a 2-core machine
+    the first step then took only the first few of them, spreading the burst's first tokens over seconds
+    (`conveyor-benchmark --request-rate inf`, benchmarks/serve.py, shows it in the TTFT spread)."""
 
     quiet: float = SETTLE_QUIET_SECONDS
     limit: float = SETTLE_SECONDS

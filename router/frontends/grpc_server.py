@@ -38,7 +38,7 @@ from conveyor.router.frontends.responses import (
     logprob,
 )
 from conveyor.router.frontends.service import rows
-from conveyor.router.pipeline.request import Parameters, ValidRequest
+from conveyor.router.pipeline.request import Parameters, Request, ValidRequest, from_tgi
 from conveyor.router.pipeline.validation import Validation
 from conveyor.v1 import generate_pb2 as pb
 from conveyor.v1 import generate_pb2_grpc as pb_grpc
@@ -120,14 +120,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         try:
             self.infer.admit(key, 1)
             parameters, constraint = parameters_from_pb(request.parameters)
-            return await self.validation.off_loop(
-                self.validation.validate_tgi,
-                request.inputs,
-                parameters,
-                stream=stream,
-                grammar=constraint,
-                owner=key.name,
-            )
+            mapped = from_tgi(request.inputs, parameters, stream=stream, grammar=constraint)
+            return await self.validation.off_loop(self.validation.validate, mapped, owner=key.name)
         except REQUEST_ERRORS as exc:
             self.infer.metrics.requests.labels(failure_of(exc).error_type).inc()
             await _abort(context, exc)
@@ -183,7 +177,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         key = await self._authorize(context)
         try:
             valid = await self.validation.off_loop(
-                self.validation.validate_prompt, request.inputs, Parameters(), owner=key.name
+                self.validation.validate, Request(request.inputs, Parameters()), owner=key.name
             )
         except REQUEST_ERRORS as exc:
             await _abort(context, exc)

@@ -40,9 +40,9 @@ from conveyor.router.frontends.responses import (
     send_sse,
 )
 from conveyor.router.pipeline.chat_prompt import ChatPrompt, render_chat
-from conveyor.router.pipeline.request import ValidRequest, from_openai
+from conveyor.router.pipeline.request import ValidRequest, from_chat, from_completion
 from conveyor.router.pipeline.tools import ToolStream, ToolUse, tool_use
-from conveyor.router.pipeline.validation import Validation, check_limits
+from conveyor.router.pipeline.validation import Validation
 
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 
@@ -87,21 +87,16 @@ class OpenAIRoutes:
         prompts = request.prompts
         if len(prompts) * request.n > MAX_CHOICES:
             raise ValidationError(f"at most {MAX_CHOICES} choices (prompts times `n`) per request")
-        check_limits(request, self.validation.limits)
-        parameters = from_openai(request, request.max_tokens, request.logprobs, request.constraint())
         choices = []
         for p in prompts:
-            valid = self.validation.validate_prompt(p, parameters, stream=request.stream)
+            valid = self.validation.validate(from_completion(request, p))
             for i in range(request.n):
                 choices.append(Choice(len(choices), _with_seed(valid, i)))
         return choices
 
     def _chat_choices(self, request: ChatRequest) -> list[Choice]:
-        check_limits(request, self.validation.limits)
         tools = tool_use(request)
         prompt = self._render_chat([_message(m) for m in request.messages], tools)
-        # The chosen token's logprob comes with its alternatives: asking for logprobs reports at least one.
-        top = request.top_logprobs or int(request.logprobs)
         grammar = request.constraint()
         forced = tools.constraint() if tools is not None else None
         if forced is not None:
@@ -110,10 +105,7 @@ class OpenAIRoutes:
                     "a `response_format` or other constraint cannot be combined with this `tool_choice`"
                 )
             grammar = forced
-        parameters = from_openai(request, request.max_new_tokens, top, grammar)
-        valid = self.validation.validate_prompt(
-            prompt.text, parameters, stream=request.stream, add_special_tokens=False, plain_spans=prompt.plain_spans
-        )
+        valid = self.validation.validate(from_chat(request, prompt, grammar))
         return [Choice(i, _with_seed(valid, i), tools) for i in range(request.n)]
 
     def _render_chat(self, messages: list[dict], tools: ToolUse | None) -> ChatPrompt:

@@ -29,7 +29,7 @@ from conveyor.router.frontends.responses import (
     open_sse,
     send_sse,
 )
-from conveyor.router.pipeline.request import ValidRequest
+from conveyor.router.pipeline.request import ValidRequest, tgi_request
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
 
@@ -103,9 +103,12 @@ class TgiRoutes:
         if generates:
             self.infer.admit(key, 1)
         raw = await request.read()
-        return await self.validation.off_loop(
-            self.validation.validate, raw, stream=stream, stream_field=stream_field, owner=key.name
-        )
+        validation = self.validation
+
+        def read() -> ValidRequest:
+            return validation.validate(tgi_request(raw, stream=stream, stream_field=stream_field))
+
+        return await validation.off_loop(read, owner=key.name)
 
     async def generate(self, request: web.Request, as_list: bool = False) -> web.Response:
         try:

@@ -1,27 +1,40 @@
-"""The one internal request every front door's types become, and the one mapping from each API's types to it.
+"""The one internal request every front door's types become (`Request`), and the one mapping from each API's
+types to it: `tgi_request` / `from_tgi` (HTTP's and gRPC's TGI parameters), `from_completion`, `from_chat`.
 
-TGI's names are the router's: `from_tgi` is nearly a copy. OpenAI's routes differ in a few places, all here:
-`temperature: 0` is greedy, `max_tokens` (or `max_completion_tokens`) is `max_new_tokens`, `logprobs` /
-`top_logprobs` are `top_n_tokens`, and the constraint comes from whichever structured-output field carries one.
-The sampling fields both APIs share (`SharedSampling`) are copied by name, so a field added to the schema needs
-nothing here. Which fields Conveyor refuses is declared in the schemas (`refused`).
+A route parses its typed body, maps it here, and hands the `Request` to `Validation.validate`, the same call for
+every front door. TGI's names are the router's: `from_tgi` is nearly a copy. OpenAI's routes differ in a few
+places, all here: `temperature: 0` is greedy, `max_tokens` (or chat's `max_completion_tokens`) is
+`max_new_tokens`, `logprobs` / `top_logprobs` are `top_n_tokens`, and the constraint comes from whichever
+structured-output field carries one. The sampling fields both APIs share (`SharedSampling`) are copied by name,
+so a field added to the schema needs nothing here. Which fields Conveyor refuses is declared in the schemas
+(`refused`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel
 
 from conveyor.grammar import Constraint
-from conveyor.router.api.openai import OpenAIRequest
-from conveyor.router.api.tgi import WARPERS, GenerateParameters, Sampling, SharedSampling
+from conveyor.router.api.base import parse
+from conveyor.router.api.openai import ChatRequest, CompletionRequest, OpenAIRequest
+from conveyor.router.api.tgi import (
+    WARPERS,
+    GenerateParameters,
+    GenerateRequest,
+    PlainGenerateRequest,
+    Sampling,
+    SharedSampling,
+)
+from conveyor.router.pipeline.chat_prompt import ChatPrompt, Span
 
 
 @dataclass(frozen=True)
 class Parameters:
-    """A request's parameters as every API's request becomes them (`from_tgi`, `from_openai`), under TGI's names."""
+    """A request's parameters as every API's request becomes them (`from_tgi`, `from_completion`, `from_chat`),
+    under TGI's names."""
 
     sampling: Sampling = Sampling()  # what the shards get
     max_new_tokens: int | None = None  # always set after validation
@@ -44,6 +57,20 @@ class Parameters:
 
 
 @dataclass(frozen=True)
+class Request:
+    """What a front door hands to validation: the prompt and parameters under TGI's names, and the typed body
+    whose `limited` fields the deployment bounds (errors name them as the caller wrote them, after `where`)."""
+
+    inputs: str
+    parameters: Parameters
+    stream: bool = False
+    body: BaseModel | None = None  # the API's typed request (or TGI's parameters) that `limited` fields bound
+    where: str = ""  # the bounded fields' path in the body, for errors ("parameters.")
+    add_special_tokens: bool = True  # False for a chat template's text, which writes its own special tokens
+    plain_spans: tuple[Span, ...] = ()  # the callers' text within a rendered chat prompt (chat_prompt.py)
+
+
+@dataclass(frozen=True)
 class ValidRequest:
     inputs: str
     input_ids: tuple[int, ...]
@@ -60,7 +87,7 @@ def sampling_of(values: BaseModel, names: Any, **more: Any) -> Sampling:
     return _UNSET.model_copy(update=given)  # what pydantic does fastest with values already checked
 
 
-def from_tgi(p: GenerateParameters) -> Parameters:
+def _tgi_parameters(p: GenerateParameters) -> Parameters:
     return Parameters(
         sampling=sampling_of(p, p.model_fields_set),
         max_new_tokens=p.max_new_tokens,
@@ -78,7 +105,45 @@ def from_tgi(p: GenerateParameters) -> Parameters:
     )
 
 
-def from_openai(
+def from_tgi(inputs: str, p: GenerateParameters, *, stream: bool, grammar: Constraint | None = None) -> Request:
+    """TGI's parameters, from HTTP's body or gRPC's message (whose constraint comes as `grammar`)."""
+    parameters = _tgi_parameters(p)
+    if grammar is not None:
+        parameters = replace(parameters, grammar=grammar)
+    return Request(inputs, parameters, stream=stream, body=p, where="parameters.")
+
+
+def tgi_request(body: bytes | object, *, stream: bool, stream_field: bool = True) -> Request:
+    """A TGI body (`/generate`, `/generate_stream`, `/` and `/tokenize`), as bytes or Python values. The body's
+    `stream` picks the answer on `/` only: elsewhere (`stream_field` False) `stream: true` is refused rather
+    than silently answered in one piece."""
+    request = parse(GenerateRequest if stream_field else PlainGenerateRequest, body)
+    return from_tgi(request.inputs, request.parameters, stream=stream)
+
+
+def from_completion(request: CompletionRequest, prompt: str) -> Request:
+    """One of a completion's prompts (each is a request of its own, `n` times)."""
+    parameters = _openai_parameters(request, request.max_tokens, request.logprobs, request.constraint())
+    return Request(prompt, parameters, stream=request.stream, body=request)
+
+
+def from_chat(request: ChatRequest, prompt: ChatPrompt, grammar: Constraint | None) -> Request:
+    """A chat rendered by the model's template (`prompt`), under `grammar`: the body's own constraint or the
+    one a forced tool call implies (tools.py). The chosen token's logprob comes with its alternatives: asking
+    for logprobs reports at least one."""
+    top = request.top_logprobs or int(request.logprobs)
+    max_new_tokens = request.max_tokens if request.max_tokens is not None else request.max_completion_tokens
+    return Request(
+        prompt.text,
+        _openai_parameters(request, max_new_tokens, top, grammar),
+        stream=request.stream,
+        body=request,
+        add_special_tokens=False,
+        plain_spans=prompt.plain_spans,
+    )
+
+
+def _openai_parameters(
     request: OpenAIRequest, max_new_tokens: int | None, top_n_tokens: int, grammar: Constraint | None
 ) -> Parameters:
     """Temperature 0 means greedy, and drops the warpers, which would turn sampling back on (so would the model's

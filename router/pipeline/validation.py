@@ -1,11 +1,12 @@
-"""Request validation: an untrusted body in, a `ValidRequest` or a `ValidationError` out.
+"""Request validation: the one internal request in, a `ValidRequest` or a `ValidationError` out.
 
 Two stages. The first is each API's schema (`router/api/`), which checks the body's shape, JSON types and
-bounds, then its mapping onto the one internal request (`router/pipeline/request.py`). The second, here, is what depends
-on the deployment and the prompt: the `limited` bounds (stop sequences, alternatives per token, `truncate`), the
-prompt's tokens and the token budget, the model's own sampling defaults, and compiling a constraint. Everything
-the router hands to the shards passes through both, so a malformed value stops here with a message a user can act
-on (HTTP answers 422, gRPC INVALID_ARGUMENT) rather than a 500 or a crash further down.
+bounds, then its mapping onto the one internal request (`router/pipeline/request.py`). The second, here, is one
+call for every front door (`Validation.validate`), in one order: the deployment's `limited` bounds (stop
+sequences, alternatives per token, `truncate`, token counts), the prompt's own checks, compiling a constraint,
+the prompt's tokens and the token budget, then the model's own sampling defaults and a seed. Everything the
+router hands to the shards passes through both, so a malformed value stops here with a message a user can act on
+(HTTP answers 422, gRPC INVALID_ARGUMENT) rather than a 500 or a crash further down.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from pydantic import BaseModel
 from conveyor import tracing
 from conveyor.grammar import Constraint, GrammarCache, GrammarError
 from conveyor.router.api.base import ValidationError, limits_of, parse
-from conveyor.router.api.tgi import GenerateParameters, GenerateRequest, PlainGenerateRequest, Sampling
+from conveyor.router.api.tgi import Sampling
 from conveyor.router.limits import Limits
 from conveyor.router.pipeline.chat_prompt import Span
 from conveyor.router.pipeline.fair_workers import FairWorkers
 from conveyor.router.pipeline.generation_defaults import GenerationDefaults
-from conveyor.router.pipeline.request import Parameters, ValidRequest, from_tgi
+from conveyor.router.pipeline.request import Request, ValidRequest
 
 __all__ = ["Validation", "ValidationError"]
 
@@ -122,48 +123,23 @@ class Validation:
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return await self._workers.run(owner, call)
 
-    def validate(self, body: bytes | object, *, stream: bool, stream_field: bool = True) -> ValidRequest:
-        """A TGI body (`/generate`, `/generate_stream`, `/` and `/tokenize`), as bytes or Python values. The body's
-        `stream` picks the answer on `/` only: elsewhere (`stream_field` False) `stream: true` is refused rather
-        than silently answered in one piece."""
-        request = parse(GenerateRequest if stream_field else PlainGenerateRequest, body)
-        return self.validate_tgi(request.inputs, request.parameters, stream=stream)
-
-    def validate_tgi(
-        self, inputs: str, request: GenerateParameters, *, stream: bool, grammar: Constraint | None = None
-    ) -> ValidRequest:
-        """TGI's parameters, from HTTP's body or gRPC's message (whose constraint comes as `grammar`)."""
-        check_limits(request, self.limits, "parameters.")
-        parameters = from_tgi(request)
-        if grammar is not None:
-            parameters = replace(parameters, grammar=grammar)
-        return self.validate_prompt(inputs, parameters, stream=stream)
-
-    def validate_prompt(
-        self,
-        inputs: str,
-        parameters: Parameters,
-        *,
-        stream: bool = False,
-        add_special_tokens: bool = True,
-        plain_spans: tuple[Span, ...] = (),
-    ) -> ValidRequest:
-        """The second stage, after each API's schema and mapping: what depends on the prompt and on the
-        deployment. A chat template renders its own special tokens, so chat prompts pass
-        `add_special_tokens=False`, and the spans of the messages' text, read without special tokens."""
+    def validate(self, request: Request) -> ValidRequest:
+        """Every front door's one call, after its schema and mapping: what depends on the deployment and on the
+        prompt. Runs on a validation worker (`off_loop`): tokenizing and compiling take a thread."""
         with tracing.span("validate"):
-            return self._validate_prompt(inputs, parameters, stream, add_special_tokens, plain_spans)
+            if request.body is not None:
+                check_limits(request.body, self.limits, request.where)
+            return self._validate_prompt(request)
 
-    def _validate_prompt(
-        self, inputs: str, parameters: Parameters, stream: bool, add_special_tokens: bool, plain_spans: tuple[Span, ...]
-    ) -> ValidRequest:
+    def _validate_prompt(self, request: Request) -> ValidRequest:
+        inputs, parameters = request.inputs, request.parameters
         if not inputs:  # the schemas say so already; gRPC's strings may be empty
             raise ValidationError("`inputs` cannot be empty")
-        if stream and parameters.decoder_input_details:
+        if request.stream and parameters.decoder_input_details:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
         if parameters.grammar is not None:
             self.check_grammar(parameters.grammar)
-        input_ids = self._input_ids(inputs, parameters.truncate, add_special_tokens, plain_spans)
+        input_ids = self._input_ids(inputs, parameters.truncate, request.add_special_tokens, request.plain_spans)
         max_new_tokens = _resolve_max_new_tokens(parameters.max_new_tokens, len(input_ids), self.limits)
         sampling = _with_seed(self.defaults.apply(parameters.sampling))
         parameters = replace(parameters, sampling=sampling, max_new_tokens=max_new_tokens)

@@ -90,7 +90,8 @@ def _crasher_token(model_dir: Path, crasher: str, others: list[tuple[str, int]])
 
 @pytest.fixture(scope="module")
 def deployments(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[Deployments]:
-    """The module's deployments (a start is 12-20 s on 2 cores): those the selected tests use start together."""
+    """The module's deployments (a start takes many seconds on 2 cores): those the selected tests use start
+    together."""
     wanted = used(request, ["restarting", "two_ranks", "crasher"], module=True)
     flags = ("--max-batch-size", MAX_BATCH, "--shard-step-timeout", "5", "--max-restarts", str(MAX_RESTARTS))
     starts = {

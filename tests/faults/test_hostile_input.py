@@ -14,6 +14,7 @@ import pytest
 from conftest import Server
 
 from conveyor.router.limits import Limits
+from conveyor.router.pipeline.request import tgi_request
 from conveyor.router.pipeline.validation import Validation, ValidationError
 
 DEEP_ARRAY = b"[" * 100_000 + b"]" * 100_000
@@ -52,13 +53,15 @@ def test_json_depth_limit(tiny_model) -> None:
         return b'{"inputs": "x", "parameters": {"grammar": {"type": "json", "value": ' + nested + b"}}}"
 
     try:
-        validation.validate(schema(150), stream=False)  # parsed; a schema this deep may compile or be a 422
+        validation.validate(
+            tgi_request(schema(150), stream=False)
+        )  # parsed; a schema this deep may compile or be a 422
     except ValidationError:
         pass
     with pytest.raises(ValidationError, match="not valid JSON: recursion limit"):
-        validation.validate(schema(10_000), stream=False)
+        validation.validate(tgi_request(schema(10_000), stream=False))
     with pytest.raises(ValidationError, match="not valid JSON"):
-        validation.validate(b"\xff\xfe{", stream=False)
+        validation.validate(tgi_request(b"\xff\xfe{", stream=False))
 
 
 async def test_validation_runs_on_a_worker_with_the_callers_context(tiny_model) -> None:
@@ -75,7 +78,7 @@ async def test_validation_runs_on_a_worker_with_the_callers_context(tiny_model) 
     name, seen = await validation.off_loop(where)
     assert name.startswith("validation") and name != threading.current_thread().name
     assert seen == "caller"
-    valid = await validation.off_loop(validation.validate, b'{"inputs": "def f():"}', stream=False)
+    valid = await validation.off_loop(validation.validate, tgi_request(b'{"inputs": "def f():"}', stream=False))
     assert valid.input_ids
     assert asyncio.get_running_loop().is_running()
 

@@ -3,8 +3,8 @@ loopback TCP with different ports, node 0's router reaching rank 1 over TCP with
 oracle holds through it; losing node 1 whole (its launcher and its rank SIGKILLed, as when the host dies, then
 started again) is a shard crash like any other: no request is lost, and every stream is exact. (A hung rank
 across nodes, where the router restarts the group through the epoch store, was run here too and passed; it
-costs ~20 s of CI, and its parts are tested apart: the step deadline in test_crash_recovery, the epoch moving
-once per failure in test_shard_channels.)
+costs a deployment's restart of CI time, and its parts are tested apart: the step deadline in test_crash_recovery,
+the epoch moving once per failure in test_shard_channels.)
 """
 
 from __future__ import annotations

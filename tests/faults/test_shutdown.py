@@ -88,8 +88,8 @@ async def wait_until_dead(family: list[psutil.Process]) -> None:
 
 @pytest.fixture(scope="module")
 def deployments(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[Deployments]:
-    """Each test ends its own deployment; those the selected tests use start together (a start is 12-20 s on 2
-    cores)."""
+    """Each test ends its own deployment; those the selected tests use start together (a start takes many
+    seconds on 2 cores)."""
     starts = {
         "batch_of_3": functools.partial(
             start_server, tiny_model, "--master-port", str(free_port()), "--max-batch-size", str(BATCH)

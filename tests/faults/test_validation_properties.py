@@ -37,7 +37,7 @@ from conveyor.router.api.tgi import (
 from conveyor.router.core.scheduler import sampling_pb
 from conveyor.router.frontends.openai import Choice, OpenAIRoutes
 from conveyor.router.limits import Limits
-from conveyor.router.pipeline.request import ValidRequest
+from conveyor.router.pipeline.request import ValidRequest, tgi_request
 from conveyor.router.pipeline.validation import Validation, ValidationError
 from conveyor.shard.sampling import Sampler, SamplingParams
 
@@ -353,7 +353,7 @@ def check_valid(valid: ValidRequest) -> None:
 @given(body=TGI_BODIES, stream=st.booleans())
 def test_any_tgi_body_is_valid_or_a_validation_error(validation: Validation, body: Any, stream: bool) -> None:
     try:
-        valid = validation.validate(body, stream=stream)
+        valid = validation.validate(tgi_request(body, stream=stream))
     except ValidationError as exc:
         assert str(exc)
         event("refused")
@@ -377,7 +377,7 @@ def test_any_tgi_body_is_valid_or_a_validation_error(validation: Validation, bod
 )
 def test_any_bytes_are_a_request_or_a_validation_error(validation: Validation, raw: bytes) -> None:
     try:
-        validation.validate(raw, stream=False)
+        validation.validate(tgi_request(raw, stream=False))
     except ValidationError as exc:
         assert str(exc)
 
@@ -472,7 +472,7 @@ def test_every_accepted_sampling_configuration_samples_a_real_token(
     validation: Validation, parameters: dict, logits_seed: int, scale: float
 ) -> None:
     try:
-        valid = validation.validate({"inputs": "def f():", "parameters": parameters}, stream=False)
+        valid = validation.validate(tgi_request({"inputs": "def f():", "parameters": parameters}, stream=False))
     except ValidationError:
         return
     params = _shard_side(valid)
@@ -504,7 +504,7 @@ def test_a_vanishing_temperature_or_top_p_picks_the_most_likely_token(
     chosen = {"temperature": tiny} if which == "temperature" else {"top_p": tiny}
     if which == "both":
         chosen = {"temperature": tiny, "top_p": tiny}
-    valid = validation.validate({"inputs": "x", "parameters": {**chosen, "seed": seed}}, stream=False)
+    valid = validation.validate(tgi_request({"inputs": "x", "parameters": {**chosen, "seed": seed}}, stream=False))
     params = _shard_side(valid)
     generator = torch.Generator().manual_seed(logits_seed)
     logits = torch.randn((1, VOCAB), generator=generator) * 3

@@ -13,7 +13,7 @@ import transformers
 from conveyor import demo_model
 from conveyor.router.api.tgi import GenerateParameters, Sampling
 from conveyor.router.limits import Limits
-from conveyor.router.pipeline.request import Parameters, ValidRequest
+from conveyor.router.pipeline.request import Parameters, Request, ValidRequest, from_tgi, tgi_request
 from conveyor.router.pipeline.validation import Validation, ValidationError
 
 LIMITS = Limits(max_input_tokens=32, max_total_tokens=64, max_stop_sequences=2, max_top_n_tokens=3)
@@ -40,7 +40,7 @@ def prompt_ids(tokenizer: Any, text: str = PROMPT) -> list[int]:
 
 
 def generate(validation: Validation, stream: bool = False, **parameters: Any) -> ValidRequest:
-    return validation.validate({"inputs": PROMPT, "parameters": parameters}, stream=stream)
+    return validation.validate(tgi_request({"inputs": PROMPT, "parameters": parameters}, stream=stream))
 
 
 # --- Happy paths ----------------------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def generate(validation: Validation, stream: bool = False, **parameters: Any) ->
 
 def test_defaults(validation: Validation, tokenizer: Any) -> None:
     ids = prompt_ids(tokenizer)
-    valid = validation.validate({"inputs": PROMPT}, stream=False)
+    valid = validation.validate(tgi_request({"inputs": PROMPT}, stream=False))
     assert valid.inputs == PROMPT
     assert valid.input_ids == tuple(ids)
     assert valid.input_ids[0] == 0  # the BOS the tokenizer adds
@@ -61,8 +61,8 @@ def test_defaults(validation: Validation, tokenizer: Any) -> None:
 def test_missing_or_null_parameters_mean_defaults(validation: Validation, parameters: Any) -> None:
     body = {"inputs": PROMPT} if parameters is None else {"inputs": PROMPT, "parameters": parameters}
     assert (
-        validation.validate(body, stream=True).parameters
-        == validation.validate({"inputs": PROMPT, "parameters": None}, stream=True).parameters
+        validation.validate(tgi_request(body, stream=True)).parameters
+        == validation.validate(tgi_request({"inputs": PROMPT, "parameters": None}, stream=True)).parameters
     )
 
 
@@ -141,7 +141,7 @@ def test_ints_are_accepted_as_floats(validation: Validation) -> None:
 
 
 def test_stream_key_beside_inputs_is_accepted(validation: Validation) -> None:
-    assert validation.validate({"inputs": PROMPT, "stream": True}, stream=True).inputs == PROMPT
+    assert validation.validate(tgi_request({"inputs": PROMPT, "stream": True}, stream=True)).inputs == PROMPT
 
 
 def test_truncate_keeps_the_last_tokens(validation: Validation, tokenizer: Any) -> None:
@@ -154,7 +154,9 @@ def test_truncate_keeps_the_last_tokens(validation: Validation, tokenizer: Any) 
 def test_truncate_lets_a_long_prompt_through(validation: Validation, tokenizer: Any) -> None:
     text = "the quick brown fox " * 20
     assert len(prompt_ids(tokenizer, text)) > LIMITS.max_input_tokens
-    valid = validation.validate({"inputs": text, "parameters": {"truncate": LIMITS.max_input_tokens}}, stream=False)
+    valid = validation.validate(
+        tgi_request({"inputs": text, "parameters": {"truncate": LIMITS.max_input_tokens}}, stream=False)
+    )
     assert valid.input_ids == tuple(prompt_ids(tokenizer, text)[-LIMITS.max_input_tokens :])
 
 
@@ -211,21 +213,23 @@ def test_greedy_leaves_seed_unset(validation: Validation) -> None:
     assert valid.parameters.seed is None
 
 
-def test_validate_prompt_is_the_shared_core(validation: Validation) -> None:
-    by_body = validation.validate({"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}, stream=False)
-    assert validation.validate_prompt(PROMPT, Parameters(max_new_tokens=3)) == by_body
+def test_a_mapped_request_is_validated_as_its_body(validation: Validation) -> None:
+    by_body = validation.validate(tgi_request({"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}, stream=False))
+    assert validation.validate(Request(PROMPT, Parameters(max_new_tokens=3))) == by_body
     with pytest.raises(ValidationError, match="decoder_input_details"):
-        validation.validate_prompt(PROMPT, Parameters(decoder_input_details=True), stream=True)
+        validation.validate(Request(PROMPT, Parameters(decoder_input_details=True), stream=True))
 
 
-def test_validate_tgi_is_what_grpc_calls(validation: Validation) -> None:
-    by_body = validation.validate({"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "top_k": 4}}, stream=False)
+def test_from_tgi_is_what_grpc_calls(validation: Validation) -> None:
+    by_body = validation.validate(
+        tgi_request({"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "top_k": 4}}, stream=False)
+    )
     parameters = GenerateParameters(max_new_tokens=3, top_k=4)
-    by_model = validation.validate_tgi(PROMPT, parameters, stream=False)
+    by_model = validation.validate(from_tgi(PROMPT, parameters, stream=False))
     assert by_model.input_ids == by_body.input_ids
     assert by_model.parameters.max_new_tokens == 3 and by_model.parameters.sampling.top_k == 4
     with pytest.raises(ValidationError, match="`parameters.stop` must be at most 2 items"):
-        validation.validate_tgi(PROMPT, GenerateParameters(stop=["a", "b", "c"]), stream=False)
+        validation.validate(from_tgi(PROMPT, GenerateParameters(stop=["a", "b", "c"]), stream=False))
 
 
 # --- Rejections -------------------------------------------------------------------------------------------------
@@ -374,7 +378,7 @@ BAD_BODIES = [
 @pytest.mark.parametrize(("body", "message"), BAD_BODIES, ids=[repr(b) for b, _ in BAD_BODIES])
 def test_bad_bodies(validation: Validation, body: object, message: str) -> None:
     with pytest.raises(ValidationError) as info:
-        validation.validate(body, stream=False)
+        validation.validate(tgi_request(body, stream=False))
     assert message in str(info.value)
 
 
@@ -388,7 +392,7 @@ def test_too_many_input_tokens(validation: Validation, tokenizer: Any) -> None:
     text = "the quick brown fox " * 20
     n = len(prompt_ids(tokenizer, text))
     with pytest.raises(ValidationError) as info:
-        validation.validate({"inputs": text}, stream=False)
+        validation.validate(tgi_request({"inputs": text}, stream=False))
     assert str(info.value) == f"`inputs` must have less than 32 tokens. Given: {n}"
 
 
@@ -528,7 +532,7 @@ def test_fuzz_raises_only_validation_errors(validation: Validation, stream: bool
     accepted = 0
     for body in _fuzz_bodies():
         try:
-            valid = validation.validate(body, stream=stream)
+            valid = validation.validate(tgi_request(body, stream=stream))
         except ValidationError as exc:
             assert str(exc), f"empty message for {body!r}"
             continue
@@ -545,7 +549,7 @@ def test_fuzz_raises_only_validation_errors(validation: Validation, stream: bool
 def test_non_finite_numbers_are_rejected(validation: Validation, name: str, text: str) -> None:
     body = json.loads(f'{{"inputs": "a", "parameters": {{"{name}": {text}}}}}')
     with pytest.raises(ValidationError, match=f"^`parameters.{name}`: Input should be a finite number"):
-        validation.validate(body, stream=False)
+        validation.validate(tgi_request(body, stream=False))
 
 
 def test_huge_integer_where_a_float_is_expected(validation: Validation) -> None:
@@ -566,8 +570,8 @@ def test_special_tokens_written_in_a_chat_message_are_text_unless_trusted(tokeni
     validation = Validation(tokenizer, Limits(max_input_tokens=500, max_total_tokens=600))
     prompt = render_chat(render, messages, validation.special_texts)
     assert prompt.text == render(messages) and len(prompt.plain_spans) == 2
-    ids = validation.validate_prompt(
-        prompt.text, Parameters(), add_special_tokens=False, plain_spans=prompt.plain_spans
+    ids = validation.validate(
+        Request(prompt.text, Parameters(), add_special_tokens=False, plain_spans=prompt.plain_spans)
     )
     benign = render([messages[0], {"role": "user", "content": "hi"}])
     # Only the template's own turn ends are control tokens; the message's `</s>` are its text, read back whole.
@@ -599,9 +603,9 @@ def test_a_prompt_longer_than_the_token_limit_can_hold_is_refused_before_it_is_t
     validation = Validation(counting, Limits(max_input_tokens=32, max_total_tokens=64))
     limit = 32 * validation.max_token_chars
     with pytest.raises(ValidationError, match="characters"):
-        validation.validate_prompt("a" * (limit + 1), Parameters())
+        validation.validate(Request("a" * (limit + 1), Parameters()))
     assert counting.encoded == 0
     huge = "word " * 200_000  # a megabyte: with truncate, only a tail that can hold the tokens kept is read
-    valid = validation.validate_prompt(huge, Parameters(truncate=8, max_new_tokens=2))
+    valid = validation.validate(Request(huge, Parameters(truncate=8, max_new_tokens=2)))
     assert valid.input_ids == tuple(tokenizer.encode(huge[-1000:])[-8:])
     assert counting.encoded <= 10 * validation.max_token_chars
