@@ -1,4 +1,4 @@
-# Conveyor's image (README.md, "Deployment"). `make image` builds the CPU image; `make image-gpu` the GPU one.
+# Conveyor's image (docs/deployment.md, "The image"). `make image` builds the CPU image; `make image-gpu` the GPU one.
 #
 #   docker run -p 3000:3000 -v conveyor-models:/models conveyor      serves the demo model on 0.0.0.0:3000
 #

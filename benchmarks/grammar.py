@@ -1,10 +1,11 @@
 """Structured output's cost: the token mask inside Conveyor's decode step, and the grammar engines side by side.
 
-    make bench-grammar                                  # the demo `small` model, ~3 minutes on an idle 2-core CPU
+    make bench-grammar                                  # the demo `small` model, minutes on an idle 2-core CPU
     .venv/bin/python -m conveyor.benchmarks.grammar --model-id DIR --batch-sizes 1,8 --steps 16
 
 Run it on an otherwise idle machine: torch's threads wait for one another at every operation, so another busy
-process on a 2-core CPU made the same steps 2-5x slower in trials (and the engines' thread pools suffer alike).
+process on a 2-core CPU made the same steps several times slower in trials (and the engines' thread pools suffer
+alike).
 
 **Decode step.** The model is loaded in-process as a shard loads it (`bare.BareLoop`, one KV slot per row) and the
 shard's `Engine` is driven directly, as the shard's service drives it (Prefill, Decode, FilterBatch) but with no

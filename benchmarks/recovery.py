@@ -7,7 +7,7 @@ Each deployment is started with the launcher; for each kill, --streams streams (
 outlast the recovery) are started, and once every one has a token the last rank is SIGKILLed. The table gives,
 per kill, the time until the first resumed stream has a new token and until every stream has one, and checks
 that each stream still got all its tokens. The launcher restarts the shard group, the router replays the
-requests (README, "Failure and recovery"): the time is mostly the shard processes starting again.
+requests (docs/operations.md, "Failure and recovery"): the time is mostly the shard processes starting again.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class Config:
     api_keys_file: str | None = flag(
         None,
         "JSON file of API keys, each with a name and optionally a weight (fair share), max_concurrent, top_priority "
-        "and admin (README: Keys and fair shares)",
+        "and admin (docs/deployment.md: a shared server)",
     )
     metrics_key: str | None = flag(
         None,

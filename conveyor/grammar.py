@@ -1,12 +1,11 @@
 """Constraints on what a request may generate (structured output), and the grammars that enforce them.
 
-The engine is llguidance, for its compile time: on this machine it compiled a nested JSON schema in 3 ms and a
-64-property one in 41-46 ms, where xgrammar took ~750 and ~400 ms and outlines-core ~2 s and ~45 s, and a new schema
-is compiled while its request waits (`benchmarks/grammar.py`). Per step it is level with xgrammar (~10 ms of mask
-and advance for 32 rows) and slower than outlines-core (~5 ms, whose masks are looked up in what it compiled),
-and it needs no other package. The router and the
-shards share this module: the router compiles each distinct constraint once to refuse a bad one with a 422, the
-shards compile it again (once) to build the matchers that mask each step's logits.
+The engine is llguidance, for its compile time: it compiles a nested JSON schema and a large one far sooner than
+xgrammar and outlines-core, and a new schema is compiled while its request waits. Per step (mask and advance) it
+is level with xgrammar and slower than outlines-core (whose masks are looked up in what it compiled), and it needs
+no other package. `make bench-grammar` (benchmarks/grammar.py) measures all three, compile and step. The router
+and the shards share this module: the router compiles each distinct constraint once to refuse a bad one with a
+422, the shards compile it again (once) to build the matchers that mask each step's logits.
 """
 
 from __future__ import annotations
@@ -127,7 +126,8 @@ def _sized(text: str) -> str:
 class GrammarCache:
     """Compiled grammars for one tokenizer, one per distinct grammar text. A request gets a copy of the compiled
     matcher, which is much cheaper than compiling again. Safe to share between threads (the router's validation
-    workers); the tokenizer's llguidance view (~0.3 s for 32k tokens) is built at first use, not at startup."""
+    workers); the tokenizer's llguidance view (slow to build for a large vocabulary: `make bench-grammar` times it)
+    is built at first use, not at startup."""
 
     def __init__(self, tokenizer: Any, vocab_size: int | None, eos_token_ids: frozenset[int] | None = None) -> None:
         """`vocab_size`: the width of the logits, if it differs from the tokenizer's (None: the tokenizer's)."""
@@ -183,10 +183,10 @@ def _first_step_error(template: Any, eos_token_ids: list[int]) -> str | None:
     start (`a{1000000}`: a million a's) is worked out at the first mask and token only, and a limit of its own met
     there (lexer states, Earley items, a row's size) puts the matcher in an error state; the shard then ends the
     request after one token, with finish reason `stop`. So a copy takes that step at compile time: the first
-    mask, then the first token it allows other than EOS. Cheap for real constraints: 0.01-0.15 ms here for
-    schemas, regexes and grammars that took 0.3-1.4 ms to compile (1k- and 32k-token tokenizers). A limit met
-    only after a choice (`x|a{1000000}`, once the model picks `a`) is still met on the shard, which ends the
-    request with EOS (shard/masks.py)."""
+    mask, then the first token it allows other than EOS. Cheap for real constraints next to the compile itself
+    (schemas, regexes and grammars, on small and large tokenizers; `make bench-grammar` times the compile with this
+    step in it). A limit met only after a choice (`x|a{1000000}`, once the model picks `a`) is still met on the
+    shard, which ends the request with EOS (shard/masks.py)."""
     matcher = template.deep_copy()
     allowed = int.from_bytes(matcher.compute_bitmask(), "little")  # bit t of the little-endian words: token t
     for eos in eos_token_ids:

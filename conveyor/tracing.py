@@ -64,7 +64,8 @@ def span(
 ) -> Iterator[Span]:
     """A span under `parent` (a span, a context, or the current span when None). With no tracer provider set
     (no `--otlp-endpoint`), a span under the current one would be the current one again, unrecorded: it is
-    yielded as it is, which saves the ~9 us the no-op tracer takes to make it (a request's validation, a step)."""
+    yielded as it is, which saves what the no-op tracer takes to make it on the hot paths (a request's validation,
+    whose cost benchmarks/validation.py measures; a step)."""
     if parent is None and not links and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         yield trace.get_current_span()
         return

@@ -70,9 +70,9 @@ class Child:
 
 
 def stop_together(children: list[Child], timeout: float) -> None:
-    """Asks every child to stop at once and gives them the same `timeout`: ranks stopped one after another took
-    4-10 s for two (each waits for its gRPC server's grace), and a rank whose peer is already gone may wait for it
-    in a collective."""
+    """Asks every child to stop at once and gives them the same `timeout`: ranks stopped one after another add up
+    (each waits for its gRPC server's grace), and a rank whose peer is already gone may wait for it in a
+    collective."""
     for child in children:
         child.ask_to_stop()
     deadline = time.monotonic() + timeout

@@ -28,7 +28,8 @@ class Masks:
             return 0
         start = time.perf_counter_ns()
         if self._executor is None:
-            # Not llguidance.torch: importing it compiles a kernel with torch.compile, 4 s at the first request.
+            # Not llguidance.torch: importing it compiles a kernel with torch.compile, a wait of seconds at the first
+            # request.
             from llguidance import LLExecutor
 
             self._executor = LLExecutor()

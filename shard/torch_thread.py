@@ -3,9 +3,10 @@
 torch's CPU kernels run on OpenMP (libgomp), which gives each thread that enters a parallel region a team of
 worker threads of its own. Once a process holds more OpenMP threads than the machine has cores, libgomp stops
 spinning between regions (its throttled spin count) and every region of every team pays a futex wake-up. The
-shard used to load the model on one thread and step on another: two teams, and every forward 25-35% slower than
-the same forward run where the model was loaded (measured on the small demo model, float32, 2-core Intel Xeon:
-a batch-1 decode step 23.5 against 31.4 ms, batch 32 55 against 69 ms). One thread for everything keeps one team.
+shard used to load the model on one thread and step on another: two teams, and every forward markedly slower than
+the same forward run where the model was loaded (on the small demo model, float32, 2-core Intel Xeon, at batch 1
+and batch 32 alike: the bare forward's decode step, benchmarks/bare.py, timed with the model loaded on another
+thread against the same thread, measures it). One thread for everything keeps one team.
 """
 
 from __future__ import annotations

@@ -405,7 +405,7 @@ def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None
 
 def start_servers(*starts: Callable[[], Server]) -> list[Server]:
     """Runs several starts (each a call of start_server) at once. A start is mostly imports, one process at a time
-    (the shards, then the router), so starts overlap well: on 2 cores, three at once took 25-50% less time than
+    (the shards, then the router), so starts overlap well: on 2 cores, three at once took clearly less time than
     one after another. If one fails, those that came up are stopped and its error is raised."""
     with ThreadPoolExecutor(len(starts)) as pool:
         futures = [pool.submit(start) for start in starts]
@@ -486,9 +486,9 @@ def server(session_deployments: Deployments) -> Server:
 @pytest.fixture(scope="session")
 def small_kv(session_deployments: Deployments) -> Server:
     """A KV pool of 32 blocks of 16 tokens: a few long requests outgrow it, so the scheduler has to preempt. One
-    deployment for tests/e2e/test_kv_blocks.py, tests/e2e/test_scheduling.py and tests/faults/test_soak.py (a start is
-    12-20 s on 2 cores): they read counters as differences, and the soak's SIGKILLed shard comes back with the
-    same pool (its size is given, not measured)."""
+    deployment for tests/e2e/test_kv_blocks.py, tests/e2e/test_scheduling.py and tests/faults/test_soak.py (a start
+    takes many seconds on 2 cores): they read counters as differences, and the soak's SIGKILLed shard comes back
+    with the same pool (its size is given, not measured)."""
     server = session_deployments.get("small_kv")
     assert server.info()["kv_blocks_total"] == 32
     return server

@@ -1,7 +1,7 @@
 """What a client may hold open without sending work: the HTTP server's limits on slow and idle connections.
 
 aiohttp reads headers and bodies for as long as a client takes: connections that sent their headers a byte at
-a time, or a body slower than its Content-Length, stayed open indefinitely (8 held past 30 s, no key needed), and
+a time, or a body slower than its Content-Length, stayed open indefinitely (no key needed), and
 `Expect: 100-continue` with a 50 MB Content-Length was told to go ahead. Here:
 
 - `idle_timeout`: a connection that has not sent a whole request's headers within this many seconds of opening

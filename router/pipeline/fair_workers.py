@@ -2,7 +2,7 @@
 
 Tokenizing, rendering a chat template and compiling a grammar run on a few threads off the event loop. First come,
 first served, one key sending large prompts filled every thread and everyone else's short request waited behind
-them (an admin's 20-token request took 23 s while another key's six huge prompts were tokenized). Here each key
+them (an admin's short request waited for every other key's huge prompts to be tokenized). Here each key
 has a queue of its own and a free thread takes the next job of the key whose last job started longest ago (or
 never): a key's work waits behind its own, and behind at most one job of each other key.
 """

@@ -118,7 +118,7 @@ class Validation:
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, owner: str = "", **kwargs: Any) -> Any:
         """Runs `fn` (parsing, tokenizing, rendering a chat template) on a validation worker, in `owner`'s turn
-        (an API key's name: fair_workers.py). Tokenizing a prompt of a few megabytes takes over a second: on the
+        (an API key's name: fair_workers.py). Tokenizing a prompt of a few megabytes takes a thread for long: on the
         event loop it froze every running stream that long. The caller's context (its trace span) goes along."""
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return await self._workers.run(owner, call)

@@ -8,10 +8,12 @@
 // high halves). Each int32 lane then sums four bytes of one group: lanes 4g..4g+3 are group g. The +8 comes back
 // out as 8 * (x's sum over the lane's bytes), computed once per call and subtracted by starting each lane from it;
 // the lanes, as floats, take the product of their group's two scales (the weight's and x's) in one multiply-add.
-// x's scale per group rather than per row costs that multiply, one float instruction per two vpdpbusd: measured on
-// an Intel Xeon (Emerald Rapids, one thread) over SmolLM2-135M's layers and head, a decode step's GEMMs the same at
-// one row, 2-3% slower at 32 rows and 5% at 512. It buys little accuracy there (int4's error is its weights': mean
-// KL 0.34 nats on SmolLM2-135M-Instruct either way), but keeps an outlier channel of x from costing the whole row.
+// x's scale per group rather than per row costs that multiply, one float instruction per two vpdpbusd: on an Intel
+// Xeon (Emerald Rapids, one thread) over SmolLM2-135M's layers and head, a decode step's GEMMs took the same time at
+// one row and a little longer at many. It buys little accuracy there (int4's error is its weights': the mean KL
+// from float32 is about the same either way, `python -m conveyor.benchmarks.accuracy --quantize int4`), but keeps
+// an outlier channel of x from costing the whole row. No benchmark times the kernel alone; `make bench
+// ARGS="--quantized int4"` measures a whole int4 deployment.
 //
 // Compiled where quantized_rows.h says (AVX-512 VNNI, BW and VL); elsewhere the op exists but refuses,
 // `int8_vnni_available` says no, and int4_gemm.cpp serves.

@@ -5,8 +5,9 @@
 // is read from memory once per call whatever the row count (from L1 for the next four rows): a quarter of
 // float32's bytes, half of bf16's, which is what decides a decode step with few rows. With many rows the work is
 // the dot products, in float, with no register blocking across weight rows: oneDNN's packed float kernels are
-// several times faster there (demo small's layers at 32 rows, AMD EPYC Zen 4: 5.9 ms against 1.9). CPUs with
-// AVX-512 VNNI take int8_vnni_gemm.cpp instead.
+// faster there (demo small's layers at 32 rows, AMD EPYC Zen 4; no benchmark times the kernel alone, `make bench
+// ARGS="--quantized int8"` on a CPU without VNNI measures a whole int8 deployment on it). CPUs with AVX-512 VNNI
+// take int8_vnni_gemm.cpp instead.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

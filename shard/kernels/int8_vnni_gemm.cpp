@@ -1,9 +1,8 @@
 // x @ dequant(W).T (+ b) for int8 weights with a float16 scale per block of 32 inputs, x rounded to int8 with a
 // float scale per block of 32 as it comes in (quantized_rows.h): `--quantize int8` on a CPU with AVX-512 VNNI, as
 // llama.cpp's q8_0 weights against q8_0 activations. Each block's dot product is integer, then scaled by both
-// blocks' scales and summed in float. (A scale per row for each, as before, cost ten times the accuracy: mean KL
-// from float32 0.033 nats per token on SmolLM2-135M-Instruct, against 0.0037; `python -m
-// conveyor.benchmarks.accuracy`.)
+// blocks' scales and summed in float. (A scale per row for each, as before, moved the output much further from
+// float32's on a real model: `python -m conveyor.benchmarks.accuracy --quantize int8` measures the mean KL.)
 //
 // The weights' order keeps the scaling off the integer loop (`Int8BlockWeight`, shard/layers/quantize.py): blocks
 // go in groups of 16, a group's 64-byte vector k holding bytes 4k..4k+3 of each of its blocks, so that one vpdpbusd
@@ -17,11 +16,12 @@
 //
 // Up to kStreamRows rows of x (decode with few sequences) the weights are read once, a few rows side by side; with
 // more, the arithmetic decides, and several weight rows side by side let each vector of x loaded serve several
-// products, over tiles of x's rows that stay in cache while every weight row passes. Measured on an Intel Xeon
-// (Emerald Rapids, one thread) over SmolLM2-135M's layers and head, a decode step's GEMMs against the kernel with
-// a scale per row: one row 2.9-4.6 -> 2.7-3.9 ms (faster: four weight rows reduce together), 32 rows 26 -> 34 ms
-// and 512 rows 450 -> 610 ms (the three float instructions per eight vpdpbusd share their ports; a scale per row
-// of the weights would take one of them away, for 0.0064 nats of KL instead of 0.0037).
+// products, over tiles of x's rows that stay in cache while every weight row passes. Against the kernel with a
+// scale per row (Intel Xeon Emerald Rapids, one thread, SmolLM2-135M's layers and head), this one was a little
+// faster at one row (four weight rows reduce together) and slower at many (the three float instructions per eight
+// vpdpbusd share their ports; a scale per row of the weights would take one of them away, for a larger KL from
+// float32). No benchmark times the kernel alone: `make bench ARGS="--quantized int8"` measures a whole int8
+// deployment, and `python -m conveyor.benchmarks.accuracy --quantize int8` its KL.
 //
 // Compiled where quantized_rows.h says (AVX-512 VNNI, BW and VL); elsewhere the op exists, says so through
 // `int8_vnni_available`, and the widening kernel (int8_gemm.cpp) serves instead.

@@ -1,7 +1,8 @@
 // Decode attention that reads each sequence's K/V where it lies in the paged pool, through its block table.
 //
 // The torch path (shard/layers/attention.py) gathers every sequence's context into a padded copy and runs SDPA
-// with a mask; at batch 32 that copy and the masked kernel were about a quarter of a decode step on CPU. Here one
+// with a mask; at batch 32 that copy and the masked kernel were a large share of a decode step on CPU (the bare
+// forward's decode step, benchmarks/bare.py, with `CONVEYOR_ATTENTION=torch` against `auto`, measures it). Here one
 // task per (sequence, KV head) scores its context once for all the query heads that share that KV head (GQA),
 // softmaxes in float32 and sums the values, reading the pool in place. The torch path stays the reference: the
 // tests hold this kernel to it on random block tables, in float32 and bfloat16.

@@ -3,9 +3,9 @@
 //
 // Why blocks, not a scale per row: a real model's activations have a few outlier channels (hundreds of times the
 // rest), and one scale per row spends the 8 bits on them, leaving the other inputs a handful of levels. On
-// SmolLM2-135M-Instruct a scale per row moved the output distribution by a mean KL of 0.033 nats from float32 with
-// int8 weights (`python -m conveyor.benchmarks.accuracy`), a scale per 32 inputs by 0.0037 (with the weights' scales
-// per 32 as well); an outlier now coarsens only its own block.
+// SmolLM2-135M-Instruct with int8 weights, a scale per 32 inputs (with the weights' scales per 32 as well) moved
+// the output distribution from float32's far less than a scale per row did (mean KL: `python -m
+// conveyor.benchmarks.accuracy --quantize int8`); an outlier now coarsens only its own block.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,11 +1,12 @@
 // x @ W.T (+ b) for a few rows of x: the shape of every linear layer in a decode step with one or two requests.
 //
 // At one row a linear layer is a matrix-vector product, bound by reading the weight once from memory. oneDNN's
-// kernels for a packed weight are built for many rows; at one row they read the weights at about half this
-// machine's bandwidth (an AMD EPYC Zen 4: ~20 GB/s against ~40 for a plain sum). Here each task streams whole
+// kernels for a packed weight are built for many rows; at one row they read the weights well below the memory
+// bandwidth a plain sum over the same bytes reaches (on an AMD EPYC Zen 4). Here each task streams whole
 // rows of the plain [out, in] weight, widened to float as they are read, and dots them with every row of x while
 // the weight row is still in L1: the weight is read from memory once whatever the row count, and the work per
-// weight row grows with it, so this wins only for the first few rows (the caller picks the limit by measurement).
+// weight row grows with it, so this wins only for the first few rows (the caller picks the limit by measurement:
+// `SMALL_ROWS` in shard/layers/gemm.py, from the bare forward's decode step, benchmarks/bare.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -43,8 +44,9 @@ void rows(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias
 
 #ifdef CONVEYOR_AVX512_DOTS
 // The same in AVX-512, four weight rows at a time: the portable loop above keeps one accumulator chain per weight
-// row and waits on it, which bfloat16 weights (half the bytes to wait for) feel most. One thread, one row, Intel
-// Xeon (Emerald Rapids): bfloat16 1.5-1.7x faster on SmolLM2's layer shapes, float32 within 10%.
+// row and waits on it, which bfloat16 weights (half the bytes to wait for) feel most: on SmolLM2's layer shapes
+// (one thread, one row, Intel Xeon Emerald Rapids) bfloat16 gained clearly and float32 stayed level. No benchmark
+// times this kernel alone; the bare forward's decode step at batch 1 (benchmarks/bare.py) shows it.
 template <int kOut, typename scalar_t>
 void rows_avx512_block(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out,
                        int64_t in, int64_t out_features, int64_t o) {

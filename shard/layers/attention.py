@@ -273,7 +273,8 @@ def _attend(
             group.window,
             softcap,
         )
-    # index_select on the flattened slots: the same rows as advanced indexing, ~25% faster on CPU.
+    # index_select on the flattened slots: the same rows as advanced indexing, faster on CPU (this path's decode
+    # step: the bare forward, benchmarks/bare.py, with CONVEYOR_ATTENTION=torch).
     shape = (*group.context_slots.shape, *flat_keys.shape[1:])
     slots = group.context_slots.view(-1)
     keys = flat_keys.index_select(0, slots).view(shape).transpose(1, 2)  # [B, Hkv, C, D]

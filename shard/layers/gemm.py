@@ -1,20 +1,21 @@
 """The matrix multiply behind every linear layer and the LM head: `x @ W.T (+ b)` by the fastest kernel at hand.
 
-On CPU, torch's `F.linear` goes to MKL's sgemm, which on AMD processors takes a generic path: measured on this
-machine's AVX2 EPYC at 32 rows, 24-28 GFLOP/s against 48-60 for oneDNN with the weight packed once into its
-blocked layout (the same kernels vLLM's CPU build dispatches its linear layers to). So a CPU weight is packed for
-oneDNN at load time, when oneDNN supports its dtype here (float32 always; bfloat16 only where oneDNN has bf16
-kernels for the CPU, `conveyor.cpu.onednn_bf16`, else it refuses to pack it). Everything else (CUDA, half types
-oneDNN can't pack, or `CONVEYOR_GEMM=torch`, the switch the benchmark uses to measure the difference) keeps
-`F.linear`.
+On CPU, torch's `F.linear` goes to MKL's sgemm, which on AMD processors takes a generic path, slower than oneDNN
+with the weight packed once into its blocked layout (the same kernels vLLM's CPU build dispatches its linear layers
+to): `make bench` runs the bare forward on both (benchmarks/bare.py; compare's target "bare forward: oneDNN GEMM /
+F.linear (MKL)"). So a CPU weight is packed for oneDNN at load time, when oneDNN supports its dtype here (float32
+always; bfloat16 only where oneDNN has bf16 kernels for the CPU, `conveyor.cpu.onednn_bf16`, else it refuses to
+pack it). Everything else (CUDA, half types oneDNN can't pack, or `CONVEYOR_GEMM=torch`, the switch the benchmark
+uses to measure the difference) keeps `F.linear`.
 
 A step with one or two rows (one person chatting, two at once) is a matrix-vector product, bound by reading each
-weight once. oneDNN's kernels for a packed weight read it there at about half the memory bandwidth, so on CPU those
+weight once. oneDNN's kernels for a packed weight read it there well below the memory bandwidth, so on CPU those
 rows go to Conveyor's own `small_gemm` kernel (`shard/kernels/small_gemm.cpp`) over the plain [out, in] weight.
 Where the weight is packed that is a second copy of it: kept only while both copies fit in a share of the memory
-(`plain_copy_fits`, decided once per model by the engine). Measured on an AMD EPYC Zen 4 (demo small model, bare
-decode step): batch 1 float32 24 -> 16 ms, bfloat16 13.5 -> 10 ms; batch 2 25 -> 18 and 15 -> 11-14 ms; from 3 rows
-oneDNN is as fast or faster (in bfloat16 clearly), hence SMALL_ROWS.
+(`plain_copy_fits`, decided once per model by the engine). The small-rows kernel shortens the bare decode step at
+batch 1 and 2, in float32 and bfloat16, and from 3 rows oneDNN is as fast or faster (in bfloat16 clearly), hence
+SMALL_ROWS: the bare forward measures it (benchmarks/bare.py, `measure` at batch 1, 2 and 3 with `gemm="auto"`
+against `gemm="onednn"`, its median full decode step).
 """
 
 from __future__ import annotations
@@ -76,13 +77,11 @@ def small_rows_kernel(weight: torch.Tensor) -> bool:
 def vnni() -> bool:
     """Whether quantized layers round their input to int8, a scale per block of 32 inputs, and take the integer
     kernels (AVX-512 VNNI built in; int8 weights then have a scale per block of 32 too, `Int8BlockWeight`), rather
-    than widening the weights to x's dtype (`int8_gemm`, `int4_gemm`). Measured when x had a scale per row, on the
-    demo small model's four layer shapes, AMD EPYC Zen 4, float32 rows: int8 1 row 0.37 -> 0.07 ms, 32 rows 5.9 ->
-    1.0 ms, 2048 rows 105 -> 67 ms (oneDNN's float32 kernels take 0.25, 2.2 and 125, its bfloat16 ones 0.18, 1.1 and
-    63); int4 at 32 rows 1.3 ms, 2048 rows 89 ms; int4, every linear layer and the head at 1 row, 7.9 -> 2.2 ms.
-    Scales per block of 32 cost the integer kernels little at one row and up to a third more at many (int8; int4
-    a few percent): `int8_vnni_gemm.cpp` has the numbers, and SmolLM2-135M's mean KL from float32 went from 0.033 to
-    0.0037 nats (int8)."""
+    than widening the weights to x's dtype (`int8_gemm`, `int4_gemm`): faster from one row to a whole prefill, and
+    than oneDNN's float32 kernels too. Scales per block of 32 cost the integer kernels little at one row and more
+    at many (int8 more than int4; `int8_vnni_gemm.cpp` says why), and bring int8's output much closer to float32's
+    than a scale per row: `python -m conveyor.benchmarks.accuracy --quantize int8 int4` measures that, and
+    `make bench ARGS="--quantized int8,int4"` the speed (the one-stream and saturated rows of each quantization)."""
     from conveyor.shard.kernels import build
 
     return build.load() and torch.ops.conveyor.int8_vnni_available()

@@ -1,7 +1,7 @@
 """RMSNorm, computed in float32 whatever the model's dtype, as Llama-family checkpoints were trained; and Gemma's,
 which scales by (1 + w) and rounds once, after the scaling. On CPU both run as one C++ kernel where the kernels
-serve (`shard/kernels/rms_norm.cpp`; AMD EPYC Zen 4, one row of 768: 16.7 -> 2.8 us, 25 of them a decode step of
-the demo model), and the torch code below stays the reference path and the GPU's."""
+serve (`shard/kernels/rms_norm.cpp`, which says what it saves and what measures it), and the torch code below stays
+the reference path and the GPU's."""
 
 from __future__ import annotations
 

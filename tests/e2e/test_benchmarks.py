@@ -231,9 +231,9 @@ def test_metrics_follow_vllm_definitions(tmp_path: Path) -> None:
 
 
 def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_path: Path) -> None:
-    """One Conveyor mode only (each costs a deployment, ~20 s of CI), and int8 beside it; tests/e2e/test_scheduling.py
-    serves every mode. float32 only, on any CPU: which systems a default run adds where oneDNN has bf16 is
-    tests/unit/test_cpu.py's."""
+    """One Conveyor mode only (each costs a deployment, many seconds of CI), and int8 beside it;
+    tests/e2e/test_scheduling.py serves every mode. float32 only, on any CPU: which systems a default run adds where
+    oneDNN has bf16 is tests/unit/test_cpu.py's."""
     out = subprocess.run(
         [
             sys.executable,

@@ -1,6 +1,6 @@
 """The live dashboard (`GET /dashboard`, router/frontends/dashboard.py) in a real headless Chromium, driven by
 Playwright: the key prompt, the figures moving under load, and a request cancelled from its row. It also takes
-the screenshot the README shows:
+the screenshot docs/operations.md shows ("The dashboard"):
 `CONVEYOR_DASHBOARD_SCREENSHOT=docs/dashboard.png make test ARGS=tests/e2e/test_dashboard.py` writes it there
 (otherwise it goes to a temporary file, so that a test run leaves the tree as it was).
 
@@ -26,7 +26,7 @@ from conveyor.router.core.live_stats import RATE_WINDOW_S, LiveStats
 
 OPS, ALICE = "ops-secret-1", "alice-secret-1"
 KEYS = {"keys": [{"name": "ops", "key": OPS, "admin": True}, {"name": "alice", "key": ALICE}]}
-# The longest streams the tiny model allows (1,024 positions): a pair takes 3-10 s on 2 cores, so that ten of
+# The longest streams the tiny model allows (1,024 positions): a pair takes seconds on 2 cores, so that ten of
 # them, two at a time, outlast the test's checks; the test cancels what is left.
 LONG = {"inputs": "def forever():", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
 LOAD = 10  # streams: 2 run (--max-batch-size 2), the others wait
@@ -199,7 +199,7 @@ def cancel_from_the_page(page, deployment: Server, streams: dict[str, StreamWatc
 
 
 def screenshot(page, path: Path) -> None:
-    """The README's picture, taken under load once the charts have five seconds of history."""
+    """The picture in docs/operations.md, taken under load once the charts have five seconds of history."""
     from playwright.sync_api import expect
 
     page.wait_for_function(

@@ -27,8 +27,8 @@ LONG = {"inputs": "def forever():", "parameters": {"max_new_tokens": 1000, "igno
 @pytest.fixture(scope="module")
 def capped(tiny_model: Path) -> Iterator[Callable[[], Server]]:
     """A deployment with --max-concurrent-requests 2, for the 429 test, which leaves it healthy, and then the
-    SIGTERM test, which ends it (a start is 12-20 s on 2 cores). Started at first use, and again for a test that
-    finds it ended, so neither depends on the other's running first."""
+    SIGTERM test, which ends it (a start takes many seconds on 2 cores). Started at first use, and again for a test
+    that finds it ended, so neither depends on the other's running first."""
     servers: list[Server] = []
 
     def get() -> Server:

@@ -83,7 +83,7 @@ def test_n_choices_past_the_key_cap_are_refused_whole_and_leave_nothing_running(
 ) -> None:
     refused = httpx.post(f"{shared.url}{path}", json=body, headers=auth("tenant"), timeout=60)
     assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded", refused.text
-    assert in_flight(shared, "tenant") == []  # no choice started (it used to generate for ~27 s)
+    assert in_flight(shared, "tenant") == []  # no choice started (it used to generate for a long while)
     ok = httpx.post(
         f"{shared.url}/v1/completions",
         json={"prompt": "x", "max_tokens": 2, "n": 2},

@@ -109,7 +109,7 @@ def deployments(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[De
     }
     if "crasher" in wanted:
         token = _crasher_token(tiny_model, CRASHER, CRASHER_OTHERS)
-        # --max-request-retries 1, not the default 2: each replay costs a group restart, 5-15 s here.
+        # --max-request-retries 1, not the default 2: each replay costs a group restart, many seconds.
         env = {"CONVEYOR_FAILPOINT_EXIT_ON_TOKEN": str(token)}
         starts["crasher"] = functools.partial(start_server, tiny_model, "--max-request-retries", "1", env=env)
     deployments = Deployments(starts, wanted)

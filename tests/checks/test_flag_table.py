@@ -1,4 +1,5 @@
-"""README's "Launcher flags" table against conveyor/config.py, so that neither drifts from the other unnoticed.
+"""The "Launcher flags" table of docs/deployment.md against conveyor/config.py, so that neither drifts from the other
+unnoticed.
 
 Every flag the parser accepts is in the table, the table names no other, and each row's default is the declared
 one. A flag declared with None has a default computed elsewhere (at warmup, from the model, from the
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from conveyor import config
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DEPLOYMENT = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
 SECTION = "## Launcher flags"
 FLAG = re.compile(r"`(--[a-z0-9-]+)`")
 CELL_SEPARATOR = re.compile(r"(?<!\\)\|")  # `tiny\|small` is one cell
@@ -28,10 +29,10 @@ class Row:
     line: str
 
 
-def table_rows(readme: str) -> list[Row]:
+def table_rows(doc: str) -> list[Row]:
     """The rows of the first table under SECTION, header and separator left out."""
-    assert SECTION + "\n" in readme, f"README has no {SECTION!r} section"
-    lines = readme.split(SECTION + "\n", 1)[1].splitlines()
+    assert SECTION + "\n" in doc, f"docs/deployment.md has no {SECTION!r} section"
+    lines = doc.split(SECTION + "\n", 1)[1].splitlines()
     start = next(n for n, line in enumerate(lines) if line.startswith("|"))
     end = next((n for n, line in enumerate(lines[start:], start) if not line.startswith("|")), len(lines))
     rows = []
@@ -69,12 +70,12 @@ def flag_of(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def problems(readme: str) -> list[str]:
+def problems(doc: str) -> list[str]:
     """Every disagreement between the table and config.py, in the order of the table, then of config.py."""
     options, defaults = declared()
     found: list[str] = []
     listed: dict[str, str] = {}  # field -> the row that lists it
-    for row in table_rows(readme):
+    for row in table_rows(doc):
         unknown = [flag for flag in row.flags if flag not in options]
         found += [f"{flag}: in the table, but config.py has no such flag" for flag in unknown]
         dests = list(dict.fromkeys(options[flag] for flag in row.flags if flag in options))
@@ -99,25 +100,25 @@ def problems(readme: str) -> list[str]:
     return found
 
 
-def test_readme_lists_every_launcher_flag_with_its_default() -> None:
-    assert problems(README.read_text()) == []
+def test_the_flag_table_lists_every_launcher_flag_with_its_default() -> None:
+    assert problems(DEPLOYMENT.read_text()) == []
 
 
 def test_the_check_catches_drift() -> None:
     """A planted wrong default, a missing row and a flag that does not exist are each reported."""
-    readme = README.read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| `--max-request-retries` |"))
-    assert problems(readme.replace(row, row.replace("| 2 |", "| 3 |"))) == [
+    doc = DEPLOYMENT.read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `--max-request-retries` |"))
+    assert problems(doc.replace(row, row.replace("| 2 |", "| 3 |"))) == [
         "--max-request-retries: the table says '3', config.py declares 2"
     ]
-    assert problems(readme.replace(row + "\n", "")) == [
+    assert problems(doc.replace(row + "\n", "")) == [
         "--max-request-retries: declared in config.py, missing from the table"
     ]
-    assert problems(readme.replace(row, row.replace("--max-request-retries", "--max-request-retry"))) == [
+    assert problems(doc.replace(row, row.replace("--max-request-retries", "--max-request-retry"))) == [
         "--max-request-retry: in the table, but config.py has no such flag",
         "--max-request-retries: declared in config.py, missing from the table",
     ]
-    pair = next(line for line in readme.splitlines() if line.startswith("| `--hostname`, `--port` |"))
-    assert problems(readme.replace(pair, pair.replace("`3000`", "`3001`"))) == [
+    pair = next(line for line in doc.splitlines() if line.startswith("| `--hostname`, `--port` |"))
+    assert problems(doc.replace(pair, pair.replace("`3000`", "`3001`"))) == [
         "--port: the table says '3001', config.py declares 3000"
     ]
