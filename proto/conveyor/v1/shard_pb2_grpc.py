@@ -79,6 +79,16 @@ class ShardStub:
                 request_serializer=conveyor_dot_v1_dot_shard__pb2.FilterBatchRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_shard__pb2.FilterBatchResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/conveyor.v1.Shard/LoadAdapter',
+                request_serializer=conveyor_dot_v1_dot_shard__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_shard__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/conveyor.v1.Shard/UnloadAdapter',
+                request_serializer=conveyor_dot_v1_dot_shard__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_shard__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -151,6 +161,21 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter under a name, between steps: requests may name it from the next step on. Refused
+        (INVALID_ARGUMENT, one line naming the mismatch) when it does not fit the base model or no slot is free.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Drops a loaded adapter, between steps. The router sends it only once no request uses the adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +223,16 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.FilterBatch,
                     request_deserializer=conveyor_dot_v1_dot_shard__pb2.FilterBatchRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_shard__pb2.FilterBatchResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=conveyor_dot_v1_dot_shard__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_shard__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=conveyor_dot_v1_dot_shard__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_shard__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +478,60 @@ class Shard:
             '/conveyor.v1.Shard/FilterBatch',
             conveyor_dot_v1_dot_shard__pb2.FilterBatchRequest.SerializeToString,
             conveyor_dot_v1_dot_shard__pb2.FilterBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.Shard/LoadAdapter',
+            conveyor_dot_v1_dot_shard__pb2.LoadAdapterRequest.SerializeToString,
+            conveyor_dot_v1_dot_shard__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.Shard/UnloadAdapter',
+            conveyor_dot_v1_dot_shard__pb2.UnloadAdapterRequest.SerializeToString,
+            conveyor_dot_v1_dot_shard__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
