@@ -168,6 +168,13 @@ class Config:
     prefix_caching: bool = flag(
         True, "share the KV blocks of common prompt prefixes", action=argparse.BooleanOptionalAction
     )
+    # LoRA adapters
+    lora_adapters: str | None = flag(
+        None,
+        "PEFT LoRA adapters served beside the base model, from the start: NAME=SOURCE[,NAME=SOURCE...], each source "
+        "a directory (adapter_config.json, adapter_model.safetensors) or a Hub id; requests pick one by name",
+    )
+    max_loras: int = flag(4, "LoRA adapters resident at once (at start and loaded live)")
     # Process management
     startup_timeout: float = flag(600.0, "seconds to wait for shards and router to be ready")
     graceful_termination_timeout: float = flag(60.0, "seconds in-flight requests get to finish on shutdown")

@@ -41,9 +41,16 @@ def is_repo_id(model_id: str) -> bool:
     return bool(REPO_ID.match(model_id)) and ".." not in model_id
 
 
-def download(repo_id: str, revision: str | None = None) -> Path:
+def download(
+    repo_id: str,
+    revision: str | None = None,
+    patterns: list[str] = ALLOW_PATTERNS,
+    needs: str = "config.json",
+    what: str = "a transformers model Conveyor can serve",
+) -> Path:
     """The local snapshot of `repo_id` at `revision` (a branch, tag or commit; default main), fetched if the
-    cache does not have it, with the library's progress bars on stderr."""
+    cache does not have it, with the library's progress bars on stderr: the files of `patterns`, of which
+    `needs` must be one (a LoRA adapter asks for its own two files)."""
     import httpx
     import httpx2
     import huggingface_hub
@@ -51,7 +58,7 @@ def download(repo_id: str, revision: str | None = None) -> Path:
 
     where = f"{repo_id}" + (f" at revision {revision!r}" if revision else "")
     try:
-        folder = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS)
+        folder = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except errors.GatedRepoError:
         raise HubError(
             f"{where} is gated: accept its terms on the Hub and set HF_TOKEN to a token that may read it"
@@ -68,8 +75,8 @@ def download(repo_id: str, revision: str | None = None) -> Path:
         ) from None
     except (errors.HfHubHTTPError, OSError, httpx.HTTPError, httpx2.HTTPError) as exc:
         raise HubError(f"{where}: download failed: {_first_line(exc)}") from None
-    if not (Path(folder) / "config.json").exists():
-        raise HubError(f"{where} has no config.json: not a transformers model Conveyor can serve")
+    if not (Path(folder) / needs).exists():
+        raise HubError(f"{where} has no {needs}: not {what}")
     return Path(folder)
 
 
