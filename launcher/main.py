@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from conveyor import config
+from conveyor import config, lora_sources
 from conveyor import log as conveyor_log
 from conveyor.config import Config
 from conveyor.keys import load_keys
@@ -53,6 +53,16 @@ def check_nodes(args: Config) -> Config:
     return args
 
 
+def local_adapters(flag: str | None) -> str | None:
+    """`--lora-adapters` with every source a local folder: a Hub id is downloaded here, before any shard starts,
+    and a bad value stops the launcher with one line."""
+    try:
+        pairs = [(name, lora_sources.resolve(source)) for name, source in lora_sources.parse(flag)]
+    except lora_sources.AdapterSourceError as exc:
+        raise SystemExit(f"conveyor-launcher: {exc}") from None
+    return ",".join(f"{name}={path}" for name, path in pairs) or None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = config.parse(
         argv, "Conveyor launcher: serve a model directory, a Hub model or the built-in demo model over HTTP."
@@ -67,13 +77,21 @@ def main(argv: list[str] | None = None) -> None:
     # What every shard and the router get: the same configuration, with the model and the sockets decided.
     # A Hub id is downloaded here, once, before any shard starts; the children get the local snapshot.
     model_dir = resolve_model(args.model_id, args.demo_size, args.revision)
+    adapters = local_adapters(args.lora_adapters)  # Hub adapters likewise: fetched once, read from the cache
     # By default the sockets live in a fresh private directory (mode 0700): a predictable path in a shared /tmp
     # would let another local user take the name first, or talk to the shards.
     private_dir = None if args.shard_uds_path else tempfile.mkdtemp(prefix="conveyor-")
     uds_path = args.shard_uds_path or os.path.join(private_dir, "shard")
     name = args.served_model_name or args.model_id
     deployment = Deployment(
-        replace(args, model_id=str(model_dir), served_model_name=name, revision=None, shard_uds_path=uds_path)
+        replace(
+            args,
+            model_id=str(model_dir),
+            served_model_name=name,
+            revision=None,
+            shard_uds_path=uds_path,
+            lora_adapters=adapters,
+        )
     )
     try:
         _serve(deployment, args, model_dir)

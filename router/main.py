@@ -24,17 +24,19 @@ from conveyor.config import Config
 from conveyor.group_store import GroupStore
 from conveyor.keys import load_keys
 from conveyor.model_source import resolve_model
+from conveyor.router.core.adapters import Adapters
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.infer import Infer
 from conveyor.router.core.scheduler import Reconnect, Scheduler
 from conveyor.router.core.step_planner import PlannerConfig, Scheduling
 from conveyor.router.frontends import grpc_server as grpc_front_door
-from conveyor.router.frontends.app import HttpServer, ServerInfo
+from conveyor.router.frontends.app import HttpServer
 from conveyor.router.frontends.connections import ClientCap, ConnectionLimits
 from conveyor.router.frontends.grpc_server import TextGenerationService
 from conveyor.router.limits import LimitError
 from conveyor.router.metrics import Metrics
 from conveyor.router.pipeline.validation import Validation
+from conveyor.router.server_info import ServerInfo
 from conveyor.router.transport.connect import Connection, connect, first_connect, shard_address
 from conveyor.shard_channels import Security
 
@@ -64,6 +66,7 @@ async def run(args: Config) -> None:
         on_compile=observe,
         model_dir=args.model_id,
         chat_special_tokens=args.chat_special_tokens,
+        adapters=lambda: infer.adapters.served,
     )
     server = HttpServer(
         infer,
@@ -164,7 +167,11 @@ def make_scheduler(args: Config, connection: Connection, metrics: Metrics, recon
         speculate=max(0, args.speculate),
         speculate_max_batch=args.speculate_max_batch,
     )
-    return Scheduler(connection.client, planner, allocator, metrics, reconnect, args.max_request_retries)
+    adapters = Adapters()
+    adapters.learn(info)  # the shards' --lora-adapters
+    if adapters.served:
+        log.warning("lora adapters", extra={"adapters": {a.name: a.weight_bytes for a in adapters.served.values()}})
+    return Scheduler(connection.client, planner, allocator, metrics, reconnect, args.max_request_retries, adapters)
 
 
 FLUSH_SECONDS = 5.0  # for the handlers of ended requests to send their error events

@@ -63,6 +63,15 @@ class Metrics:
         self.key_requests = Counter(
             "conveyor_key_requests", "Requests by API key name and outcome", ["key", "outcome"], registry=r
         )
+        self.adapter_requests = Counter(
+            "conveyor_adapter_requests", "Requests admitted, by LoRA adapter name", ["adapter"], registry=r
+        )
+        self.adapter_generated_tokens = Counter(
+            "conveyor_adapter_generated_tokens",
+            "Tokens generated and sent, by LoRA adapter name",
+            ["adapter"],
+            registry=r,
+        )
         self.key_generated_tokens = Counter(
             "conveyor_key_generated_tokens", "Tokens generated and sent, by API key name", ["key"], registry=r
         )

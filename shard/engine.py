@@ -2,7 +2,8 @@
 
 A batch is plain bookkeeping (`batch.py`), so filtering and joining batches copy no KV at all. Every step is one
 flat forward over the new tokens of all its requests: one token for each decoding row, a prompt chunk for each
-prefilling row the router gave one (chunked prefill mixes them into the same forward).
+prefilling row the router gave one (chunked prefill mixes them into the same forward). Each request may name a
+LoRA adapter (`lora.py`): requests of different adapters and of the base model share that one forward.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from conveyor.shard.draft_model import DraftModel
 from conveyor.shard.generations import Generations
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits
+from conveyor.shard.lora import Loras
+from conveyor.shard.lora_files import resolve_source
 from conveyor.shard.masks import Masks
 from conveyor.shard.models import language_config, model_for, weight_names
 from conveyor.shard.requests import BadRequest, RequestState
@@ -58,7 +62,14 @@ class Engine:
         group: ProcessGroup,
         quantize: str | None = None,
         draft: Draft | None = None,
+        *,
+        adapters: Sequence[tuple[str, str]] = (),
+        max_loras: int = 4,
+        model_name: str | None = None,
     ) -> None:
+        """`adapters`: LoRA adapters to load now, (name, source) each; `max_loras`: how many may be resident;
+        `model_name`: the served model's id as given (a Hub id's folder is a snapshot hash), which an adapter's
+        base model must name."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 
@@ -91,6 +102,10 @@ class Engine:
         self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
         self.cache: KVCache | None = None
         self.drafter = None if draft is None else self._load_draft(model_dir, draft)
+        served = [model_name or "", str(model_dir), getattr(checkpoint_config, "_name_or_path", "") or ""]
+        self.loras = Loras(self.model, group, self.dtype, device, max_loras, served)
+        for name, source in adapters:  # before warmup, which sizes the KV pool from the memory left
+            self.load_adapter(name, source)
 
     def _load_draft(self, model_dir: str | Path, draft: Draft) -> DraftModel:
         """The draft model: the target's own checkpoint (`self`) or another with the same vocabulary, read for
@@ -127,13 +142,36 @@ class Engine:
             block_size=self.block_size,
             weight_bytes=self.weight_bytes,
             quantize=self.quantize or "",
+            adapters=self.loras.describe(),
+            max_loras=self.loras.max_loras,
         )
 
     def states(self, batch: pb.Batch) -> list[RequestState]:
-        return [
+        """The new requests' states; BadRequest for one naming an adapter not loaded."""
+        states = [
             RequestState.from_pb(r, self.tokenizer, self.eos_token_ids, self.vocab_size, self.grammars)
             for r in batch.requests
         ]
+        for state in states:
+            self.loras.track(state)
+        return states
+
+    # --- LoRA adapters, between steps ----------------------------------------------------------------------
+
+    def load_adapter(self, name: str, source: str, folder: Path | None = None) -> pb.Adapter:
+        """Loads a LoRA adapter (AdapterError, a BadRequest, when it does not fit). `folder`: the source already
+        resolved, as a live load does off the torch thread (a Hub id may download); else it is resolved here."""
+        adapter = self.loras.load(name, source, folder if folder is not None else resolve_source(name, source))
+        log.info(
+            "adapter loaded",
+            extra={"adapter": name, "source": source, "rank": adapter.rank, "bytes": adapter.weight_bytes},
+        )
+        return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        """Unloads a LoRA adapter (AdapterError if it is not loaded, or a live request still names it)."""
+        self.loras.unload(name)
+        log.info("adapter unloaded", extra={"adapter": name})
 
     # --- KV pool ------------------------------------------------------------------------------------------
 
@@ -323,7 +361,8 @@ class Engine:
         starts = [r.num_computed_tokens for r in rows]
         lengths = [s + len(n) for s, n in zip(starts, new_tokens)]
         reaches = [max(n, len(r.input_ids)) for n, r in zip(lengths, rows)] if self.model.needs_reach else None
-        return self.forward(new_tokens, starts, [r.block_table for r in rows], lengths, logit_counts, reaches)
+        blocks, adapters = [r.block_table for r in rows], [r.adapter for r in rows]
+        return self.forward(new_tokens, starts, blocks, lengths, logit_counts, reaches, adapters=adapters)
 
     def forward(
         self,
@@ -336,10 +375,13 @@ class Engine:
         *,
         model: torch.nn.Module | None = None,
         cache: KVCache | None = None,
+        adapters: list[str] | None = None,
     ) -> torch.Tensor:
         """The model over the KV pool: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1.
         `reaches[i]`: the longer of sequence i's prompt and its length (LongRoPE's choice; default: lengths).
-        `model` and `cache`: another model and its pool (the draft model's); default: the target's."""
+        `model` and `cache`: another model and its pool (the draft model's); default: the target's.
+        `adapters[i]`: sequence i's LoRA adapter ("": the base model); default: none for any (the draft model's
+        forwards, whose layers carry no adapter)."""
         model = self.model if model is None else model
         cache = self.cache if cache is None else cache
         device = self.device
@@ -353,7 +395,11 @@ class Engine:
         if model.needs_reach:
             per_token = torch.repeat_interleave(torch.tensor(reaches or lengths), torch.tensor(query_lens))
             reach = to_device(per_token, device)
-        return model(ids, positions, cache, metas, to_device(keep, device), reach)
+        self.loras.begin(adapters, query_lens)
+        try:
+            return model(ids, positions, cache, metas, to_device(keep, device), reach)
+        finally:
+            self.loras.end()
 
 
 def model_bytes(model: torch.nn.Module) -> int:

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from conveyor import config, lifeline, tracing
+from conveyor import config, lifeline, lora_sources, tracing
 from conveyor import log as conveyor_log
 from conveyor.config import Config
 from conveyor.cpu import threads_per_rank, usable_cores
@@ -25,6 +25,7 @@ from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Draft, Engine
 from conveyor.shard.layers.quantize import QuantizationUnavailable
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
+from conveyor.shard.lora_files import AdapterError
 from conveyor.shard.models import MODEL_TYPES, language_config
 from conveyor.shard.server import serve
 from conveyor.shard.torch_thread import TorchThread
@@ -49,7 +50,9 @@ def check_supported(model_dir: str) -> None:
         raise SystemExit(f"model {model_dir}: {exc}") from None
 
 
-def load(args: Config) -> Engine:
+def load(args: Config, served_name: str | None = None) -> Engine:
+    """The engine for this rank, with its start-time adapters; `served_name`: --model-id as given (before a Hub id
+    became a snapshot folder), which an adapter's base model must name."""
     device = choose_device(args.device, _local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -60,8 +63,19 @@ def load(args: Config) -> Engine:
         torch.set_num_threads(threads)
     try:
         draft = Draft(args.speculate_model, args.speculate_quantize) if args.speculate_model else None
-        return Engine(args.model_id, args.dtype, device, group, args.quantize, draft)
-    except QuantizationUnavailable as exc:
+        adapters = lora_sources.parse(args.lora_adapters)
+        return Engine(
+            args.model_id,
+            args.dtype,
+            device,
+            group,
+            args.quantize,
+            draft,
+            adapters=adapters,
+            max_loras=args.max_loras,
+            model_name=served_name,
+        )
+    except (QuantizationUnavailable, AdapterError, lora_sources.AdapterSourceError) as exc:
         raise SystemExit(f"conveyor-shard: {exc}") from None
 
 
@@ -75,7 +89,7 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
 
 
-async def run(args: Config, security: Security) -> None:
+async def run(args: Config, security: Security, served_name: str | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -83,7 +97,7 @@ async def run(args: Config, security: Security) -> None:
     check_supported(args.model_id)
     log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype})
     torch_thread = TorchThread()  # loads the model and runs every step: one OpenMP team (torch_thread.py)
-    engine = await torch_thread.run(load, args)
+    engine = await torch_thread.run(load, args, served_name)
     address = rank_address(args, engine.group.rank, _local_rank())
     if address.bind.startswith("unix://") and os.path.exists(path := address.bind.removeprefix("unix://")):
         os.unlink(path)
@@ -107,13 +121,14 @@ def main(argv: list[str] | None = None) -> None:
         rank_address(args, 0, 0)
     except (AddressError, OSError) as exc:
         raise SystemExit(f"conveyor-shard: {exc}") from None
+    served_name = args.model_id
     args = replace(args, model_id=str(resolve_model(args.model_id, args.demo_size, args.revision)))
     if args.speculate_model not in (None, "self"):
         args = replace(args, speculate_model=str(resolve_model(args.speculate_model, args.demo_size, None)))
     conveyor_log.setup(f"shard-{os.environ.get('RANK', '0')}", args.log_level)
     tracing.setup("conveyor-shard", args.otlp_endpoint)
     try:
-        asyncio.run(run(args, security))
+        asyncio.run(run(args, security, served_name))
     finally:
         tracing.shutdown()
 

@@ -42,6 +42,7 @@ class RequestState:
     speculate: int = 0  # decoding: the most draft tokens to verify at the next step (the router sets it each step)
     drafts: list[int] = field(default_factory=list)  # decoding: this step's draft tokens, fed after next_token
     draft_len: int = 0  # tokens whose KV the draft model has (shard/draft_model.py)
+    adapter: str = ""  # the LoRA adapter its tokens go through ("": the base model)
 
     @property
     def is_decoding(self) -> bool:
@@ -76,6 +77,7 @@ class RequestState:
             top_n_tokens=request.top_n_tokens,
             block_table=list(request.blocks),
             resumed_tokens=resumed,
+            adapter=request.adapter,
         )
         if request.grammar:
             try:

@@ -6,7 +6,8 @@ Decodes in one call: each next step starts as soon as the last one's answer is s
 
 Forwards run on the shard's torch thread (`torch_thread.py`: the thread that loaded the model; torch releases the
 GIL), so the event loop keeps answering `Health` while a long prefill runs, and batches are only ever touched by
-that one thread.
+that one thread. So do `LoadAdapter` and `UnloadAdapter`, between steps; a LoRA adapter named by a Hub id is
+downloaded first, on a thread of its own, so that steps go on meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from opentelemetry.trace import SpanKind
 from conveyor import tracing
 from conveyor.shard.batch import Batch
 from conveyor.shard.engine import Engine, StepOutput
+from conveyor.shard.lora_files import resolve_source
 from conveyor.shard.requests import BadRequest
 from conveyor.shard.torch_thread import TorchThread
 from conveyor.shard.watchdog import WATCH_SECONDS, StepWatch, step_timeout
@@ -245,6 +247,20 @@ class ShardService(pb_grpc.ShardServicer):
             self.cache[batch.id] = batch
             raise BadRequest(str(exc)) from None
         return pb.FilterBatchResponse(batch=self._keep(kept))
+
+    @rpc
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
+        """Resolves the source off the torch thread (a Hub id downloads), then installs the adapter between steps;
+        a source or an adapter that does not fit is INVALID_ARGUMENT, with the line that says why."""
+        folder = await asyncio.to_thread(resolve_source, request.name, request.source)
+        adapter = await self.torch_thread.run(self.engine.load_adapter, request.name, request.source, folder)
+        return pb.LoadAdapterResponse(adapter=adapter)
+
+    @rpc
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
+        """Drops the adapter between steps; INVALID_ARGUMENT for one not loaded or still named by a cached request."""
+        await self.torch_thread.run(self.engine.unload_adapter, request.name)
+        return pb.UnloadAdapterResponse()
 
 
 def _without_finished(output: StepOutput) -> StepOutput:

@@ -183,6 +183,39 @@ def gemma2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return demo_model.ensure(tmp_path_factory.mktemp("models") / "gemma2", "tiny", seed=3, arch="gemma2")
 
 
+# LoRA adapters for the tiny model, as PEFT saves them, by name. init_lora_weights=False draws B at random (PEFT's
+# default leaves it zero: no change at all); on the tiny model that changes every greedy continuation from its first
+# token (tests/unit/test_lora.py asserts each adapter changes the output).
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_ADAPTERS = {
+    "qv": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "all": {"r": 16, "lora_alpha": 8, "target_modules": ALL_PROJECTIONS, "use_rslora": True},
+}
+
+
+def save_lora_adapter(model_dir: Path, out_dir: Path, seed: int = 0, **config) -> Path:
+    """A PEFT LoRA adapter for the model in `model_dir` (LoraConfig's arguments; A and B random, seeded), saved
+    into `out_dir`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(init_lora_weights=False, **config)).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model's LoRA adapters (LORA_ADAPTERS) by name, each a PEFT adapter directory."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: save_lora_adapter(tiny_model, root / name, seed=n, **config)
+        for n, (name, config) in enumerate(LORA_ADAPTERS.items())
+    }
+
+
 @pytest.fixture(scope="session")
 def eos_probe(tiny_model: Path) -> EosProbe:
     return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
@@ -372,6 +405,8 @@ def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None
     for every process's log lines (default: the test's stderr)."""
     port, grpc_port = free_port(), free_port()
     env = {**os.environ, "CONVEYOR_LOG_LEVEL": os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"), **(env or {})}
+    if "HF_ENDPOINT" not in env:  # no Hub but a test's stand-in: a Hub id (an adapter's, say) fails offline at once
+        env["HF_HUB_OFFLINE"] = "1"
     process = subprocess.Popen(
         [
             sys.executable,

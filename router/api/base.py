@@ -21,14 +21,19 @@ class ValidationError(ValueError):
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return {**schema, "type": [kind, "null"]}
-    if "enum" in schema:
-        return {**schema, "enum": [*schema["enum"], None]} if None not in schema["enum"] else schema
+    """The schema, or null. A `const` is checked first: beside a `type` (`Literal[False]` is `{"const": false,
+    "type": "boolean"}`) a null would still break the const."""
     if "const" in schema:
         rest = {k: v for k, v in schema.items() if k not in ("const", "type")}
         return {**rest, "enum": [schema["const"], None]}
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        nullable = {**schema, "type": [kind, "null"]}
+        if "enum" in schema and None not in schema["enum"]:
+            nullable["enum"] = [*schema["enum"], None]
+        return nullable
+    if "enum" in schema:
+        return {**schema, "enum": [*schema["enum"], None]} if None not in schema["enum"] else schema
     if {"type": "null"} in schema.get("anyOf", ()):
         return schema
     rest = {k: v for k, v in schema.items() if k in ("description", "default", "title", LIMIT)}

@@ -31,7 +31,9 @@ class StreamOptions(Part):
 class OpenAIRequest(SharedSampling, ConstraintFields, Serving):
     """What both OpenAI routes take (each route's docstring gives the rules between fields)."""
 
-    model: Annotated[str, Field(description="Any name: the server serves one model")] = None  # type: ignore[assignment]
+    model: Annotated[
+        str, Field(description="A LoRA adapter's name selects it (/v1/models); any other name: the base model")
+    ] = None  # type: ignore[assignment]
     user: str = None  # type: ignore[assignment]
     max_tokens: Annotated[int, Field(ge=1), limited("max_total_tokens", 1)] = None  # type: ignore[assignment]
     temperature: Annotated[
@@ -322,6 +324,8 @@ class ModelCard(TypedDict):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: NotRequired[Annotated[str, Field(description="An adapter's source: a directory or a Hub id")]]
+    parent: NotRequired[Annotated[str, Field(description="An adapter's base model: the first card's id")]]
 
 
 class Models(TypedDict):

@@ -1,5 +1,5 @@
 """Conveyor's own routes for running a shared server: the requests in flight (`GET /v1/requests`,
-`DELETE /v1/requests/{id}`) and the dashboard's figures (`GET /dashboard/state`)."""
+`DELETE /v1/requests/{id}`) and the dashboard's figures (`GET /dashboard/state`, with each LoRA adapter's use)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ class Drafts(TypedDict):
     accepted: Annotated[int, Field(description="...of which accepted: tokens made without a step of their own")]
 
 
+class AdapterUse(TypedDict):
+    requests: Annotated[int, Field(description="Requests admitted since the start")]
+    tokens: Annotated[int, Field(description="Tokens generated and sent since the start")]
+
+
 class DashboardState(TypedDict):
     model: str
     dtype: str
@@ -65,6 +70,7 @@ class DashboardState(TypedDict):
     status: Annotated[Literal["serving", "recovering"], Field(description="recovering: the shards are restarting")]
     restarts: Annotated[int, Field(description="Times the shards were lost and reconnected to, since the start")]
     speculative: Drafts
+    adapters: Annotated[dict[str, AdapterUse], Field(description="Each LoRA adapter served, by name")]
     queue_by_priority: Annotated[dict[str, int], Field(description="Requests waiting, by priority")]
     queue_length: int
     batch_size: Annotated[int, Field(description="Requests in the running batch")]

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 from typing_extensions import NotRequired, TypedDict
 
+from conveyor.router.api.adapters import AdapterInfo
 from conveyor.router.api.base import (
     UINT32_MAX,
     Penalty,
@@ -141,10 +142,12 @@ class GenerateParameters(Sampling, Serving):
     top_n_tokens: Annotated[int, Field(ge=0), limited("max_top_n_tokens", description="Alternatives per token")] = 0
     ignore_eos: bool = False
     grammar: TgiGrammar | None = None
+    adapter_id: Annotated[
+        Text, Field(description="A LoRA adapter the server serves, by name (/v1/models lists them); unset: the base")
+    ] = None  # type: ignore[assignment]
     # TGI's parameters Conveyor does not implement.
     best_of: refused(1, why="Conveyor has no best-of sampling") = None
     watermark: refused(False, why="Conveyor does not watermark") = None
-    adapter_id: refused(why="Conveyor serves no adapters") = None
 
 
 class GenerateRequest(Schema):
@@ -247,6 +250,8 @@ class Info(TypedDict):
     version: str
     kv_blocks_free: NotRequired[int]
     kv_blocks_total: NotRequired[int]
+    lora_adapters: Annotated[list[AdapterInfo], Field(description="The LoRA adapters served now")]
+    max_loras: Annotated[int, Field(description="How many may be resident at once (--max-loras)")]
 
 
 class Health(TypedDict):

@@ -60,6 +60,7 @@ class Response:
 class Infer:
     def __init__(self, scheduler: Scheduler, max_concurrent_requests: int, metrics: Metrics) -> None:
         self.scheduler = scheduler
+        self.adapters = scheduler.adapters
         self.max_concurrent_requests = max_concurrent_requests
         self.metrics = metrics
         self.sequences: dict[int, Sequence] = {}  # every request queued or running, by its sequence id
@@ -79,6 +80,10 @@ class Infer:
         The slot is taken here, before anything is awaited, so the 429 answer is immediate.
         """
         self.admit(key, 1)
+        adapter = request.parameters.adapter
+        self.adapters.acquire(adapter)  # an adapter unloaded since validation: 404 here, before anything is queued
+        if adapter is not None:
+            self.metrics.adapter_requests.labels(adapter).inc()
         if request.parameters.grammar is not None:
             self.metrics.constrained_requests.labels(request.parameters.grammar.kind).inc()
         if (priority := key.priority(request.parameters.priority)) != request.parameters.priority:
@@ -104,6 +109,7 @@ class Infer:
                 sequence.queue_span.end()  # left before it was ever batched
             del self.sequences[sequence.id]
             self.metrics.key_in_flight.labels(key.name).dec()
+            self.adapters.release(adapter)
 
     def admit(self, key: ApiKey, count: int) -> None:
         """Refuses (429) `count` requests together unless the server's limit and the key's cap have room for all,
@@ -160,6 +166,8 @@ async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> Asyn
     last: float | None = None
     key = sequence.key.name
     key_tokens = metrics.key_generated_tokens.labels(key)  # looked up once, not per token
+    adapter = sequence.request.parameters.adapter
+    adapter_tokens = metrics.adapter_generated_tokens.labels(adapter) if adapter is not None else None
     while True:
         event = await sequence.events.get()
         now = time.monotonic()
@@ -170,6 +178,8 @@ async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> Asyn
             return
         metrics.generated_tokens.inc()
         key_tokens.inc()
+        if adapter_tokens is not None:
+            adapter_tokens.inc()
         if last is None:
             metrics.ttft.observe(now - sequence.queued_at)
             live.first_token(now, now - sequence.queued_at)

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from conveyor import tracing
+from conveyor.router.core.adapters import Adapters
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.events import events_from_generation
 from conveyor.router.core.queue import Queue
@@ -50,8 +51,11 @@ class Scheduler:
         metrics: Metrics,
         reconnect: Reconnect | None = None,
         max_request_retries: int = 2,
+        adapters: Adapters | None = None,
     ) -> None:
         self.client = client
+        self.adapters = adapters or Adapters()  # the LoRA adapters the shards hold
+        self.adapters.in_batch = lambda name: any(s.request.parameters.adapter == name for s in self.running)
         self.config = config
         self.allocator = allocator
         self.metrics = metrics
@@ -370,6 +374,8 @@ class Scheduler:
                 log.info("shards not ready yet", extra={"error": str(exc)})
                 await asyncio.sleep(RECONNECT_SECONDS)
         self.client = connection.client
+        self.adapters.learn(connection.info)
+        await self.adapters.restore(self.client)  # the live ones, before any request naming one is replayed
         self.allocator.reset(connection.num_blocks)
         self.metrics.shard_restarts.inc()
         log.warning("shards recovered", extra={"queued": len(self.queue), "kv_blocks": connection.num_blocks})
@@ -408,6 +414,7 @@ def request_pb(sequence: Sequence) -> pb.Request:
         cache_len=sequence.num_computed_tokens,
         chunk_len=sequence.step_tokens,
         grammar=p.grammar.grammar if p.grammar is not None else "",
+        adapter=p.adapter or "",
     )
 
 

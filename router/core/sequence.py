@@ -77,10 +77,13 @@ class Sequence:
 
     @property
     def cache_scope(self) -> str:
-        """Whose cached prompt blocks it may reuse and offer: its salt's, else its key's. Sharing across keys would
-        let one tenant confirm a guess of another's prompt by its time to first token or the cache-hit count."""
+        """Whose cached prompt blocks it may reuse and offer: its salt's, else its key's, under its adapter. Sharing
+        across keys would let one tenant confirm a guess of another's prompt by its time to first token or the
+        cache-hit count; across adapters, a prefix's KV differs."""
         salt = self.request.parameters.cache_salt
-        return f"salt:{salt}" if salt is not None else f"key:{self.key.name}"
+        scope = f"salt:{salt}" if salt is not None else f"key:{self.key.name}"
+        adapter = self.request.parameters.adapter  # an adapter's KV is not the base model's, nor another's
+        return scope if adapter is None else f"{scope}|adapter:{adapter}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ from conveyor import __version__
 from conveyor.keys import ApiKey, KeyRing
 from conveyor.router.core.infer import Infer
 from conveyor.router.frontends import openapi
+from conveyor.router.frontends.adapters import AdapterRoutes
 from conveyor.router.frontends.connections import ConnectionLimits, body_deadline_middleware, refuse_large_expectations
 from conveyor.router.frontends.dashboard import Dashboard
 from conveyor.router.frontends.middleware import (
@@ -79,6 +80,7 @@ class HttpServer:
         app.router.add_get("/openapi.json", self.get_openapi)
         OpenAIRoutes(self.infer, self.validation, self.info.model_id).register(app)
         RequestControl(self.infer).register(app)
+        AdapterRoutes(self.infer).register(app)
         Dashboard(self.infer, self.info).register(app)
         refuse_large_expectations(app, self.payload_limit)
         return app

@@ -57,6 +57,7 @@ class Dashboard:
                 "drafted": int(_counter(self.infer.metrics.speculative_drafted)),
                 "accepted": int(_counter(self.infer.metrics.speculative_accepted)),
             },
+            "adapters": self._adapters(),
             "queue_by_priority": {str(priority): count for priority, count in waiting.items()},
             "queue_length": sum(waiting.values()),
             "batch_size": len(scheduler.running),
@@ -69,6 +70,16 @@ class Dashboard:
             "time": time.time(),
         }
         return web.json_response(body, headers={"Cache-Control": "no-store"})
+
+    def _adapters(self) -> dict[str, api.AdapterUse]:
+        """Requests and tokens since the start, for each LoRA adapter served now."""
+        registry, use = self.infer.metrics.registry, {}
+        for name in self.infer.adapters.names():
+            labels = {"adapter": name}
+            requests = registry.get_sample_value("conveyor_adapter_requests_total", labels) or 0
+            tokens = registry.get_sample_value("conveyor_adapter_generated_tokens_total", labels) or 0
+            use[name] = {"requests": int(requests), "tokens": int(tokens)}
+        return use
 
     def _kv(self) -> api.KvBlocks:
         """The pool in three parts that add up: held by requests, cached for prefix hits only, empty."""

@@ -77,8 +77,13 @@ class OpenAIRoutes:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
 
     async def models(self, request: web.Request) -> web.Response:
+        """The base model, then each LoRA adapter served (vLLM's shape: `parent` names the base model)."""
         model: api.ModelCard = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "conveyor"}
-        models: api.Models = {"object": "list", "data": [model]}
+        adapters: list[api.ModelCard] = [
+            {**model, "id": a.name, "root": a.source, "parent": self.model_id}
+            for a in self.infer.adapters.served.values()
+        ]
+        models: api.Models = {"object": "list", "data": [model, *adapters]}
         return web.json_response(models)
 
     # --- request parsing ----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
-from conveyor.router.api import openai, service, tgi
+from conveyor.router.api import adapters, openai, service, tgi
 from conveyor.router.api.base import LIMIT
 from conveyor.router.limits import Limits
 
@@ -48,6 +48,10 @@ SCHEMAS: dict[str, Any] = {
     "RequestList": service.RequestList,
     "Cancelled": service.Cancelled,
     "DashboardState": service.DashboardState,
+    "LoadAdapterRequest": adapters.LoadAdapterRequest,
+    "UnloadAdapterRequest": adapters.UnloadAdapterRequest,
+    "AdapterLoaded": adapters.AdapterLoaded,
+    "AdapterUnloaded": adapters.AdapterUnloaded,
 }
 
 
@@ -136,6 +140,7 @@ def _errors(openai: bool) -> dict:
     return {
         "400": _error("The body could not be read (a Content-Encoding that does not decode)", openai),
         "401": _error("Missing or wrong API key", openai),
+        "404": _error("The request names a LoRA adapter the server does not serve", openai),
         "413": _error("Request body too large (--payload-limit)", openai),
         "415": _error("The body is declared as something other than JSON", openai),
         "422": _error("Invalid input, or a prompt too long in tokens for the limits", openai),
@@ -163,6 +168,19 @@ def _either(description: str, json_schema: dict, sse_schema: dict) -> dict:
         "description": description,
         "content": {"application/json": {"schema": json_schema}, "text/event-stream": {"schema": sse_schema}},
     }
+
+
+def _adapter_route(summary: str, request: str, answer: str) -> dict:
+    operation = _post(summary, request, _json(_ref(answer)))
+    operation["post"]["responses"].update(
+        {
+            "400": _error("The adapter does not fit the base model, or its files cannot be read", False),
+            "403": _error("Not an admin key", False),
+            "404": _error("No adapter of that name is served", False),
+            "409": _error("The name is taken, --max-loras are resident, or requests use the adapter", False),
+        }
+    )
+    return operation
 
 
 def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
@@ -233,6 +251,12 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/load_lora_adapter": _adapter_route(
+                "Load a LoRA adapter on every shard (an admin key's)", "LoadAdapterRequest", "AdapterLoaded"
+            ),
+            "/v1/unload_lora_adapter": _adapter_route(
+                "Unload a LoRA adapter no request uses (an admin key's)", "UnloadAdapterRequest", "AdapterUnloaded"
+            ),
             "/dashboard": _get(
                 "The live dashboard: one self-contained HTML page that polls /dashboard/state",
                 {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},

@@ -14,9 +14,11 @@ import grpc
 from aiohttp import web
 
 from conveyor.router.api.base import ValidationError
+from conveyor.router.core.adapters import AdapterConflict, AdapterLoadError
 from conveyor.router.core.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.core.infer import GenerationError, OverloadedError, RequestCancelled, UnavailableError
 from conveyor.router.pipeline.request import ValidRequest
+from conveyor.router.pipeline.validation import UnknownAdapter
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,21 @@ UNAUTHORIZED = Failure(401, "unauthorized", grpc.StatusCode.UNAUTHENTICATED)
 UNAVAILABLE = Failure(503, "unavailable", grpc.StatusCode.UNAVAILABLE)
 # Cancelled by its id: 499, the status Google's API design maps gRPC's CANCELLED to (nginx's "client closed").
 CANCELLED = Failure(499, "cancelled", grpc.StatusCode.CANCELLED, "cancelled")
+# LoRA adapters: a name not served; a load or unload that clashes with what is served; files that do not fit.
+NOT_FOUND = Failure(404, "not_found", grpc.StatusCode.NOT_FOUND, "invalid_request_error")
+CONFLICT = Failure(409, "conflict", grpc.StatusCode.FAILED_PRECONDITION, "invalid_request_error")
+BAD_ADAPTER = Failure(400, "invalid_adapter", grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error")
 
+# The first kind an error is decides: UnknownAdapter is a kind of ValidationError.
 _FAILURES: dict[type[Exception], Failure] = {
+    UnknownAdapter: NOT_FOUND,
     ValidationError: VALIDATION,
     OverloadedError: OVERLOADED,
     GenerationError: GENERATION,
     UnavailableError: UNAVAILABLE,
     RequestCancelled: CANCELLED,
+    AdapterConflict: CONFLICT,
+    AdapterLoadError: BAD_ADAPTER,
 }
 REQUEST_ERRORS = tuple(_FAILURES)  # what validating, queueing or generating a request can raise
 

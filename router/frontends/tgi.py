@@ -16,6 +16,7 @@ from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.tgi import GenerateRequest
 from conveyor.router.core.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.core.infer import Infer, Response
+from conveyor.router.frontends.adapters import adapter_json
 from conveyor.router.frontends.middleware import caller, request_id
 from conveyor.router.frontends.responses import (
     REQUEST_ERRORS,
@@ -197,4 +198,7 @@ class TgiRoutes:
     async def get_info(self, request: web.Request) -> web.Response:
         body = self.info.to_json()
         body.update(self.infer.scheduler.describe())
+        adapters = self.infer.adapters
+        body["lora_adapters"] = [adapter_json(a) for a in adapters.served.values()]
+        body["max_loras"] = adapters.max_loras
         return web.json_response(body)

@@ -49,6 +49,7 @@ class Parameters:
     priority: int = 0  # lower is served first
     cache_salt: str | None = None  # whose cached prompt blocks it may share (see Sequence.cache_scope)
     speculate: int | None = None  # most draft tokens per step, within the server's (None: the server's)
+    adapter: str | None = None  # the LoRA adapter its tokens go through (None: the base model)
 
     @property
     def seed(self) -> int | None:
@@ -67,6 +68,7 @@ class Request:
     body: BaseModel | None = None  # the API's typed request (or TGI's parameters) that `limited` fields bound
     where: str = ""  # the bounded fields' path in the body, for errors ("parameters.")
     add_special_tokens: bool = True  # False for a chat template's text, which writes its own special tokens
+    model: str | None = None  # OpenAI's `model`: an adapter's name selects it (vLLM's convention)
     plain_spans: tuple[Span, ...] = ()  # the callers' text within a rendered chat prompt (chat_prompt.py)
 
 
@@ -102,6 +104,7 @@ def _tgi_parameters(p: GenerateParameters) -> Parameters:
         priority=p.priority,
         cache_salt=p.cache_salt,
         speculate=p.speculate,
+        adapter=p.adapter_id,
     )
 
 
@@ -124,7 +127,7 @@ def tgi_request(body: bytes | object, *, stream: bool, stream_field: bool = True
 def from_completion(request: CompletionRequest, prompt: str) -> Request:
     """One of a completion's prompts (each is a request of its own, `n` times)."""
     parameters = _openai_parameters(request, request.max_tokens, request.logprobs, request.constraint())
-    return Request(prompt, parameters, stream=request.stream, body=request)
+    return Request(prompt, parameters, stream=request.stream, body=request, model=request.model)
 
 
 def from_chat(request: ChatRequest, prompt: ChatPrompt, grammar: Constraint | None) -> Request:
@@ -140,6 +143,7 @@ def from_chat(request: ChatRequest, prompt: ChatPrompt, grammar: Constraint | No
         body=request,
         add_special_tokens=False,
         plain_spans=prompt.plain_spans,
+        model=request.model,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -92,6 +92,11 @@ def check_limits(request: BaseModel, limits: Limits, where: str = "") -> None:
             )
 
 
+class UnknownAdapter(ValidationError):
+    """A request names a LoRA adapter the server does not serve: a problem with the request, answered 404 (not
+    422) with the names the server does serve."""
+
+
 class Validation:
     def __init__(
         self,
@@ -100,8 +105,10 @@ class Validation:
         on_compile: Callable[[float], None] | None = None,
         model_dir: str | None = None,
         chat_special_tokens: bool = False,
+        adapters: Callable[[], Collection[str]] = tuple,
     ) -> None:
         self.tokenizer = tokenizer
+        self.adapters = adapters  # the LoRA adapters served now (they change as adapters are loaded live)
         # Whether special tokens written in chat messages are control tokens (trusted callers only; chat_prompt.py).
         self.chat_special_tokens = chat_special_tokens
         self.special_texts = tuple(getattr(tokenizer, "all_special_tokens", ()))
@@ -142,8 +149,21 @@ class Validation:
         input_ids = self._input_ids(inputs, parameters.truncate, request.add_special_tokens, request.plain_spans)
         max_new_tokens = _resolve_max_new_tokens(parameters.max_new_tokens, len(input_ids), self.limits)
         sampling = _with_seed(self.defaults.apply(parameters.sampling))
-        parameters = replace(parameters, sampling=sampling, max_new_tokens=max_new_tokens)
+        adapter = self._adapter(request)
+        parameters = replace(parameters, sampling=sampling, max_new_tokens=max_new_tokens, adapter=adapter)
         return ValidRequest(inputs=inputs, input_ids=input_ids, parameters=parameters)
+
+    def _adapter(self, request: Request) -> str | None:
+        """The adapter a request asks for by name (TGI's and gRPC's `adapter_id`), which must be served; or the one
+        OpenAI's `model` names, where it names one (any other `model` is the base model's)."""
+        served = self.adapters()
+        asked = request.parameters.adapter
+        if asked is not None and asked not in served:
+            names = ", ".join(sorted(served)) or "none"
+            raise UnknownAdapter(f"adapter {asked!r} is not served (served adapters: {names})")
+        if asked is None and request.model is not None and request.model in served:
+            return request.model
+        return asked
 
     def check_parameter(self, name: str, value: object) -> Any:
         """One sampling parameter checked as in a request (ValidationError, a ValueError, if refused)."""

@@ -108,6 +108,15 @@ class ShardedClient:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self._all("ClearCache", lambda s: s.ClearCache(request, timeout=self.step_timeout))
 
+    async def load_adapter(self, name: str, source: str) -> list[pb.LoadAdapterResponse]:
+        """Every rank loads the adapter (a Hub id is downloaded first, so there is no deadline)."""
+        request = pb.LoadAdapterRequest(name=name, source=source)
+        return await self._all("LoadAdapter", lambda s: s.LoadAdapter(request))
+
+    async def unload_adapter(self, name: str) -> None:
+        request = pb.UnloadAdapterRequest(name=name)
+        await self._all("UnloadAdapter", lambda s: s.UnloadAdapter(request, timeout=self.step_timeout))
+
     async def warmup(self, request: pb.WarmupRequest, timeout: float | None = None) -> tuple[int, float]:
         """Returns the KV capacity in tokens the smallest rank supports, and the step deadline (the longest any
         rank chose)."""

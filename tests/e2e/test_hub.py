@@ -15,7 +15,7 @@ import pytest
 from conftest import ORACLE_PROMPTS, greedy_reference, start_server
 from hub_standin import StandInHub, point_hub_at
 
-from conveyor import hub
+from conveyor import hub, lora_sources
 from conveyor.model_source import resolve_model
 
 REPO = "conveyor-test/tiny"
@@ -75,6 +75,23 @@ def test_a_revision_gets_its_own_snapshot(standin: StandInHub, tmp_path: Path, m
     assert resolve_model(str(main), "tiny") == main  # a local directory is used as it is
 
 
+def test_an_adapter_from_the_hub_is_fetched_as_its_two_files(
+    standin: StandInHub, lora_adapters: dict[str, Path], tmp_path: Path, monkeypatch
+) -> None:
+    """`--lora-adapters name=org/repo` (and a live load of a Hub id): the adapter's config and weights, nothing
+    else of the repo, through the same download as a model's."""
+    repo = tmp_path / "adapter-repo"
+    shutil.copytree(lora_adapters["qv"], repo)
+    (repo / "training_args.bin").write_bytes(b"never read by serving")
+    standin.add_repo("conveyor-test/qv-lora", repo)
+    point_hub_at(monkeypatch, standin, tmp_path / "hf")
+    folder = lora_sources.resolve("conveyor-test/qv-lora")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert lora_sources.resolve(str(lora_adapters["qv"])) == lora_adapters["qv"]  # a directory as it is
+    with pytest.raises(hub.HubError, match="no local directory of that name"):
+        lora_sources.resolve("conveyor-test/no-such-lora")
+
+
 def launch(model_id: str, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
     """The launcher up to the download, which fails before any child starts."""
     return subprocess.run(
@@ -129,3 +146,21 @@ def test_gated_repo_opens_with_a_token(standin: StandInHub, tmp_path: Path, monk
 def test_repo_ids_and_paths() -> None:
     assert hub.is_repo_id("Qwen/Qwen3-0.6B") and hub.is_repo_id("meta-llama/Llama-3.2-1B-Instruct")
     assert not any(hub.is_repo_id(s) for s in ("demo", "/models/m", "./m", "a/b/c", "../x", "a/.."))
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("sql", "--lora-adapters 'sql': expected NAME=SOURCE"),
+        ("a b=/x", "adapter name 'a b'"),
+        ("sql=conveyor-test/missing-lora", "no local directory of that name, and no such model on the Hub"),
+        ("sql=/no/such/adapter", "no adapter_config.json there, and not a Hub id"),
+    ],
+    ids=["no-source", "bad-name", "missing-repo", "missing-directory"],
+)
+def test_a_bad_lora_adapter_flag_is_one_line(
+    standin: StandInHub, tiny_model: Path, tmp_path: Path, flag: str, says: str
+) -> None:
+    done = launch(str(tiny_model), hub_env(standin.url, tmp_path / "hf"), "--lora-adapters", flag)
+    assert done.returncode == 1
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -43,7 +43,17 @@ CHECKS = [
 CALL_TIMEOUT = 60  # seconds: a request that takes longer is a hang
 NEW_TOKENS = 8  # valid requests generate at most this many tokens, so that a few hundred of them stay quick
 
-POST_ROUTES = ["/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions"]
+POST_ROUTES = [
+    "/",
+    "/generate",
+    "/generate_stream",
+    "/tokenize",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+]
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 GET_ROUTES = ["/v1/models", "/health", "/info", "/metrics", "/v1/requests", "/dashboard", "/dashboard/state"]
 DELETE_ROUTES = ["/v1/requests/{id}"]
 # 422s that schema-valid requests may get: the token limits, and the rules the schemas give in words only.
@@ -109,7 +119,7 @@ def _integers(value: Any) -> Any:
 
 def _few_tokens(path: str, body: Any) -> None:
     """Caps what a valid request generates: absent or large token counts become NEW_TOKENS."""
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or path in ADAPTER_ROUTES:  # these generate nothing
         return
     if path.startswith("/v1/"):
         given = [body[name] for name in ("max_tokens", "max_completion_tokens") if isinstance(body.get(name), int)]

@@ -208,7 +208,7 @@ async def test_shards_lost_while_dropping_preempted_sequences_void_the_planned_s
 
 def _reconnected(s: Scheduler):
     async def reconnect() -> SimpleNamespace:
-        return SimpleNamespace(client=s.client, num_blocks=s.allocator.num_blocks)
+        return SimpleNamespace(client=s.client, num_blocks=s.allocator.num_blocks, info=pb.InfoResponse())
 
     return reconnect
 

@@ -14,7 +14,7 @@ from conveyor import demo_model
 from conveyor.router.api.tgi import GenerateParameters, Sampling
 from conveyor.router.limits import Limits
 from conveyor.router.pipeline.request import Parameters, Request, ValidRequest, from_tgi, tgi_request
-from conveyor.router.pipeline.validation import Validation, ValidationError
+from conveyor.router.pipeline.validation import UnknownAdapter, Validation, ValidationError
 
 LIMITS = Limits(max_input_tokens=32, max_total_tokens=64, max_stop_sequences=2, max_top_n_tokens=3)
 PROMPT = "hello world"
@@ -220,6 +220,25 @@ def test_a_mapped_request_is_validated_as_its_body(validation: Validation) -> No
         validation.validate(Request(PROMPT, Parameters(decoder_input_details=True), stream=True))
 
 
+def test_adapter_id_must_name_a_served_adapter(tokenizer: Any) -> None:
+    served = {"sql", "chat"}
+    validation = Validation(tokenizer, LIMITS, adapters=lambda: served)
+    assert generate(validation, adapter_id="sql").parameters.adapter == "sql"
+    assert generate(validation).parameters.adapter is None
+    with pytest.raises(UnknownAdapter, match="'nope' is not served \\(served adapters: chat, sql\\)"):
+        generate(validation, adapter_id="nope")
+    with pytest.raises(UnknownAdapter, match="served adapters: none"):
+        generate(Validation(tokenizer, LIMITS), adapter_id="sql")
+
+
+def test_openai_model_selects_an_adapter_it_names(tokenizer: Any) -> None:
+    """vLLM's convention: `model` naming an adapter picks it; any other name is the base model (as before)."""
+    validation = Validation(tokenizer, LIMITS, adapters=lambda: {"sql"})
+    base = Request(PROMPT, Parameters(), model="whatever-the-client-calls-it")
+    assert validation.validate(base).parameters.adapter is None
+    assert validation.validate(Request(PROMPT, Parameters(), model="sql")).parameters.adapter == "sql"
+
+
 def test_from_tgi_is_what_grpc_calls(validation: Validation) -> None:
     by_body = validation.validate(
         tgi_request({"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "top_k": 4}}, stream=False)
@@ -302,7 +321,6 @@ BAD_PARAMETERS = [
         "`parameters.grammar.value`: String should have at least 1 character",
     ),
     ({"grammar": {"type": "choice", "value": []}}, "`parameters.grammar.value`: List should have at least 1 item"),
-    ({"adapter_id": "lora"}, "`parameters.adapter_id`: is not supported (Conveyor serves no adapters)"),
     ({"temprature": 0.5}, "`parameters.temprature`: unknown field: Conveyor does not support it"),
     ({"max_tokens": 5}, "`parameters.max_tokens`: unknown field: Conveyor does not support it"),
 ]
