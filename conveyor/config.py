@@ -17,6 +17,10 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 SCHEDULING = ("continuous", "static", "sequential")
 DEMO_SIZES = ("tiny", "small")
+# vLLM's names (router/pipeline/tool_parsers/registry.py and reasoning.py hold the parsers; a unit test holds these
+# lists to them).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json")
+REASONING_PARSERS = ("deepseek_r1", "none", "qwen3")
 # Never on a command line (where `ps` shows them): the launcher passes them on in the environment.
 SECRET = {
     "api_key": "CONVEYOR_API_KEY",
@@ -141,6 +145,18 @@ class Config:
         "read special tokens written in chat messages (such as <|im_end|>) as control tokens, as the template's own "
         "are; off, they are text, so that a message cannot close its turn and open another (trusted callers only)",
         action=argparse.BooleanOptionalAction,
+    )
+    tool_call_parser: str | None = flag(
+        None,
+        "how the model writes tool calls (default: from its chat template's markers and config.json's model_type; "
+        "hermes where neither names one)",
+        choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = flag(
+        None,
+        "read a <think>...</think> block apart as reasoning_content (qwen3 and deepseek_r1 alike; none: off; "
+        "default: on where the chat template writes <think>)",
+        choices=REASONING_PARSERS,
     )
     max_decode_steps: int = flag(
         1,

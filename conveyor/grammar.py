@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -32,10 +32,13 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """One request's constraint. `value` is text for every kind, so that equal constraints compare equal and
-    share one compiled grammar: a schema as JSON, a regex or a Lark grammar as given, the choices as a JSON list."""
+    share one compiled grammar: a schema as JSON, a regex or a Lark grammar as given, the choices as a JSON list.
+    A model that reasons first gets the constraint on what follows its reasoning block (`after_reasoning`)."""
 
     kind: str
     value: str = ""
+    reasoning_open: str = ""  # the tag that may open a reasoning block first ("" with a close: the prompt opened it)
+    reasoning_close: str = ""  # the tag that ends it ("": the constraint applies from the first token)
 
     @classmethod
     def json_schema(cls, schema: Any) -> Constraint:
@@ -66,9 +69,18 @@ class Constraint:
             raise GrammarError("a grammar must be a non-empty string (Lark syntax)")
         return cls("grammar", _sized(lark))
 
+    def after_reasoning(self, open_tag: str, close_tag: str) -> Constraint:
+        """This constraint on the text after a reasoning block that ends with `close_tag`: a block the model may
+        open with `open_tag`, or (no `open_tag`) the one its prompt opened, which it must close first."""
+        return replace(self, reasoning_open=open_tag, reasoning_close=close_tag)
+
     @cached_property
     def grammar(self) -> str:
         """The llguidance grammar that enforces it; what the router sends each shard."""
+        answer = self._grammar()
+        return _after_reasoning(answer, self.reasoning_open, self.reasoning_close) if self.reasoning_close else answer
+
+    def _grammar(self) -> str:
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
@@ -87,6 +99,28 @@ class Constraint:
         if self.kind == "grammar":
             return LLMatcher.grammar_from_lark(self.value)
         raise GrammarError(f"unknown constraint kind `{self.kind}`")
+
+
+def _after_reasoning(answer: str, open_tag: str, close_tag: str) -> str:
+    """`answer` (an llguidance grammar: JSON with its `grammars`, or Lark text) after a reasoning block: free text
+    that ends at the first `close_tag`, then at most two newlines, as Qwen3 and DeepSeek-R1 write them. The block
+    is optional when the model may open it (`open_tag`), required when the prompt opened it (no `open_tag`)."""
+    try:
+        top = json.loads(answer)
+    except ValueError:
+        top = None
+    grammars = top["grammars"] if isinstance(top, dict) else [{"lark_grammar": answer}]
+    block = f"{json.dumps(open_tag)} thought" if open_tag else "thought"
+    lark = "\n".join(
+        [
+            f"start: reasoning{'?' if open_tag else ''} @answer",
+            f"reasoning: {block}",
+            "thought: thought_text /\\n{0,2}/",
+            f"thought_text[suffix={json.dumps(close_tag)}]: /(?s:.*)/",
+        ]
+    )
+    main = {"name": "reasoning", "lark_grammar": lark}
+    return json.dumps({"grammars": [main, {**grammars[0], "name": "answer"}, *grammars[1:]]})
 
 
 # Keywords whose value is a schema, a list of schemas, or a map from names to schemas.

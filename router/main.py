@@ -35,6 +35,7 @@ from conveyor.router.frontends.connections import ClientCap, ConnectionLimits
 from conveyor.router.frontends.grpc_server import TextGenerationService
 from conveyor.router.limits import LimitError
 from conveyor.router.metrics import Metrics
+from conveyor.router.pipeline.output_parsers import output_parsers
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
 from conveyor.router.transport.connect import Connection, connect, first_connect, shard_address
@@ -60,6 +61,8 @@ async def run(args: Config) -> None:
     )
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     observe = metrics.grammar_compile.observe
+    parsers = output_parsers(args.model_id, tokenizer, args.tool_call_parser, args.reasoning_parser)
+    log.warning("output parsers", extra={"tool_calls": parsers.tool_format.name, "reasoning": parsers.reasoning})
     validation = Validation(
         tokenizer,
         limits.validation,
@@ -67,6 +70,7 @@ async def run(args: Config) -> None:
         model_dir=args.model_id,
         chat_special_tokens=args.chat_special_tokens,
         adapters=lambda: infer.adapters.served,
+        parsers=parsers,
     )
     server = HttpServer(
         infer,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import httpx
 import loopback
 import pytest
 import sseclient
+from chat_templates import CHAT_TEMPLATES
 
 from conveyor import demo_model
 
@@ -527,3 +529,82 @@ def small_kv(session_deployments: Deployments) -> Server:
     server = session_deployments.get("small_kv")
     assert server.info()["kv_blocks_total"] == 32
     return server
+
+
+def chat_model(source: Path, out_dir: Path, template: str) -> Path:
+    """A copy of the model in `source` with `template` as its chat template, and one EOS id: the tiny model's
+    second (an ordinary token) would show in the text where a grammar lets the output end."""
+    shutil.copytree(source, out_dir)
+    generation_path = out_dir / "generation_config.json"
+    generation = json.loads(generation_path.read_text())
+    eos = generation["eos_token_id"]
+    generation["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
+    generation_path.write_text(json.dumps(generation, indent=2))
+    tokenizer_path = out_dir / "tokenizer_config.json"
+    tokenizer = json.loads(tokenizer_path.read_text())
+    tokenizer["chat_template"] = template
+    tokenizer_path.write_text(json.dumps(tokenizer, indent=2))
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+    return out_dir
+
+
+# The deployments of the test models shaped like each family (tests/chat_templates.py), by fixture name.
+CHAT_DEPLOYMENTS = {
+    "qwen3_chat_server": "qwen3",
+    "r1_chat_server": "r1",
+    "llama3_chat_server": "llama3",
+    "mistral_chat_server": "mistral",
+    "phi4_chat_server": "phi4_mini",
+}
+
+
+@pytest.fixture(scope="session")
+def chat_deployments(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployments]:
+    """The tiny model with each family's chat template, served (tests/e2e/test_chat_families.py and
+    test_reasoning_serving.py): those the selected tests use start together, at the first use of any."""
+    root = tmp_path_factory.mktemp("chat_models")
+    ports = {name: free_port() for name in CHAT_DEPLOYMENTS}
+
+    def start(name: str) -> Server:
+        family = CHAT_DEPLOYMENTS[name]
+        model = chat_model(tiny_model, root / family, CHAT_TEMPLATES[family])
+        flags = ["--master-port", str(ports[name]), "--max-total-tokens", "1024", "--max-batch-total-tokens", "8192"]
+        return start_server(model, *flags)
+
+    starts = {name: (lambda name=name: start(name)) for name in CHAT_DEPLOYMENTS}
+    deployments = Deployments(starts, used(request, starts))
+    yield deployments
+    codes = deployments.stop()
+    assert codes == [0] * len(codes)
+
+
+@pytest.fixture(scope="session")
+def qwen3_chat_server(chat_deployments: Deployments) -> Server:
+    """Qwen3's template: Hermes tool calls, a <think> block the model opens, `enable_thinking`."""
+    return chat_deployments.get("qwen3_chat_server")
+
+
+@pytest.fixture(scope="session")
+def r1_chat_server(chat_deployments: Deployments) -> Server:
+    """DeepSeek-R1's template: the generation prompt opens the <think> block."""
+    return chat_deployments.get("r1_chat_server")
+
+
+@pytest.fixture(scope="session")
+def llama3_chat_server(chat_deployments: Deployments) -> Server:
+    """Llama 3.1's template: JSON tool calls with "parameters"."""
+    return chat_deployments.get("llama3_chat_server")
+
+
+@pytest.fixture(scope="session")
+def mistral_chat_server(chat_deployments: Deployments) -> Server:
+    """Mistral's template: [TOOL_CALLS] and a JSON list; call ids of 9 letters and digits."""
+    return chat_deployments.get("mistral_chat_server")
+
+
+@pytest.fixture(scope="session")
+def phi4_chat_server(chat_deployments: Deployments) -> Server:
+    """Phi-4-mini's template shape: tools between <|tool|> and <|/tool|>, calls after <|tool_call|>."""
+    return chat_deployments.get("phi4_chat_server")

@@ -106,11 +106,17 @@ class Message(Part):
     name: str | None = None
     tool_calls: Annotated[list[MessageToolCall] | None, Field(description="Only on assistant messages")] = None
     tool_call_id: Annotated[str | None, Field(description="Required on tool messages")] = None
+    reasoning_content: Annotated[
+        str | None,
+        Field(description="Only on assistant messages: their reasoning, as the answer gave it"),
+    ] = None
 
     @model_validator(mode="after")
     def _rules(self) -> Message:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry `tool_calls`")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry `reasoning_content`")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a message of role tool needs the string `tool_call_id` it answers")
         if not self.tool_calls and self.content is None:
@@ -168,12 +174,20 @@ class ChatRequest(OpenAIRequest):
     tool_choice: Annotated[
         Literal["none", "auto", "required"] | NamedToolChoice,
         Field(
-            description="none: no tools; auto (the default with tools): calls written as "
-            '`<tool_call>{"name": ..., "arguments": ...}</tool_call>` are read from the output; required: at '
-            "least one call, forced by a grammar; a named function: a call to it, its arguments forced"
+            description="none: no tools; auto (the default with tools): calls are read from the output in the "
+            "model family's format (--tool-call-parser); required: at least one call, forced by a grammar; a named "
+            "function: a call to it, its arguments forced"
         ),
     ] = None  # type: ignore[assignment]
     parallel_tool_calls: Annotated[bool, Field(description="With `required`: false allows one call only")] = True
+    chat_template_kwargs: Annotated[
+        dict[str, Any],
+        Field(
+            description='More variables for the chat template, such as `{"enable_thinking": false}`; the names '
+            "the router sets itself (`messages`, `tools`, `add_generation_prompt`, `tokenize`...) and the special "
+            "tokens' are refused"
+        ),
+    ] = None  # type: ignore[assignment]
     functions: refused([], why="Not supported: use `tools`") = None
     function_call: refused("none", why="Not supported: use `tool_choice`") = None
 
@@ -248,8 +262,11 @@ class CalledFunctionOut(TypedDict):
     arguments: Annotated[str, Field(description="JSON text")]
 
 
+CALL_ID = "^(call_|[A-Za-z0-9]{9}$)"  # OpenAI's shape; Mistral-family models: 9 letters and digits
+
+
 class ToolCall(TypedDict):
-    id: Annotated[str, Field(pattern="^call_")]
+    id: Annotated[str, Field(pattern=CALL_ID)]
     type: Literal["function"]
     function: CalledFunctionOut
 
@@ -258,20 +275,24 @@ class ToolCallDelta(TypedDict):
     """A call's first delta has its id, type and name; later ones add to its arguments."""
 
     index: int
-    id: NotRequired[Annotated[str, Field(pattern="^call_")]]
+    id: NotRequired[Annotated[str, Field(pattern=CALL_ID)]]
     type: NotRequired[Literal["function"]]
     function: NotRequired[dict[str, str]]
 
 
 class AssistantMessage(TypedDict):
     role: Literal["assistant"]
-    content: Annotated[str | None, Field(description="null when the answer is tool calls only")]
+    content: Annotated[str | None, Field(description="null when the answer is tool calls or reasoning only")]
+    reasoning_content: NotRequired[
+        Annotated[str | None, Field(description="A reasoning model's <think> block (--reasoning-parser)")]
+    ]
     tool_calls: NotRequired[list[ToolCall]]
 
 
 class Delta(TypedDict):
     role: NotRequired[Literal["assistant"]]
     content: NotRequired[str]
+    reasoning_content: NotRequired[str]
     tool_calls: NotRequired[list[ToolCallDelta]]
 
 

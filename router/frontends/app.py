@@ -26,6 +26,7 @@ from conveyor.router.frontends.middleware import (
 )
 from conveyor.router.frontends.openai import OpenAIRoutes
 from conveyor.router.frontends.responses import UNAUTHORIZED, VALIDATION, json_error
+from conveyor.router.frontends.responses_api import ResponsesRoutes
 from conveyor.router.frontends.service import RequestControl
 from conveyor.router.frontends.tgi import TgiRoutes
 from conveyor.router.pipeline.validation import Validation
@@ -78,7 +79,9 @@ class HttpServer:
         TgiRoutes(self.infer, self.validation, self.info, lambda: self.draining).register(app)
         app.router.add_get("/metrics", self.get_metrics)
         app.router.add_get("/openapi.json", self.get_openapi)
-        OpenAIRoutes(self.infer, self.validation, self.info.model_id).register(app)
+        chat = OpenAIRoutes(self.infer, self.validation, self.info.model_id)
+        chat.register(app)
+        ResponsesRoutes(self.infer, chat).register(app)
         RequestControl(self.infer).register(app)
         AdapterRoutes(self.infer).register(app)
         Dashboard(self.infer, self.info).register(app)

@@ -41,6 +41,7 @@ async def trace_middleware(request: web.Request, handler: Handler) -> web.Stream
 # GET routes (health, info, metrics, models, the OpenAPI document, the dashboard's page) stay open for probes and
 # scrapers; the dashboard's page reads its figures from /dashboard/state.
 PRIVATE_GETS = frozenset({"/v1/requests", "/dashboard/state"})
+PRIVATE_PREFIXES = ("/v1/responses/",)  # a stored response is its key's
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:~-]{1,128}")
 
 
@@ -82,7 +83,8 @@ def key_middleware(keys: KeyRing) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         key = keys.identify(request.headers.get("Authorization", ""))
-        if key is None and (request.method in ("POST", "DELETE") or request.path in PRIVATE_GETS):
+        private = request.path in PRIVATE_GETS or request.path.startswith(PRIVATE_PREFIXES)
+        if key is None and (request.method in ("POST", "DELETE") or private):
             message = "a valid API key is required: Authorization: Bearer <key>"
             return json_error(UNAUTHORIZED.status, message, UNAUTHORIZED.error_type, openai=_openai(request))
         request["key"] = key

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from conveyor.grammar import Constraint
 from conveyor.router.api import openai as api
 from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.openai import (
@@ -39,9 +40,11 @@ from conveyor.router.frontends.responses import (
     openai_logprob,
     send_sse,
 )
-from conveyor.router.pipeline.chat_prompt import ChatPrompt, render_chat
+from conveyor.router.pipeline.chat_output import ChatOutput, Delta
+from conveyor.router.pipeline.chat_prompt import ChatPrompt, render_chat, template_kwargs
+from conveyor.router.pipeline.reasoning import Reasoning
 from conveyor.router.pipeline.request import ValidRequest, from_chat, from_completion
-from conveyor.router.pipeline.tools import ToolStream, ToolUse, tool_use
+from conveyor.router.pipeline.tools import ToolUse, tool_use
 from conveyor.router.pipeline.validation import Validation
 
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -60,8 +63,7 @@ def _with_seed(valid: ValidRequest, index: int) -> ValidRequest:
 class Choice:
     index: int
     request: ValidRequest
-    tools: ToolUse | None = None
-    tool_stream: ToolStream | None = None  # a streamed choice's tool-call state
+    output: ChatOutput | None = None  # a chat choice's reader: its reasoning, content and tool calls
 
 
 class OpenAIRoutes:
@@ -101,21 +103,19 @@ class OpenAIRoutes:
 
     def _chat_choices(self, request: ChatRequest) -> list[Choice]:
         tools = tool_use(request)
-        prompt = self._render_chat([_message(m) for m in request.messages], tools)
-        grammar = request.constraint()
-        forced = tools.constraint() if tools is not None else None
-        if forced is not None:
-            if grammar is not None:
-                raise ValidationError(
-                    "a `response_format` or other constraint cannot be combined with this `tool_choice`"
-                )
-            grammar = forced
+        prompt = self._render_chat([_message(m) for m in request.messages], tools, request.chat_template_kwargs)
+        parsers = self.validation.parsers
+        reasoning = parsers.reasoning_of(prompt.text)
+        grammar = _chat_constraint(request, tools, reasoning)
         valid = self.validation.validate(from_chat(request, prompt, grammar))
-        return [Choice(i, _with_seed(valid, i), tools) for i in range(request.n)]
+        return [Choice(i, _with_seed(valid, i), parsers.output(tools, reasoning)) for i in range(request.n)]
 
-    def _render_chat(self, messages: list[dict], tools: ToolUse | None) -> ChatPrompt:
-        extra = {"tools": tools.template_tools()} if tools is not None else {}
+    def _render_chat(self, messages: list[dict], tools: ToolUse | None, kwargs: dict | None) -> ChatPrompt:
         validation = self.validation
+        extra = {"tools": tools.template_tools()} if tools is not None else {}
+        if kwargs:
+            trusted = validation.chat_special_tokens
+            extra = {**template_kwargs(kwargs, validation.tokenizer, validation.special_texts, trusted), **extra}
 
         def render(messages: list[dict]) -> str:
             return validation.tokenizer.apply_chat_template(
@@ -192,6 +192,17 @@ class OpenAIRoutes:
                     await send_sse(response, fmt.usage_chunk(_usage(usage)))
                 await response.write(b"data: [DONE]\n\n")
             return response
+
+
+def _chat_constraint(request: ChatRequest, tools: ToolUse | None, reasoning: Reasoning | None) -> Constraint | None:
+    """The body's constraint or the one a forced call implies (not both), on the answer after any reasoning."""
+    grammar = request.constraint()
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if grammar is not None:
+            raise ValidationError("a `response_format` or other constraint cannot be combined with this `tool_choice`")
+        grammar = forced
+    return reasoning.constrain(grammar) if reasoning is not None else grammar
 
 
 def _message(message: Message) -> dict[str, Any]:
@@ -355,13 +366,15 @@ class ChatFormat(Format):
         }
 
     def choice(self, choice: Choice, response: Response, logprobs: bool) -> api.ChatChoice:
-        message: api.AssistantMessage = {"role": "assistant", "content": response.finished.generated_text}
+        assert choice.output is not None
+        parsed = choice.output.parse(response.finished.generated_text)
+        message: api.AssistantMessage = {"role": "assistant", "content": parsed.content}
+        if choice.output.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
         finish_reason = _finish_reason(response.finished)
-        if choice.tools is not None:
-            message["content"], calls = choice.tools.parse(response.finished.generated_text)
-            if calls:
-                message["tool_calls"] = [call.message() for call in calls]
-                finish_reason = _tool_finish(finish_reason)
+        if parsed.calls:
+            message["tool_calls"] = [call.message() for call in parsed.calls]
+            finish_reason = _tool_finish(finish_reason)
         return {
             "index": choice.index,
             "message": message,
@@ -387,10 +400,16 @@ class ChatFormat(Format):
         ]
 
     def chunk(self, choice: Choice, event: TokenEvent, logprobs: bool) -> dict:
-        delta: dict[str, Any] = {"content": _text(event)}
+        """One token's chunk: what the token completes of the reasoning, the content and the calls (nothing, while
+        it may be the start of a marker), and at the end what is still owed."""
+        output = choice.output
+        assert output is not None
+        deltas = output.feed(_text(event))
         finish_reason = _finish_reason(event.finished)
-        if choice.tools is not None:
-            delta, finish_reason = self._tool_delta(choice, event, finish_reason)
+        if event.finished is not None:
+            deltas += output.finish()
+            finish_reason = _tool_finish(finish_reason) if output.called else finish_reason
+        delta = _chat_delta(deltas, plain=output.tools is None and output.reasoning is None)
         return self._envelope(
             self.chunk_name,
             [
@@ -403,19 +422,33 @@ class ChatFormat(Format):
             ],
         )
 
-    @staticmethod
-    def _tool_delta(choice: Choice, event: TokenEvent, finish_reason: str | None) -> tuple[dict, str | None]:
-        """What a choice with tools sends for this token: content, call deltas, or nothing yet (held back)."""
-        if choice.tool_stream is None:
-            choice.tool_stream = ToolStream(choice.tools)
-        delta = choice.tool_stream.feed(_text(event))
-        if event.finished is None:
-            return delta, finish_reason
-        last = choice.tool_stream.finish()
-        if "content" in last:
-            delta["content"] = delta.get("content", "") + last["content"]
-        if last.get("tool_calls"):
-            delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
-        if choice.tool_stream.calls:
-            finish_reason = _tool_finish(finish_reason)
-        return delta, finish_reason
+
+def _chat_delta(deltas: list[Delta], plain: bool) -> api.Delta:
+    """OpenAI's delta for a token's pieces. A plain chat (no tools, no reasoning) always has its `content`, as
+    before tools existed; others only what the token completed."""
+    delta: api.Delta = {}
+    reasoning = "".join(d.reasoning for d in deltas)
+    content = "".join(d.content for d in deltas)
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content or plain:
+        delta["content"] = content
+    if calls := _call_deltas(deltas):
+        delta["tool_calls"] = calls
+    return delta
+
+
+def _call_deltas(deltas: list[Delta]) -> list[api.ToolCallDelta]:
+    """A call's first piece names it (id, type, name); the others add to its arguments, one entry per call."""
+    out: list[api.ToolCallDelta] = []
+    for d in deltas:
+        if d.call_index is None:
+            continue
+        if d.call_id is not None:
+            function = {"name": d.call_name or "", "arguments": d.arguments}
+            out.append({"index": d.call_index, "id": d.call_id, "type": "function", "function": function})
+        elif out and out[-1]["index"] == d.call_index:
+            out[-1]["function"]["arguments"] += d.arguments
+        else:
+            out.append({"index": d.call_index, "function": {"arguments": d.arguments}})
+    return out

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
-from conveyor.router.api import adapters, openai, service, tgi
+from conveyor.router.api import adapters, openai, responses_api, service, tgi
 from conveyor.router.api.base import LIMIT
 from conveyor.router.limits import Limits
 
@@ -52,6 +52,10 @@ SCHEMAS: dict[str, Any] = {
     "UnloadAdapterRequest": adapters.UnloadAdapterRequest,
     "AdapterLoaded": adapters.AdapterLoaded,
     "AdapterUnloaded": adapters.AdapterUnloaded,
+    "ResponsesRequest": responses_api.ResponsesRequest,
+    "Response": responses_api.Response,
+    "ResponseDeleted": responses_api.ResponseDeleted,
+    "ResponseStreamEvent": responses_api.StreamEvent,
 }
 
 
@@ -140,7 +144,11 @@ def _errors(openai: bool) -> dict:
     return {
         "400": _error("The body could not be read (a Content-Encoding that does not decode)", openai),
         "401": _error("Missing or wrong API key", openai),
-        "404": _error("The request names a LoRA adapter the server does not serve", openai),
+        "404": _error(
+            "The request names a LoRA adapter the server does not serve, or (/v1/responses) a stored response "
+            "it does not have for this API key",
+            openai,
+        ),
         "413": _error("Request body too large (--payload-limit)", openai),
         "415": _error("The body is declared as something other than JSON", openai),
         "422": _error("Invalid input, or a prompt too long in tokens for the limits", openai),
@@ -250,6 +258,31 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
                         "404": _error("No such request in flight for this API key", False),
                     },
                 }
+            },
+            "/v1/responses": _post(
+                "OpenAI's Responses API: a response to input items, with function tools and JSON schemas",
+                "ResponsesRequest",
+                _either(
+                    "The response, or its typed events (server-sent) when `stream` is true",
+                    _ref("Response"),
+                    _events(_ref("ResponseStreamEvent")),
+                ),
+                openai=True,
+            ),
+            "/v1/responses/{id}": {
+                method: {
+                    "summary": summary,
+                    "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {
+                        "200": _json(_ref(answer)),
+                        "401": _error("Missing or wrong API key", True),
+                        "404": _error("No stored response of that id for this API key", True),
+                    },
+                }
+                for method, summary, answer in (
+                    ("get", "A stored response", "Response"),
+                    ("delete", "Delete a stored response", "ResponseDeleted"),
+                )
             },
             "/v1/load_lora_adapter": _adapter_route(
                 "Load a LoRA adapter on every shard (an admin key's)", "LoadAdapterRequest", "AdapterLoaded"

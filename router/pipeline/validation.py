@@ -29,6 +29,7 @@ from conveyor.router.limits import Limits
 from conveyor.router.pipeline.chat_prompt import Span
 from conveyor.router.pipeline.fair_workers import FairWorkers
 from conveyor.router.pipeline.generation_defaults import GenerationDefaults
+from conveyor.router.pipeline.output_parsers import OutputParsers
 from conveyor.router.pipeline.request import Request, ValidRequest
 
 __all__ = ["Validation", "ValidationError"]
@@ -106,8 +107,11 @@ class Validation:
         model_dir: str | None = None,
         chat_special_tokens: bool = False,
         adapters: Callable[[], Collection[str]] = tuple,
+        parsers: OutputParsers | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # How the model writes tool calls and reasoning (output_parsers.py), for the chat routes.
+        self.parsers = parsers or OutputParsers()
         self.adapters = adapters  # the LoRA adapters served now (they change as adapters are loaded live)
         # Whether special tokens written in chat messages are control tokens (trusted callers only; chat_prompt.py).
         self.chat_special_tokens = chat_special_tokens

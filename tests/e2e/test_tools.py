@@ -1,10 +1,11 @@
-"""Structured output and tool calls end to end through the unmodified `openai` SDK, and the parser of auto mode.
+"""Structured output and tool calls end to end through the unmodified `openai` SDK, and auto mode's reading of the
+demo template's (Hermes) calls.
 
 The tiny model's weights are random: it never writes a `<tool_call>` on its own, so auto mode's parser is
-tested on hand-written output. Schemas here are bounded (enums, integer ranges, short lists) so that constrained
-outputs finish within a few dozen tokens. They avoid free-text strings too: the test model declares an ordinary
-token (" >=") as a second EOS id (see conftest), which a grammar allows inside a string and which then ends the
-request mid-JSON.
+tested on hand-written output (each family's through the server too: test_chat_families.py). Schemas here are
+bounded (enums, integer ranges, short lists) so that constrained outputs finish within a few dozen tokens. They
+avoid free-text strings too: the test model declares an ordinary token (" >=") as a second EOS id (see conftest),
+which a grammar allows inside a string and which then ends the request mid-JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pydantic import BaseModel, Field
 
 from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.openai import ChatRequest
-from conveyor.router.pipeline.tools import ToolStream, tool_use
+from conveyor.router.pipeline.chat_output import ChatOutput
+from conveyor.router.pipeline.tools import tool_use
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
@@ -313,41 +315,41 @@ HERMES = (
 
 
 def test_auto_mode_reads_hermes_calls_out_of_the_output() -> None:
-    content, calls = AUTO.parse(HERMES)
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+    parsed = ChatOutput(AUTO).parse(HERMES)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
         ("get_weather", {"city": "Paris", "unit": "C"}),
         ("set_alarm", {"hour": 7, "loud": False}),
     ]
-    assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
+    assert all(c.id.startswith("call_") for c in parsed.calls) and len({c.id for c in parsed.calls}) == 2
     # the malformed block and the unfinished tail stay content; the calls are cut out
-    assert content == "Let me check.  <tool_call>not JSON</tool_call>  then <tool_call>"
+    assert parsed.content == "Let me check.  <tool_call>not JSON</tool_call>  then <tool_call>"
     unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
-    assert AUTO.parse(unknown) == (unknown, [])  # not one of the tools: text
-    assert AUTO.parse("just words") == ("just words", [])
+    assert (ChatOutput(AUTO).parse(unknown).content, ChatOutput(AUTO).parse(unknown).calls) == (unknown, [])
+    assert ChatOutput(AUTO).parse("just words").content == "just words"
 
 
-def _stream(use: Any, pieces: list[str]) -> list[dict]:
-    stream = ToolStream(use)
-    return [stream.feed(piece) for piece in pieces] + [stream.finish()]
+def _stream(use: Any, pieces: list[str]) -> list[str | None]:
+    """The content each piece (and the end) sends."""
+    output = ChatOutput(use)
+    groups = [output.feed(piece) for piece in pieces] + [output.finish()]
+    return ["".join(d.content for d in group) or None for group in groups]
 
 
 def test_auto_mode_streams_content_and_holds_back_what_may_be_a_call() -> None:
-    deltas = _stream(AUTO, ["Hi", " there <to", "ol", " maybe"])
-    assert [d.get("content") for d in deltas] == ["Hi", " there ", None, "<tool maybe", None]
-    deltas = _stream(AUTO, ["Hi <tool", "_call>"])
-    assert [d.get("content") for d in deltas] == ["Hi ", None, "<tool_call>"]  # released at the end: no call
+    assert _stream(AUTO, ["Hi", " there <to", "ol", " maybe"]) == ["Hi", " there", None, " <tool maybe", None]
+    assert _stream(AUTO, ["Hi <tool", "_call>"]) == ["Hi", None, " <tool_call>"]  # released at the end: no call
 
 
 @pytest.mark.parametrize("text", [HERMES, " " + HERMES + " after\n", "\nok"], ids=["hermes", "padded", "plain"])
 def test_auto_mode_streamed_is_the_whole_answer_in_pieces(text: str) -> None:
-    """Fed a few characters at a time, the deltas add up to what the finished output parses to (but for leading
-    whitespace, sent before any call could be seen), with the calls in the last delta."""
-    content, calls = AUTO.parse(text)
-    deltas = _stream(AUTO, [text[i : i + 3] for i in range(0, len(text), 3)])
-    streamed = "".join(d.get("content", "") for d in deltas)
-    assert streamed.strip() == (content or "").strip()
-    sent = [call for d in deltas for call in d.get("tool_calls", [])]
-    assert all("tool_calls" not in d for d in deltas[:-1])
-    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in sent] == [
-        (i, c.name, c.arguments) for i, c in enumerate(calls)
+    """Fed a few characters at a time, the pieces add up to what the finished output parses to: the content,
+    and each call named in its first piece, its arguments in the others."""
+    parsed = ChatOutput(AUTO).parse(text)
+    output = ChatOutput(AUTO)
+    deltas = [d for i in range(0, len(text), 3) for d in output.feed(text[i : i + 3])] + output.finish()
+    assert "".join(d.content for d in deltas) == (parsed.content or "")
+    firsts = [d for d in deltas if d.call_id is not None]
+    arguments = ["".join(d.arguments for d in deltas if d.call_index == i) for i in range(len(firsts))]
+    assert [(d.call_index, d.call_name, a) for d, a in zip(firsts, arguments)] == [
+        (i, c.name, c.arguments) for i, c in enumerate(parsed.calls)
     ]

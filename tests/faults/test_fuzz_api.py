@@ -50,12 +50,22 @@ POST_ROUTES = [
     "/tokenize",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
 ]
 ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-GET_ROUTES = ["/v1/models", "/health", "/info", "/metrics", "/v1/requests", "/dashboard", "/dashboard/state"]
-DELETE_ROUTES = ["/v1/requests/{id}"]
+GET_ROUTES = [
+    "/v1/models",
+    "/health",
+    "/info",
+    "/metrics",
+    "/v1/requests",
+    "/dashboard",
+    "/dashboard/state",
+    "/v1/responses/{id}",
+]
+DELETE_ROUTES = ["/v1/requests/{id}", "/v1/responses/{id}"]
 # 422s that schema-valid requests may get: the token limits, and the rules the schemas give in words only.
 TOKEN_RULES = (
     "`inputs` must have less than",
@@ -81,10 +91,15 @@ TOKEN_RULES = (
     "a message of role tool needs",
     "only assistant messages carry `tool_calls`",
     "each message needs a string `content`",
+    "only assistant messages carry `reasoning_content`",
+    # chat_template_kwargs: names the router sets, and special tokens' text (the tokenizer's to know)
+    "`chat_template_kwargs` may not",
     # tools: what a schema cannot say of a list (unique names) or of one field given another
     "a tool call's `arguments` must be JSON text",
     "`tools` has two functions of the same name",
     "which is not in `tools`",
+    # the Responses API: items the model is not shown
+    "`input` has nothing to answer",
 )
 
 
@@ -120,6 +135,10 @@ def _integers(value: Any) -> Any:
 def _few_tokens(path: str, body: Any) -> None:
     """Caps what a valid request generates: absent or large token counts become NEW_TOKENS."""
     if not isinstance(body, dict) or path in ADAPTER_ROUTES:  # these generate nothing
+        return
+    if path == "/v1/responses":
+        given = body.get("max_output_tokens")
+        body["max_output_tokens"] = min(given, NEW_TOKENS) if isinstance(given, int) else NEW_TOKENS
         return
     if path.startswith("/v1/"):
         given = [body[name] for name in ("max_tokens", "max_completion_tokens") if isinstance(body.get(name), int)]

@@ -246,6 +246,11 @@ CHAT_VALID = {
     "tool_choice": TOOL_CHOICES,
     "function_call": st.just("none"),
     "parallel_tool_calls": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["enable_thinking", "x", "tools", "bos_token", "add_generation_prompt"]),
+        JSON_VALUES,
+        max_size=2,
+    ),
 }
 
 
@@ -269,7 +274,7 @@ TGI_BODIES = often(
     JSON_VALUES,
 )
 # A message's fields, each with what it takes (the fuzz below also sends them with any JSON value).
-_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 MESSAGES = st.lists(
     often(
         st.one_of(
@@ -287,6 +292,7 @@ MESSAGES = st.lists(
                     "name": st.one_of(TEXT, JSON_VALUES),
                     "tool_calls": JSON_VALUES,
                     "tool_call_id": JSON_VALUES,
+                    "reasoning_content": st.one_of(TEXT, JSON_VALUES),
                     "x": JSON_VALUES,
                 },
             ),
@@ -436,9 +442,9 @@ def test_any_chat_body_is_valid_or_a_validation_error(validation: Validation, bo
             assert body.get(name) in (None, [], {})  # never accepted and ignored
         # tools reach the model unless there are none or `tool_choice` is none
         offered = bool(body.get("tools")) and body.get("tool_choice") != "none"
-        assert all((c.tools is not None) == offered for c in choices)
+        assert all((c.output.tools is not None) == offered for c in choices)
         if offered:
-            event(f"tool_choice {choices[0].tools.choice}")
+            event(f"tool_choice {choices[0].output.tools.choice}")
 
 
 # --- sampling -------------------------------------------------------------------------------------------------
