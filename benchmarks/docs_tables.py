@@ -79,7 +79,7 @@ RUNS = (
     ),
     Run(
         "xeon-emerald-rapids/lora.json",
-        ".venv/bin/python -m conveyor.benchmarks.lora --model-id real --rounds 2 "
+        ".venv/bin/python -m conveyor.benchmarks.lora --model-id real --rounds 3 "
         "--output benchmarks/results/xeon-emerald-rapids/lora.json",
         "SmolLM2-135M-Instruct (`--model-id real`), float32: 64 requests x 128 tokens, 32 in flight, each on one of "
         "four random rank-16 adapters on every projection (request i on adapter i % 4) against the base model alone, "
