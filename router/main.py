@@ -62,7 +62,7 @@ async def run(args: Config) -> None:
     infer = Infer(scheduler, args.max_concurrent_requests, metrics)
     observe = metrics.grammar_compile.observe
     parsers = output_parsers(args.model_id, tokenizer, args.tool_call_parser, args.reasoning_parser)
-    log.warning("output parsers", extra={"tool_calls": parsers.tool_format.name, "reasoning": parsers.reasoning})
+    log.info("output parsers", extra={"tool_calls": parsers.tool_format.name, "reasoning": parsers.reasoning})
     validation = Validation(
         tokenizer,
         limits.validation,
