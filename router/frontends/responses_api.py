@@ -252,6 +252,8 @@ class ResponseEvents:
                 await self.send("response.function_call_arguments.delta", **self._at(self.open), delta=delta.arguments)
 
     async def finish(self, usage_: api.ResponseUsage, finished: Finished) -> dict[str, Any]:
+        if self.open is not None and "status" in self.open:
+            self.open["status"] = _item_status(finished)  # the item the limit cut
         await self._close()
         if not self.output.items:  # nothing at all was said: an empty message, as a whole answer has
             await self._item("message")
@@ -286,7 +288,7 @@ class ResponseEvents:
             done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
             await self.send(done, **self._at(item), content_index=0, text=text, **_logprobs(item))
             await self.send("response.content_part.done", **self._at(item), content_index=0, part=item["content"][0])
-        if "status" in item:
+        if item.get("status") == "in_progress":
             item["status"] = "completed"
         await self.send("response.output_item.done", output_index=self._index(item), item=item)
 
@@ -343,7 +345,7 @@ class ResponsesRoutes:
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
         finished = answer.finished
-        output = whole_output(finished.generated_text, choice, "completed")
+        output = whole_output(finished.generated_text, choice, _item_status(finished))
         final = response.json(
             output, "completed", usage(len(choice.request.input_ids), finished.generated_tokens), finished
         )
@@ -413,6 +415,11 @@ class ResponsesRoutes:
             return _not_found(response_id)
         deleted: api.ResponseDeleted = {"id": response_id, "object": "response", "deleted": True}
         return web.json_response(deleted)
+
+
+def _item_status(finished: Finished) -> str:
+    """The last item's status: cut by the token limit, or complete."""
+    return "incomplete" if finished.finish_reason == "length" else "completed"
 
 
 def _ends(event: Any) -> bool:

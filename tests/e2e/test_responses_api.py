@@ -67,6 +67,7 @@ def test_text_matches_the_chat_route(client: openai.OpenAI) -> None:
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     if chat.choices[0].finish_reason == "length":
         assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert response.output[0].status == "incomplete"  # the item the limit cut
 
 
 def test_a_required_function_tool_is_called_with_arguments_that_fit(client: openai.OpenAI) -> None:
@@ -146,6 +147,7 @@ def test_reasoning_is_an_item_of_its_own_created_and_streamed(r1_chat_server: Se
     final = events[-1].response
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert [item.type for item in response.output] == ["reasoning"]
+    assert final.output[0].type == "reasoning"
     thought = response.output[0].content[0].text
     assert thought and "think>" not in thought and response.output_text == ""
     assert "".join(deltas) == thought and [item.type for item in final.output] == ["reasoning"]
