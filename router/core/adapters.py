@@ -69,8 +69,7 @@ class Adapters:
 
     def check(self, name: str) -> None:
         if name not in self.served:
-            served = ", ".join(self.names()) or "none"
-            raise UnknownAdapter(f"adapter {name!r} is not served (served adapters: {served})")
+            raise UnknownAdapter.naming(name, self.served)
 
     def acquire(self, name: str | None) -> None:
         """A request for `name` (None: the base model) is in flight from now on."""
@@ -100,7 +99,7 @@ class Adapters:
                 responses = await client.load_adapter(name, source)
             except ShardError as exc:
                 await self._roll_back(client, name)
-                raise AdapterLoadError(_shard_message(exc)) from None
+                raise AdapterLoadError(exc.detail) from None
             adapter = Adapter.from_pb(responses[0].adapter, live=True)
             self.served[name] = adapter
             log.info("adapter loaded", extra={"adapter": name, "source": source, "bytes": adapter.weight_bytes})
@@ -123,7 +122,7 @@ class Adapters:
             try:
                 await client.load_adapter(adapter.name, adapter.source)
             except ShardError as exc:  # its files moved or changed since: requests for it now fail with a 404
-                log.error("adapter lost in the restart", extra={"adapter": adapter.name, "error": _shard_message(exc)})
+                log.error("adapter lost in the restart", extra={"adapter": adapter.name, "error": exc.detail})
                 del self.served[adapter.name]
 
     async def _roll_back(self, client: ShardedClient, name: str) -> None:
@@ -132,9 +131,3 @@ class Adapters:
             await client.unload_adapter(name)
         except ShardError:
             pass  # ranks that never loaded it refuse the unload
-
-
-def _shard_message(exc: ShardError) -> str:
-    """The shard's own one line, without the 'shard N failed LoadAdapter: ' prefix."""
-    text = str(exc)
-    return text.split(": ", 1)[1] if ": " in text else text

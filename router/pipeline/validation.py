@@ -97,6 +97,11 @@ class UnknownAdapter(ValidationError):
     """A request names a LoRA adapter the server does not serve: a problem with the request, answered 404 (not
     422) with the names the server does serve."""
 
+    @classmethod
+    def naming(cls, name: str, served: Collection[str]) -> UnknownAdapter:
+        names = ", ".join(sorted(served)) or "none"
+        return cls(f"adapter {name!r} is not served (served adapters: {names})")
+
 
 class Validation:
     def __init__(
@@ -163,8 +168,7 @@ class Validation:
         served = self.adapters()
         asked = request.parameters.adapter
         if asked is not None and asked not in served:
-            names = ", ".join(sorted(served)) or "none"
-            raise UnknownAdapter(f"adapter {asked!r} is not served (served adapters: {names})")
+            raise UnknownAdapter.naming(asked, served)
         if asked is None and request.model is not None and request.model in served:
             return request.model
         return asked

@@ -27,9 +27,10 @@ Metadata = list[tuple[str, str]] | None
 class ShardError(RuntimeError):
     """A rank failed an RPC; the message names the rank, the RPC and the shard's own error text."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.code = code  # the gRPC status, if the rank answered one
+        self.detail = detail or message  # the shard's own text, without which rank and RPC failed
 
     @property
     def timed_out(self) -> bool:
@@ -224,7 +225,8 @@ async def _gather(name: str, calls: list[Awaitable[T]], timeout: float | None = 
 
 def _shard_error(rank: int, name: str, exc: BaseException) -> ShardError:
     if isinstance(exc, grpc.aio.AioRpcError):
-        return ShardError(f"shard {rank} failed {name}: {exc.details() or exc.code().name}", exc.code())
+        detail = exc.details() or exc.code().name
+        return ShardError(f"shard {rank} failed {name}: {detail}", exc.code(), detail)
     return ShardError(f"shard {rank} failed {name}: {exc!r}")
 
 
