@@ -34,12 +34,12 @@ void rows(const scalar_t* x, const weight_t* weight, scalar_t* out, int64_t size
     if (gemma) {
 #pragma omp simd
       for (int64_t k = 0; k < size; ++k)
-        to[k] = static_cast<scalar_t>(conveyor::widen(row[k]) * r * conveyor::widen(weight[k]));
+        to[k] = conveyor::narrow<scalar_t>(conveyor::widen(row[k]) * r * conveyor::widen(weight[k]));
     } else {
 #pragma omp simd
       for (int64_t k = 0; k < size; ++k) {
-        const float normed = conveyor::widen(static_cast<scalar_t>(conveyor::widen(row[k]) * r));
-        to[k] = static_cast<scalar_t>(conveyor::widen(weight[k]) * normed);
+        const float normed = conveyor::widen(conveyor::narrow<scalar_t>(conveyor::widen(row[k]) * r));
+        to[k] = conveyor::narrow<scalar_t>(conveyor::widen(weight[k]) * normed);
       }
     }
   }
@@ -74,7 +74,7 @@ void add_rows(scalar_t* x, const scalar_t* delta, int64_t size, int64_t begin, i
     scalar_t* row = x + m * size;
     const scalar_t* add = delta + m * size;
 #pragma omp simd
-    for (int64_t k = 0; k < size; ++k) row[k] = static_cast<scalar_t>(conveyor::widen(row[k]) + conveyor::widen(add[k]));
+    for (int64_t k = 0; k < size; ++k) row[k] = conveyor::narrow<scalar_t>(conveyor::widen(row[k]) + conveyor::widen(add[k]));
   }
 }
 

@@ -20,7 +20,7 @@ namespace {
 
 template <typename scalar_t>
 inline float rounded(float value) {
-  return conveyor::widen(static_cast<scalar_t>(value));
+  return conveyor::widen(conveyor::narrow<scalar_t>(value));
 }
 
 // One head of one token: out[i] = x[i] cos[i] - x[i + half] sin[i], out[i + half] = x[i + half] cos[i + half]
@@ -32,8 +32,8 @@ void rotate(scalar_t* head, const scalar_t* cos, const scalar_t* sin, int64_t ha
     const float a = scratch[i], b = scratch[i + half];
     const float c0 = conveyor::widen(cos[i]), s0 = conveyor::widen(sin[i]);
     const float c1 = conveyor::widen(cos[i + half]), s1 = conveyor::widen(sin[i + half]);
-    head[i] = static_cast<scalar_t>(rounded<scalar_t>(a * c0) + rounded<scalar_t>(rounded<scalar_t>(-b) * s0));
-    head[i + half] = static_cast<scalar_t>(rounded<scalar_t>(b * c1) + rounded<scalar_t>(a * s1));
+    head[i] = conveyor::narrow<scalar_t>(rounded<scalar_t>(a * c0) + rounded<scalar_t>(rounded<scalar_t>(-b) * s0));
+    head[i + half] = conveyor::narrow<scalar_t>(rounded<scalar_t>(b * c1) + rounded<scalar_t>(a * s1));
   }
 }
 
