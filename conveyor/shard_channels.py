@@ -121,7 +121,8 @@ class Security:
         )
 
     def aio_channel(self, url: str) -> grpc.aio.Channel:
-        interceptors = [_TokenSender(self.metadata())] if self.token else None
+        metadata = self.metadata()
+        interceptors = [_TokenSender(metadata), _StreamTokenSender(metadata)] if self.token else None
         if self.tls and url.startswith("tcp://"):
             return grpc.aio.secure_channel(target(url), self._credentials(), CHANNEL_OPTIONS, interceptors=interceptors)
         return grpc.aio.insecure_channel(target(url), CHANNEL_OPTIONS, interceptors=interceptors)
@@ -133,13 +134,30 @@ class Security:
         return grpc.insecure_channel(target(url), CHANNEL_OPTIONS)
 
 
+def _with_token(details: grpc.aio.ClientCallDetails, token: list[tuple[str, str]]) -> grpc.aio.ClientCallDetails:
+    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *token))
+
+
 class _TokenSender(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the deployment's token to every unary call."""
+
     def __init__(self, metadata: list[tuple[str, str]]) -> None:
         self._metadata = metadata
 
     async def intercept_unary_unary(self, continuation, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
-        return await continuation(details._replace(metadata=metadata), request)
+        return await continuation(_with_token(details, self._metadata), request)
+
+
+class _StreamTokenSender(grpc.aio.StreamStreamClientInterceptor):
+    """...and to every stream (`Steps`, `DecodeRun`): a channel files each interceptor under one kind only."""
+
+    def __init__(self, metadata: list[tuple[str, str]]) -> None:
+        self._metadata = metadata
+
+    async def intercept_stream_stream(
+        self, continuation, details: grpc.aio.ClientCallDetails, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_token(details, self._metadata), request_iterator)
 
 
 class _TokenCheck(grpc.aio.ServerInterceptor):

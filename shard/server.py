@@ -65,13 +65,19 @@ def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
         try:
             with tracing.span(f"shard.{handler.__name__}", parent, kind=SpanKind.SERVER):
                 return await handler(self, request, context)
-        except BadRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # noqa: BLE001 - the message goes back to the router
-            log.exception("rpc failed", extra={"rpc": handler.__name__})
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await context.abort(*_status(handler.__name__, exc))
 
     return wrapper
+
+
+def _status(name: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a failed RPC (or step message) answers: a refused request is the caller's error; anything
+    else is logged here and named by its type."""
+    if isinstance(exc, BadRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.exception("rpc failed", extra={"rpc": name})
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
 class ShardService(pb_grpc.ShardServicer):
@@ -181,6 +187,13 @@ class ShardService(pb_grpc.ShardServicer):
 
     @rpc
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        return await self._prefill(request)
+
+    @rpc
+    async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
+        return await self._decode(request)
+
+    async def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         if not request.batch.requests:
             raise BadRequest("prefill needs at least one request")
         if request.batch.id in self.cache:
@@ -188,12 +201,30 @@ class ShardService(pb_grpc.ShardServicer):
         cached = [request.cached_batch.id] if request.HasField("cached_batch") else []
         return self._respond(pb.PrefillResponse, *await self._step(cached, list(request.updates), request.batch))
 
-    @rpc
-    async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
+    async def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         if not request.batches:
             raise BadRequest("decode needs at least one batch")
         cached = [b.id for b in request.batches]
         return self._respond(pb.DecodeResponse, *await self._step(cached, list(request.updates), None))
+
+    async def Steps(self, requests, context) -> None:
+        """Each message is a Prefill or a Decode, answered in order; a failed one answers the status its unary RPC
+        would have failed with, and the call goes on."""
+        while (message := await context.read()) is not grpc.aio.EOF:
+            kind = message.WhichOneof("step")
+            name = f"shard.{kind.capitalize() if kind else 'Step'}"
+            with tracing.span(name, tracing.extract(message.trace), kind=SpanKind.SERVER):
+                try:
+                    if kind == "prefill":
+                        response = pb.StepResponse(prefill=await self._prefill(message.prefill))
+                    elif kind == "decode":
+                        response = pb.StepResponse(decode=await self._decode(message.decode))
+                    else:
+                        raise BadRequest("a step message is a prefill or a decode")
+                except Exception as exc:  # noqa: BLE001 - answered as the unary RPC would fail
+                    code, text = _status("Steps", exc)
+                    response = pb.StepResponse(error=pb.StepError(code=code.value[0], message=text))
+            await context.write(response)
 
     @rpc
     async def DecodeRun(self, requests, context) -> None:

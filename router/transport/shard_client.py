@@ -21,6 +21,7 @@ from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 Metadata = list[tuple[str, str]] | None
 
 
@@ -55,6 +56,7 @@ class ShardedClient:
         self.restart_group: Callable[[], object] | None = None
         self._channels = [(security or Security()).aio_channel(u) for u in urls]
         self._stubs = [pb_grpc.ShardStub(c) for c in self._channels]
+        self._steps: list[grpc.aio.StreamStreamCall] | None = None  # every rank's open Steps call
 
     def kill(self) -> None:
         """Restarts a hung group, which cannot be asked to stop. Across nodes, by moving the group's epoch on
@@ -89,6 +91,7 @@ class ShardedClient:
         return cls(list(response[0].urls), security)
 
     async def close(self) -> None:
+        self._drop_steps()
         await asyncio.gather(*(c.close() for c in self._channels))
 
     async def _all(self, name: str, call: Callable[[pb_grpc.ShardStub], Awaitable[T]]) -> list[T]:
@@ -134,17 +137,41 @@ class ShardedClient:
         """`metadata` carries the trace context, so the shards' spans join the request's trace. With a
         `cached_batch` the new requests join that running batch in the same forward (a mixed step)."""
         request = pb.PrefillRequest(batch=batch, cached_batch=cached_batch, updates=updates)
-        return _step_result(
-            await self._all("Prefill", lambda s: s.Prefill(request, metadata=metadata, timeout=self.step_timeout))
-        )
+        return await self._step("Prefill", pb.StepRequest(prefill=request, trace=dict(metadata or ())))
 
     async def decode(
         self, batches: list[pb.CachedBatch], metadata: Metadata = None, updates: list[pb.RequestUpdate] = ()
     ) -> StepResult:
         request = pb.DecodeRequest(batches=batches, updates=updates)
-        return _step_result(
-            await self._all("Decode", lambda s: s.Decode(request, metadata=metadata, timeout=self.step_timeout))
-        )
+        return await self._step("Decode", pb.StepRequest(decode=request, trace=dict(metadata or ())))
+
+    async def _step(self, name: str, request: pb.StepRequest) -> StepResult:
+        """One step on every rank, over each rank's open `Steps` call (opened at the first step, and again after a
+        call failed): answered as the unary RPC would answer, an error message failing the step as its status
+        would. A call that breaks or passes the step deadline is dropped, and the step fails."""
+        if self._steps is None:
+            self._steps = [s.Steps() for s in self._stubs]
+        calls = self._steps
+        try:
+            await _gather(name, [c.write(request) for c in calls], self.step_timeout)
+            responses = await _gather(name, [c.read() for c in calls], self.step_timeout)
+        except ShardError:
+            self._drop_steps()
+            raise
+        for rank, response in enumerate(responses):
+            if response is grpc.aio.EOF:
+                self._drop_steps()
+                raise ShardError(f"shard {rank} ended its Steps call", grpc.StatusCode.UNAVAILABLE)
+            if response.HasField("error"):
+                code = _STATUS_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
+                detail = response.error.message
+                raise ShardError(f"shard {rank} failed {name}: {detail}", code, detail)
+        return _step_result([getattr(r, r.WhichOneof("result")) for r in responses])
+
+    def _drop_steps(self) -> None:
+        for call in self._steps or []:
+            call.cancel()
+        self._steps = None
 
     async def decode_run(
         self,

@@ -200,6 +200,38 @@ async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(client: Sharded
     await client.health()
 
 
+async def test_steps_answer_each_message_as_its_unary_rpc_and_go_on_after_an_error(
+    client: ShardedClient, shard: str, tokenizer, tiny_model: Path
+) -> None:
+    """The router's one open call for every step: a refused step is an error message with the unary RPC's status,
+    a message that is neither step is refused, and the same call then serves a request on its greedy path."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    got: list[int] = []
+    async with grpc.aio.insecure_channel(shard) as channel:
+        call = pb_grpc.ShardStub(channel).Steps()
+        await call.write(pb.StepRequest(decode=pb.DecodeRequest(batches=[pb.CachedBatch(id=999, request_ids=[1])])))
+        refused = await call.read()
+        assert refused.error.code == invalid and "not cached" in refused.error.message
+        await call.write(pb.StepRequest())
+        neither = await call.read()
+        assert neither.error.code == invalid and "a prefill or a decode" in neither.error.message
+        await call.write(pb.StepRequest(prefill=pb.PrefillRequest(batch=batch(11, request(tokenizer, 2, "x", 4)))))
+        answer = (await call.read()).prefill
+        while True:
+            got.extend(t for g in answer.generations for t in g.tokens.ids)
+            if not answer.HasField("batch"):
+                break
+            await call.write(pb.StepRequest(decode=pb.DecodeRequest(batches=[answer.batch])))
+            answer = (await call.read()).decode
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+    reference = greedy_reference(tiny_model, "x", 4)
+    assert len(got) == 4 and got[: len(reference)] == reference
+    with pytest.raises(ShardError) as error:  # the router's client reads the error message as the unary status
+        await client.decode([pb.CachedBatch(id=998, request_ids=[1], size=1)])
+    assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_a_failed_grpc_call_has_invalid_argument_status(shard: str) -> None:
     async with grpc.aio.insecure_channel(shard) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as error:

@@ -74,6 +74,11 @@ class ShardStub:
                 request_serializer=conveyor_dot_v1_dot_shard__pb2.DecodeRunRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_shard__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/conveyor.v1.Shard/Steps',
+                request_serializer=conveyor_dot_v1_dot_shard__pb2.StepRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_shard__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.FilterBatch = channel.unary_unary(
                 '/conveyor.v1.Shard/FilterBatch',
                 request_serializer=conveyor_dot_v1_dot_shard__pb2.FilterBatchRequest.SerializeToString,
@@ -154,6 +159,16 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """Prefill and Decode as messages of one call the router keeps open: each request is answered before the next
+        is sent, exactly as the unary RPCs answer. A call costs the router and the shard about twice what a message
+        does (the HTTP/2 stream, its headers and the handler's start), and the router steps dozens of times a second.
+        A step that fails answers an error message and leaves the call open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FilterBatch(self, request, context):
         """Keeps the listed requests of a cached batch and frees the KV of the rest.
         """
@@ -218,6 +233,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.DecodeRun,
                     request_deserializer=conveyor_dot_v1_dot_shard__pb2.DecodeRunRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_shard__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=conveyor_dot_v1_dot_shard__pb2.StepRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_shard__pb2.StepResponse.SerializeToString,
             ),
             'FilterBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.FilterBatch,
@@ -451,6 +471,33 @@ class Shard:
             '/conveyor.v1.Shard/DecodeRun',
             conveyor_dot_v1_dot_shard__pb2.DecodeRunRequest.SerializeToString,
             conveyor_dot_v1_dot_shard__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/conveyor.v1.Shard/Steps',
+            conveyor_dot_v1_dot_shard__pb2.StepRequest.SerializeToString,
+            conveyor_dot_v1_dot_shard__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
