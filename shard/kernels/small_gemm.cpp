@@ -48,12 +48,18 @@ void rows(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias
 // (one thread, one row, Intel Xeon Emerald Rapids) bfloat16 gained clearly and float32 stayed level. No benchmark
 // times this kernel alone; the bare forward's decode step at batch 1 (benchmarks/bare.py) shows it.
 template <int kOut, typename scalar_t>
-void rows_avx512_block(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out,
-                       int64_t in, int64_t out_features, int64_t o) {
+void rows_avx512_block(const float* x, const scalar_t* x_raw, int64_t count, const scalar_t* w, const scalar_t* bias,
+                       scalar_t* out, int64_t in, int64_t out_features, int64_t o, bool widen_only) {
   float sums[conveyor::kRowsAtOnce * kOut];
   conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
     constexpr int kRows = decltype(chunk)::value;
-    conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
+#ifdef CONVEYOR_AVX512_BF16_DOTS
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (!widen_only) conveyor::avx512::dot_block_bf16<kRows, kOut>(x_raw + m * in, in, w + o * in, sums);
+      else conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
+    } else
+#endif
+      conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
     for (int j = 0; j < kRows; ++j)
       for (int r = 0; r < kOut; ++r) {
         const float b = bias ? widen(bias[o + r]) : 0.f;
@@ -63,11 +69,11 @@ void rows_avx512_block(const float* x, int64_t count, const scalar_t* w, const s
 }
 
 template <typename scalar_t>
-void rows_avx512(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in,
-                 int64_t out_features, int64_t begin, int64_t end) {
+void rows_avx512(const float* x, const scalar_t* x_raw, int64_t count, const scalar_t* w, const scalar_t* bias,
+                 scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end, bool widen_only) {
   int64_t o = begin;
-  for (; o + 4 <= end; o += 4) rows_avx512_block<4>(x, count, w, bias, out, in, out_features, o);
-  for (; o < end; ++o) rows_avx512_block<1>(x, count, w, bias, out, in, out_features, o);
+  for (; o + 4 <= end; o += 4) rows_avx512_block<4>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
+  for (; o < end; ++o) rows_avx512_block<1>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
 }
 #endif
 
@@ -81,18 +87,25 @@ constexpr bool vectorized() {
 #endif
 }
 
+// Which loop a call takes: the fastest this build has, the plain C++ loop, or the AVX-512 loop that widens bfloat16
+// weights to float (what a CPU without the bfloat16 dot product runs). The tests call each on any machine that has it.
+enum class Path { kBest, kPortable, kWidening };
+
 template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& out,
-         bool portable) {
+         Path path) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   const std::vector<float> xf = conveyor::widened<scalar_t>(x);
+  const scalar_t* x_raw = x.data_ptr<scalar_t>();
   const scalar_t* w = weight.data_ptr<scalar_t>();
   const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
   scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
 #ifdef CONVEYOR_AVX512_DOTS
     if constexpr (vectorized<scalar_t>()) {
-      if (!portable) return rows_avx512<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
+      if (path != Path::kPortable)
+        return rows_avx512<scalar_t>(xf.data(), x_raw, count, w, b, o, in, out_features, begin, end,
+                                     path == Path::kWidening);
     }
 #endif
     rows<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
@@ -100,8 +113,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
 }
 
 // x [M, in] with 1 <= M <= 4, weight [out, in], bias [out] or none, all one dtype and contiguous. Returns [M, out].
-// `portable`: the plain C++ loop even where a vector path is built (the tests compare the two on any machine).
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool portable) {
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, Path path) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_gemm runs on CPU");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, in] and weight [out, in]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "small_gemm takes 1 to 4 rows, not ", x.size(0));
@@ -109,16 +121,20 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::option
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight share a dtype");
   conveyor::check_bias(bias, weight.size(0), weight.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
-  conveyor::for_float_dtype(x.scalar_type(), "small_gemm", [&](auto tag) { run<decltype(tag)>(x, weight, bias, out, portable); });
+  conveyor::for_float_dtype(x.scalar_type(), "small_gemm", [&](auto tag) { run<decltype(tag)>(x, weight, bias, out, path); });
   return out;
 }
 
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  return gemm(x, weight, bias, false);
+  return gemm(x, weight, bias, Path::kBest);
 }
 
 at::Tensor small_gemm_portable(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  return gemm(x, weight, bias, true);
+  return gemm(x, weight, bias, Path::kPortable);
+}
+
+at::Tensor small_gemm_widening(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return gemm(x, weight, bias, Path::kWidening);
 }
 
 }  // namespace
@@ -128,4 +144,6 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.impl("small_gemm", c10::DispatchKey::CPU, &small_gemm);
   m.def("small_gemm_portable(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm_portable", c10::DispatchKey::CPU, &small_gemm_portable);
+  m.def("small_gemm_widening(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("small_gemm_widening", c10::DispatchKey::CPU, &small_gemm_widening);
 }

@@ -28,13 +28,14 @@ def built() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape", [(48, 64), (37, 131), (1000, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("op", ["small_gemm", "small_gemm_portable"])
+@pytest.mark.parametrize("op", ["small_gemm", "small_gemm_portable", "small_gemm_widening"])
 def test_kernel_equals_f_linear(
     built, dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool, op: str
 ) -> None:
     """Odd sizes leave a remainder past the vector width (and out rows past the AVX-512 path's blocks of four);
     each output row is a sum in float of widened products, so it matches float64 up to the output dtype's
-    rounding. `small_gemm_portable` is the plain C++ loop, which a CPU without AVX-512 runs: tested here too."""
+    rounding. `small_gemm_portable` is the plain C++ loop, which a CPU without AVX-512 runs, and
+    `small_gemm_widening` the AVX-512 loop a CPU without the bfloat16 dot product runs: both tested here too."""
     generator = torch.Generator().manual_seed(rows * 1000 + shape[1])
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
