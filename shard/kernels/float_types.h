@@ -12,6 +12,10 @@
 
 namespace conveyor {
 
+// How far ahead of its loads a GEMM kernel prefetches the weight it streams, in bytes: a decode step with a few rows
+// reads every weight once, and the hardware prefetcher alone kept those reads well below the memory bandwidth.
+constexpr int64_t kPrefetchBytes = 8192;
+
 inline float widen(float x) { return x; }
 inline float widen(c10::Half x) { return static_cast<float>(x); }
 inline float widen(c10::BFloat16 x) {  // the top half of a float: a shift the compiler vectorizes

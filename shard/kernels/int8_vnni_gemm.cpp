@@ -134,7 +134,10 @@ inline void dot_group(const GroupedRows& x, int64_t m, const uint8_t* const w[kW
 #pragma GCC unroll 8
   for (int v = 0; v < kVectors; ++v) {
     __m512i wv[kWeights];
-    for (int j = 0; j < kWeights; ++j) wv[j] = _mm512_maskz_loadu_epi8(bytes, w[j] + base + v * 64);
+    for (int j = 0; j < kWeights; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + base + v * 64) + conveyor::kPrefetchBytes, _MM_HINT_T0);
+      wv[j] = _mm512_maskz_loadu_epi8(bytes, w[j] + base + v * 64);
+    }
     for (int r = 0; r < kRows; ++r) {
       const __m512i xv = _mm512_maskz_loadu_epi8(bytes, x.values.data() + (m + r) * stride + base + v * 64);
       for (int j = 0; j < kWeights; ++j) dots[r][j] = _mm512_dpbusd_epi32(dots[r][j], wv[j], xv);
