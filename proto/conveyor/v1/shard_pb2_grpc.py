@@ -161,8 +161,8 @@ class ShardServicer:
 
     def Steps(self, request_iterator, context):
         """Prefill and Decode as messages of one call the router keeps open: each request is answered before the next
-        is sent, exactly as the unary RPCs answer. A call costs the router and the shard about twice what a message
-        does (the HTTP/2 stream, its headers and the handler's start), and the router steps dozens of times a second.
+        is sent, exactly as the unary RPCs answer. A new call costs the router and the shard more than a message on an
+        open one (the HTTP/2 stream, its headers and the handler's start), and the router steps dozens of times a second.
         A step that fails answers an error message and leaves the call open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
