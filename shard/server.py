@@ -88,6 +88,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.torch_thread = torch_thread
         self.watch = StepWatch()  # the steps in flight, against the deadline the warmup chose
         self.instance = uuid.uuid4().hex  # this process's, in Info
+        self.stopping = asyncio.Event()  # set when the server stops: open Steps calls end between messages
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs `fn` on the forward thread as a step, which the watchdog holds to the step deadline."""
@@ -209,8 +210,8 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def Steps(self, requests, context) -> None:
         """Each message is a Prefill or a Decode, answered in order; a failed one answers the status its unary RPC
-        would have failed with, and the call goes on."""
-        while (message := await context.read()) is not grpc.aio.EOF:
+        would have failed with, and the call goes on. A stopping server ends the call between two messages."""
+        while (message := await self._next_step(context)) is not None:
             kind = message.WhichOneof("step")
             name = f"shard.{kind.capitalize() if kind else 'Step'}"
             with tracing.span(name, tracing.extract(message.trace), kind=SpanKind.SERVER):
@@ -225,6 +226,23 @@ class ShardService(pb_grpc.ShardServicer):
                     code, text = _status("Steps", exc)
                     response = pb.StepResponse(error=pb.StepError(code=code.value[0], message=text))
             await context.write(response)
+
+    async def _next_step(self, context: grpc.aio.ServicerContext) -> pb.StepRequest | None:
+        """The call's next message; None at its end, or once the server stops (the router keeps its call open,
+        which would otherwise hold the server's whole grace period)."""
+        if self.stopping.is_set():
+            return None
+        read = asyncio.ensure_future(context.read())
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait([read, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not read.done():
+            read.cancel()
+            return None
+        message = read.result()
+        return None if message is grpc.aio.EOF else message
 
     @rpc
     async def DecodeRun(self, requests, context) -> None:
@@ -328,6 +346,7 @@ async def serve(
     watchdog = asyncio.create_task(HealthReport(service.watch, health_service).run())
     await stop.wait()
     watchdog.cancel()
+    service.stopping.set()
     await server.stop(grace=5)
     log.info("shard stopped")
 

@@ -232,6 +232,24 @@ async def test_steps_answer_each_message_as_its_unary_rpc_and_go_on_after_an_err
     assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_a_stopping_shard_ends_an_open_steps_call_cleanly(tiny_model: Path, tmp_path: Path) -> None:
+    """The router keeps its Steps call open between steps; a shard told to stop ends that call between two messages
+    (status OK) instead of holding it, and itself, until the server's grace runs out and cancels it."""
+    uds = str(tmp_path / "shard")
+    process = start_shard(tiny_model, uds)
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{uds}-0") as channel:
+            call = pb_grpc.ShardStub(channel).Steps()
+            await call.write(pb.StepRequest())
+            assert (await call.read()).error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # the call is open
+            process.send_signal(signal.SIGTERM)
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+        assert process.wait(60) == 0
+    finally:
+        process.kill()
+
+
 async def test_a_failed_grpc_call_has_invalid_argument_status(shard: str) -> None:
     async with grpc.aio.insecure_channel(shard) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as error:
