@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conveyor import cpu
 from conveyor.shard.kernels import build as kernels
 from conveyor.shard.layers.norm import RMSNorm
 from conveyor.shard.layers.rotary import apply_rotary, rotate
@@ -55,14 +56,19 @@ def test_rotate_takes_the_kernel_in_place_or_the_reference(built) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_silu_mul_matches_torch(built, dtype: torch.dtype, rows: int) -> None:
-    """silu rounded to the dtype, then the product: torch's bits in every dtype (the same vectorized exp), on rows
-    whose width leaves a short last block."""
+    """silu rounded to the dtype, then the product, on rows whose width leaves a short last block: torch's bits in
+    every dtype where torch dispatches to the same vector width as the kernel's build (the same SLEEF exp); where
+    it does not, float32 may differ in the last bit."""
     gate_up = 4 * torch.randn(rows, 2 * 100, generator=_generator(rows)).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up
     got = torch.ops.conveyor.silu_mul(gate_up)
     assert got.shape == want.shape and got.dtype == dtype
-    assert torch.equal(got, want)
+    same_width = (torch.backends.cpu.get_cpu_capability() == "AVX512") == cpu.probe().avx512
+    if dtype == torch.float32 and not same_width:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
 
 
 def test_silu_mul_refuses_an_odd_width(built) -> None:
