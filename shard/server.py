@@ -88,7 +88,8 @@ class ShardService(pb_grpc.ShardServicer):
         self.torch_thread = torch_thread
         self.watch = StepWatch()  # the steps in flight, against the deadline the warmup chose
         self.instance = uuid.uuid4().hex  # this process's, in Info
-        self.stopping = asyncio.Event()  # set when the server stops: open Steps calls end between messages
+        self.stopping = False  # the server stops: open Steps calls end between messages
+        self._reading: set[asyncio.Task] = set()  # Steps handlers waiting for their call's next message
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs `fn` on the forward thread as a step, which the watchdog holds to the step deadline."""
@@ -229,20 +230,26 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def _next_step(self, context: grpc.aio.ServicerContext) -> pb.StepRequest | None:
         """The call's next message; None at its end, or once the server stops (the router keeps its call open,
-        which would otherwise hold the server's whole grace period)."""
-        if self.stopping.is_set():
+        which would otherwise hold the server's whole grace period): `stop_steps` cancels a read in progress."""
+        task = asyncio.current_task()
+        if self.stopping or task is None:
             return None
-        read = asyncio.ensure_future(context.read())
-        stopping = asyncio.ensure_future(self.stopping.wait())
+        self._reading.add(task)
         try:
-            await asyncio.wait([read, stopping], return_when=asyncio.FIRST_COMPLETED)
+            message = await context.read()
+        except asyncio.CancelledError:
+            if self.stopping:
+                return None
+            raise
         finally:
-            stopping.cancel()
-        if not read.done():
-            read.cancel()
-            return None
-        message = read.result()
+            self._reading.discard(task)
         return None if message is grpc.aio.EOF else message
+
+    def stop_steps(self) -> None:
+        """Ends every open Steps call between two messages: those waiting for one now, the others after their step."""
+        self.stopping = True
+        for task in self._reading:
+            task.cancel()
 
     @rpc
     async def DecodeRun(self, requests, context) -> None:
@@ -346,7 +353,7 @@ async def serve(
     watchdog = asyncio.create_task(HealthReport(service.watch, health_service).run())
     await stop.wait()
     watchdog.cancel()
-    service.stopping.set()
+    service.stop_steps()
     await server.stop(grace=5)
     log.info("shard stopped")
 
