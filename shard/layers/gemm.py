@@ -8,18 +8,20 @@ always; bfloat16 only where oneDNN has bf16 kernels for the CPU, `conveyor.cpu.o
 pack it). Everything else (CUDA, half types oneDNN can't pack, or `CONVEYOR_GEMM=torch`, the switch the benchmark
 uses to measure the difference) keeps `F.linear`.
 
-A step with one or two rows (one person chatting, two at once) is a matrix-vector product, bound by reading each
+A step with a few rows (one person chatting, or a few at once) is nearly a matrix-vector product, bound by reading each
 weight once. oneDNN's kernels for a packed weight read it there well below the memory bandwidth, so on CPU those
 rows go to Conveyor's own `small_gemm` kernel (`shard/kernels/small_gemm.cpp`) over the plain [out, in] weight.
 Where the weight is packed that is a second copy of it: kept only while both copies fit in a share of the memory
-(`plain_copy_fits`, decided once per model by the engine). The small-rows kernel shortens the bare decode step at
-batch 1 and 2, in float32 and bfloat16, and from 3 rows oneDNN is as fast or faster (in bfloat16 clearly), hence
-SMALL_ROWS: the bare forward measures it (benchmarks/bare.py, `measure` at batch 1, 2 and 3 with `gemm="auto"`
-against `gemm="onednn"`, its median full decode step).
+(`plain_copy_fits`, decided once per model by the engine). How many rows the kernel takes depends on its loop
+(`small_rows`): the AVX-512 one, which prefetches the weight and dots bfloat16 natively, shortens the bare decode
+step up to the kernel's most rows, 4, in float32 and bfloat16; the portable loop only at 1 and 2, oneDNN being as
+fast or faster from 3 there. The bare forward measures it (benchmarks/bare.py's loop at batch 1 to 4 with
+`SMALL_ROWS_AVX512` at 2 against 4, or `gemm="auto"` against `gemm="onednn"`, its median full decode step).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,12 +31,13 @@ from conveyor import cpu
 from conveyor.shard.layers.quantize import Int4Weight, Int8BlockWeight, Int8Weight, QuantizationUnavailable
 
 BACKENDS = ("auto", "onednn", "torch")
-SMALL_ROWS = 2  # rows up to which the small-rows kernel beats oneDNN (see above)
+SMALL_ROWS_AVX512 = 4  # rows up to which the kernel's AVX-512 loop beats oneDNN: all it takes (see above)
+SMALL_ROWS_PORTABLE = 2  # ...and its portable loop, on a CPU without AVX-512
 PLAIN_COPY_SHARE = 0.25  # of the available memory, that a model's weights twice over may take
 
 
 def backend() -> str:
-    """`CONVEYOR_GEMM`: auto (oneDNN where it can pack the weight, the small-rows kernel for one or two rows),
+    """`CONVEYOR_GEMM`: auto (oneDNN where it can pack the weight, the small-rows kernel for a few rows),
     onednn (oneDNN alone), or torch (plain F.linear alone)."""
     chosen = os.environ.get("CONVEYOR_GEMM", "auto")
     if chosen not in BACKENDS:
@@ -66,7 +69,7 @@ def _small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def small_rows_kernel(weight: torch.Tensor) -> bool:
-    """Whether one or two rows go to the small-rows kernel: on CPU under `auto`, where the kernels build."""
+    """Whether a few rows go to the small-rows kernel: on CPU under `auto`, where the kernels build."""
     if weight.device.type != "cpu" or backend() != "auto" or weight.dim() != 2:
         return False
     from conveyor.shard.kernels import build
@@ -85,6 +88,18 @@ def vnni() -> bool:
     from conveyor.shard.kernels import build
 
     return build.load() and torch.ops.conveyor.int8_vnni_available()
+
+
+def small_rows(found: cpu.Cpu) -> int:
+    """Rows up to which a layer takes the small-rows kernel on this kind of CPU (the kernel's AVX-512 loop needs
+    AVX512F, BW and VL, as its build does)."""
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= found.flags
+    return SMALL_ROWS_AVX512 if avx512 else SMALL_ROWS_PORTABLE
+
+
+@functools.cache
+def _machine_small_rows() -> int:
+    return small_rows(cpu.probe())
 
 
 def plain_copy_fits(weight_bytes: int, available: float) -> bool:
@@ -110,6 +125,7 @@ class Gemm:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
         few = small_rows_kernel(weight) and (plain_copy or not self.packed)
         self.plain: torch.Tensor | None = weight if few else None
+        self.small_rows = _machine_small_rows() if few else 0  # rows up to which the plain copy serves
 
     def _quantize(self, weight: torch.Tensor, quantize: str) -> None:
         if quantize not in ("int8", "int4"):
@@ -126,6 +142,7 @@ class Gemm:
         else:
             self.int4 = Int4Weight.quantize(weight)
         self.packed, self.plain, self.weight = False, None, None
+        self.small_rows = 0
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +168,7 @@ class Gemm:
         if self.int4 is not None:
             int4_gemm = torch.ops.conveyor.int4_vnni_gemm if self.vnni else torch.ops.conveyor.int4_gemm
             return int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
-        if self.plain is not None and 0 < x.shape[0] <= SMALL_ROWS:
+        if self.plain is not None and 0 < x.shape[0] <= self.small_rows:
             return _small_gemm(x.contiguous(), self.plain, bias)
         if not self.packed:
             return F.linear(x, self.weight, bias)

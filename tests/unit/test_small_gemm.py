@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from conveyor import cpu
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.kernels import build as kernels
 from conveyor.shard.layers import gemm
@@ -60,8 +61,8 @@ def test_kernel_refuses_what_it_does_not_compute(built) -> None:
 
 @pytest.mark.parametrize("plain_copy", [True, False], ids=["plain-copy", "packed-only"])
 def test_gemm_sends_few_rows_to_the_kernel(built, monkeypatch: pytest.MonkeyPatch, plain_copy: bool) -> None:
-    """Rows up to SMALL_ROWS take the kernel where a plain weight is kept; more rows, or no plain copy beside a
-    packed weight, take oneDNN. Every route gives F.linear's numbers."""
+    """Rows up to the machine's small_rows take the kernel where a plain weight is kept; more rows, or no plain copy
+    beside a packed weight, take oneDNN. Every route gives F.linear's numbers."""
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
     calls: list[int] = []
     real = torch.ops.conveyor.small_gemm
@@ -73,10 +74,18 @@ def test_gemm_sends_few_rows_to_the_kernel(built, monkeypatch: pytest.MonkeyPatc
     for rows in range(1, 6):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert calls == (list(range(1, gemm.SMALL_ROWS + 1)) if plain_copy else [])
+    assert calls == (list(range(1, gemm.small_rows(cpu.probe()) + 1)) if plain_copy else [])
     # Leading dimensions fold into rows, as for F.linear.
     x = torch.randn(1, 2, 64)
     torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_takes_more_rows_where_its_avx512_loop_runs() -> None:
+    """Every CPU kind's answer, on any machine: the AVX-512 loop needs F, BW and VL, as the kernel's build does."""
+    kind = lambda *flags: cpu.Cpu("fake", 2, frozenset(flags), False)  # noqa: E731
+    assert gemm.small_rows(kind("avx2", "fma")) == gemm.SMALL_ROWS_PORTABLE == 2
+    assert gemm.small_rows(kind("avx2", "avx512f")) == gemm.SMALL_ROWS_PORTABLE
+    assert gemm.small_rows(kind("avx2", "avx512f", "avx512bw", "avx512vl")) == gemm.SMALL_ROWS_AVX512 == 4
 
 
 @pytest.mark.parametrize("chosen", ["onednn", "torch"])
