@@ -134,30 +134,30 @@ class Security:
         return grpc.insecure_channel(target(url), CHANNEL_OPTIONS)
 
 
-def _with_token(details: grpc.aio.ClientCallDetails, token: list[tuple[str, str]]) -> grpc.aio.ClientCallDetails:
-    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *token))
-
-
-class _TokenSender(grpc.aio.UnaryUnaryClientInterceptor):
-    """Adds the deployment's token to every unary call."""
+class _Token:
+    """The deployment's token, added to the metadata of a call."""
 
     def __init__(self, metadata: list[tuple[str, str]]) -> None:
         self._metadata = metadata
+
+    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *self._metadata))
+
+
+class _TokenSender(_Token, grpc.aio.UnaryUnaryClientInterceptor):
+    """...of every unary call."""
 
     async def intercept_unary_unary(self, continuation, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
-        return await continuation(_with_token(details, self._metadata), request)
+        return await continuation(self._with_token(details), request)
 
 
-class _StreamTokenSender(grpc.aio.StreamStreamClientInterceptor):
-    """...and to every stream (`Steps`, `DecodeRun`): a channel files each interceptor under one kind only."""
-
-    def __init__(self, metadata: list[tuple[str, str]]) -> None:
-        self._metadata = metadata
+class _StreamTokenSender(_Token, grpc.aio.StreamStreamClientInterceptor):
+    """...and of every stream (`Steps`, `DecodeRun`): a channel files each interceptor under one kind only."""
 
     async def intercept_stream_stream(
         self, continuation, details: grpc.aio.ClientCallDetails, request_iterator: Any
     ) -> Any:
-        return await continuation(_with_token(details, self._metadata), request_iterator)
+        return await continuation(self._with_token(details), request_iterator)
 
 
 class _TokenCheck(grpc.aio.ServerInterceptor):

@@ -11,7 +11,6 @@
 
 #include <cstdint>
 
-
 namespace conveyor::avx512 {
 
 // 16 weights from `w` as floats; `mask` keeps the first lanes only (the row's tail).

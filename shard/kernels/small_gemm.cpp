@@ -53,13 +53,14 @@ void rows_avx512_block(const float* x, const scalar_t* x_raw, int64_t count, con
   float sums[conveyor::kRowsAtOnce * kOut];
   conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
     constexpr int kRows = decltype(chunk)::value;
+    bool native = false;  // bfloat16 dotted as it is, not widened
 #ifdef CONVEYOR_AVX512_BF16_DOTS
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (!widen_only) conveyor::avx512::dot_block_bf16<kRows, kOut>(x_raw + m * in, in, w + o * in, sums);
-      else conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
-    } else
+      native = !widen_only;
+      if (native) conveyor::avx512::dot_block_bf16<kRows, kOut>(x_raw + m * in, in, w + o * in, sums);
+    }
 #endif
-      conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
+    if (!native) conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
     for (int j = 0; j < kRows; ++j)
       for (int r = 0; r < kOut; ++r) {
         const float b = bias ? widen(bias[o + r]) : 0.f;
