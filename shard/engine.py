@@ -26,7 +26,7 @@ from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.draft_model import DraftModel
 from conveyor.shard.generations import Generations
 from conveyor.shard.layers.attention import KVCache, build_per_window
-from conveyor.shard.layers.gemm import plain_copy_fits
+from conveyor.shard.layers.gemm import plain_copy_fits, weight_copies
 from conveyor.shard.lora import Loras
 from conveyor.shard.lora_files import resolve_source
 from conveyor.shard.masks import Masks
@@ -90,7 +90,8 @@ class Engine:
         self.masks = Masks(self.eos_token_ids)
         self._mask_ns = 0  # this step's
         weights = Weights(model_dir, group, self.dtype, device, weight_names(checkpoint_config))
-        weights.plain_copies = device.type == "cpu" and plain_copy_fits(weights.nbytes(), _available(device))
+        copies = weight_copies(self.dtype)
+        weights.plain_copies = device.type == "cpu" and plain_copy_fits(weights.nbytes(), _available(device), copies)
         weights.quantize = self.quantize = quantize
         self.model = model_for(self.config, weights).eval()
         self.weight_bytes = model_bytes(self.model)

@@ -17,6 +17,17 @@ Where the weight is packed that is a second copy of it: kept only while both cop
 step up to the kernel's most rows, 4, in float32 and bfloat16; the portable loop only at 1 and 2, oneDNN being as
 fast or faster from 3 there. The bare forward measures it (benchmarks/bare.py's loop at batch 1 to 4 with
 `SMALL_ROWS_AVX512` at 2 against 4, or `gemm="auto"` against `gemm="onednn"`, its median full decode step).
+
+bfloat16 halves what a step reads, which is what a decode step is bound by, but without AMX's tiles it computes no
+faster: where a step is bound by computing (a prompt), oneDNN's avx512_core_bf16 matmuls run well behind its
+float32 ones, and on a CPU without avx512_bf16 torch's bf16 matmul is a scalar fallback. So where the CPU has no
+AMX (`widens`), a bf16 layer that keeps its plain copy also packs a float32 copy, and a step of at least
+`WIDE_ROWS` tokens goes through it: x widened to float32 on the way in, the output rounded back to bf16 (as
+oneDNN's bf16 kernel rounds its float32 sums). Decode steps stay in bf16: a float32 weight is twice the bytes to
+read, which cost batch 8 and 16 (25% and 12% longer steps) and saved nothing at 32. SmolLM2-135M-Instruct, Intel
+Xeon Emerald Rapids, 2 vCPUs, the bare forward in bf16, 4 interleaved rounds: a 512-token prompt 1,002 -> 771 ms,
+4 x 256 tokens 1,660-1,836 -> 1,156-1,348 ms, 8 x 64 tokens 780-800 -> 500-583 ms. That is four bf16 copies'
+worth of memory instead of two (`weight_copies`), allowed under the same share as the plain copy.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ BACKENDS = ("auto", "onednn", "torch")
 SMALL_ROWS_AVX512 = 4  # rows up to which the kernel's AVX-512 loop beats oneDNN: all it takes (see above)
 SMALL_ROWS_PORTABLE = 2  # ...and its portable loop, on a CPU without AVX-512
 PLAIN_COPY_SHARE = 0.25  # of the available memory, that a model's weights twice over may take
+WIDE_ROWS = 64  # tokens from which a step's bf16 layers compute in float32 where the CPU widens (see above)
 
 
 def backend() -> str:
@@ -102,9 +114,37 @@ def _machine_small_rows() -> int:
     return small_rows(cpu.probe())
 
 
-def plain_copy_fits(weight_bytes: int, available: float) -> bool:
-    """Whether a packed model may keep a plain copy of its weights for the small-rows kernel as well."""
-    return 2 * weight_bytes <= PLAIN_COPY_SHARE * available
+def widens(found: cpu.Cpu) -> bool:
+    """Whether bf16 layers compute many rows in float32 on this kind of CPU: all but those with AMX (see above)."""
+    return not found.amx
+
+
+@functools.cache
+def _machine_widens() -> bool:
+    return widens(cpu.probe())
+
+
+def weight_copies(dtype: torch.dtype) -> int:
+    """How many copies' worth of its weight (in `dtype`) a layer with plain copies keeps: packed and plain, and for
+    bf16 where it widens, a float32 packed weight too (two bf16 copies' worth)."""
+    return 4 if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and _machine_widens() else 2
+
+
+def plain_copy_fits(weight_bytes: int, available: float, copies: int = 2) -> bool:
+    """Whether a packed model may keep a plain copy of its weights for the small-rows kernel as well (`copies`:
+    `weight_copies` of its dtype)."""
+    return copies * weight_bytes <= PLAIN_COPY_SHARE * available
+
+
+def _widened(weight: torch.Tensor, plain_copy: bool) -> bool:
+    """Whether this bf16 layer packs a float32 copy for many rows too."""
+    return (
+        weight.dtype == torch.bfloat16
+        and plain_copy
+        and torch.backends.mkldnn.is_available()
+        and _machine_widens()
+        and small_rows_kernel(weight)
+    )
 
 
 class Gemm:
@@ -123,6 +163,9 @@ class Gemm:
         self.packed = kernel(weight) == "onednn"
         weight = weight.contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
+        # WIDE_ROWS tokens and more in float32 (see widens)
+        wide = _widened(weight, plain_copy)
+        self.wide: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight.float()) if wide else None
         few = small_rows_kernel(weight) and (plain_copy or not self.packed)
         self.plain: torch.Tensor | None = weight if few else None
         self.small_rows = _machine_small_rows() if few else 0  # rows up to which the plain copy serves
@@ -141,7 +184,7 @@ class Gemm:
             self.int8 = (Int8BlockWeight if self.vnni else Int8Weight).quantize(weight)
         else:
             self.int4 = Int4Weight.quantize(weight)
-        self.packed, self.plain, self.weight = False, None, None
+        self.packed, self.plain, self.weight, self.wide = False, None, None, None
         self.small_rows = 0
 
     @property
@@ -150,7 +193,8 @@ class Gemm:
         if self.int8 is not None or self.int4 is not None:
             return (self.int8 or self.int4).nbytes
         plain = self.plain.nbytes if self.plain is not None and self.plain is not self.weight else 0
-        return self.out_features * self.in_features * self.dtype.itemsize + plain
+        wide = self.out_features * self.in_features * 4 if self.wide is not None else 0
+        return self.out_features * self.in_features * self.dtype.itemsize + plain + wide
 
     def dense(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor, whatever its layout (dequantized where quantized)."""
@@ -170,6 +214,9 @@ class Gemm:
             return int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
         if self.plain is not None and 0 < x.shape[0] <= self.small_rows:
             return _small_gemm(x.contiguous(), self.plain, bias)
+        if self.wide is not None and x.shape[0] >= WIDE_ROWS:
+            wide_bias = None if bias is None else bias.float()
+            return torch.ops.mkldnn._linear_pointwise(x.float(), self.wide, wide_bias, "none", [], "").to(self.dtype)
         if not self.packed:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, bias, "none", [], "")

@@ -122,3 +122,59 @@ def test_plain_copies_only_where_memory_allows(tmp_path: Path) -> None:
     share = gemm.PLAIN_COPY_SHARE
     assert plain_copy_fits(1000, 2000 / share)
     assert not plain_copy_fits(1001, 2000 / share)
+
+
+def test_bf16_widens_to_float32_where_the_cpu_has_no_amx() -> None:
+    """Every CPU kind on any machine: AVX2, AVX-512, avx512_bf16 widen bf16 prompts to float32; AMX does not."""
+    kind = lambda *flags: cpu.Cpu("fake", 2, frozenset(flags), False)  # noqa: E731
+    assert gemm.widens(kind("avx2", "fma"))
+    assert gemm.widens(kind("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+    assert not gemm.widens(kind("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile"))
+
+
+@pytest.mark.parametrize("widens", [True, False], ids=["widens", "amx"])
+def test_weight_copies_count_the_float32_copy(monkeypatch: pytest.MonkeyPatch, widens: bool) -> None:
+    monkeypatch.setattr(gemm, "_machine_widens", lambda: widens)
+    assert gemm.weight_copies(torch.float32) == 2
+    assert gemm.weight_copies(torch.bfloat16) == (4 if widens else 2)
+    assert plain_copy_fits(1000, 4000 / gemm.PLAIN_COPY_SHARE, gemm.weight_copies(torch.bfloat16))
+    assert plain_copy_fits(1001, 4000 / gemm.PLAIN_COPY_SHARE, gemm.weight_copies(torch.bfloat16)) == (not widens)
+
+
+@pytest.mark.parametrize("widens", [True, False], ids=["widens", "amx"])
+@pytest.mark.parametrize("rows", [1, 8, gemm.WIDE_ROWS - 1, gemm.WIDE_ROWS, 200])
+def test_bf16_steps_of_wide_rows_compute_in_float32(
+    built, monkeypatch: pytest.MonkeyPatch, widens: bool, rows: int
+) -> None:
+    """A bf16 layer with a plain copy packs a float32 one where the CPU widens, and steps of WIDE_ROWS tokens or
+    more go through it: their output is the float32 product of the same bf16 values, rounded once to bf16. Fewer
+    rows stay on the bf16 kernels, within their tolerance of it. Either branch runs on any machine."""
+    monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
+    monkeypatch.setattr(gemm, "_machine_widens", lambda: widens)
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    bias, x = torch.randn(96, generator=gen).bfloat16(), torch.randn(rows, 64, generator=gen).bfloat16()
+    layer = Gemm(weight)
+    assert (layer.wide is not None) == widens
+    assert layer.nbytes == weight.nbytes * (4 if widens else 2)
+    assert torch.equal(layer.dense(), weight)
+    calls = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", _counting(torch.ops.mkldnn._linear_pointwise, calls))
+    out = layer(x, bias)
+    exact = F.linear(x.float(), weight.float(), bias.float())
+    assert out.dtype == torch.bfloat16
+    if widens and rows >= gemm.WIDE_ROWS:
+        assert calls == [torch.float32]
+        torch.testing.assert_close(out, exact.bfloat16(), rtol=1e-2, atol=1e-2)  # one rounding, as oneDNN's
+    else:
+        assert torch.float32 not in calls
+        torch.testing.assert_close(out.float(), exact, rtol=2e-2, atol=5e-2)
+    assert Gemm(weight, plain_copy=False).wide is None  # no copies allowed: no float32 one either
+
+
+def _counting(op, calls: list):
+    def counted(x, *args):
+        calls.append(x.dtype)
+        return op(x, *args)
+
+    return counted
