@@ -25,8 +25,8 @@ AMX (`widens`), a bf16 layer that keeps its plain copy also packs a float32 copy
 `WIDE_ROWS` tokens goes through it: x widened to float32 on the way in, the output rounded back to bf16 (as
 oneDNN's bf16 kernel rounds its float32 sums). Decode steps stay in bf16: a float32 weight is twice the bytes to
 read, which cost batch 8 and 16 (25% and 12% longer steps) and saved nothing at 32. SmolLM2-135M-Instruct, Intel
-Xeon Emerald Rapids, 2 vCPUs, the bare forward in bf16, 4 interleaved rounds: a 512-token prompt 1,002 -> 771 ms,
-4 x 256 tokens 1,660-1,836 -> 1,156-1,348 ms, 8 x 64 tokens 780-800 -> 500-583 ms. That is four bf16 copies'
+Xeon Emerald Rapids, 2 vCPUs, the bare forward in bf16, 4 interleaved rounds: a 512-token prompt 856-903 -> 585-707
+ms, 4 x 256 tokens 1,541-1,785 -> 1,050-1,262 ms, 8 x 64 tokens 741-780 -> 489-504 ms. That is four bf16 copies'
 worth of memory instead of two (`weight_copies`), allowed under the same share as the plain copy.
 """
 
@@ -124,10 +124,15 @@ def _machine_widens() -> bool:
     return widens(cpu.probe())
 
 
+def _widens_here(dtype: torch.dtype) -> bool:
+    """Whether layers of this dtype pack a float32 copy on this machine (where they keep copies at all)."""
+    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and _machine_widens()
+
+
 def weight_copies(dtype: torch.dtype) -> int:
     """How many copies' worth of its weight (in `dtype`) a layer with plain copies keeps: packed and plain, and for
     bf16 where it widens, a float32 packed weight too (two bf16 copies' worth)."""
-    return 4 if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and _machine_widens() else 2
+    return 4 if _widens_here(dtype) else 2
 
 
 def plain_copy_fits(weight_bytes: int, available: float, copies: int = 2) -> bool:
@@ -138,13 +143,7 @@ def plain_copy_fits(weight_bytes: int, available: float, copies: int = 2) -> boo
 
 def _widened(weight: torch.Tensor, plain_copy: bool) -> bool:
     """Whether this bf16 layer packs a float32 copy for many rows too."""
-    return (
-        weight.dtype == torch.bfloat16
-        and plain_copy
-        and torch.backends.mkldnn.is_available()
-        and _machine_widens()
-        and small_rows_kernel(weight)
-    )
+    return _widens_here(weight.dtype) and plain_copy and small_rows_kernel(weight)
 
 
 class Gemm:
