@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "attention_avx512.h"
 #include "float_types.h"
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -90,9 +92,30 @@ inline void softmax(float* scores, int64_t group, int64_t count) {
   }
 }
 
+// The portable loops for one (sequence, KV head): each dot product reduced on its own, the output sums in memory.
+template <typename scalar_t>
+void score_portable(const float* q, int64_t group, int64_t head_dim, const scalar_t* keys, const int64_t* slots,
+                    int64_t stride, int64_t count, float* scores) {
+  for (int64_t t = 0; t < count; ++t) {
+    const scalar_t* k = keys + slots[t] * stride;
+    for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(q + g * head_dim, k, head_dim);
+  }
+}
+
+template <typename scalar_t>
+void weigh_portable(const float* weights, int64_t group, int64_t head_dim, const scalar_t* values,
+                    const int64_t* slots, int64_t stride, int64_t count, float* out) {
+  std::fill(out, out + group * head_dim, 0.f);
+  for (int64_t t = 0; t < count; ++t) {
+    const scalar_t* v = values + slots[t] * stride;
+    for (int64_t g = 0; g < group; ++g) add_scaled(out + g * head_dim, weights[g * count + t], v, head_dim);
+  }
+}
+
 // kDim: the head size when the compiler knows it (64, 128: its loops unroll, and a dot product's reduction is
-// no longer a loop with a remainder), 0 for any other size, read at run time.
-template <typename scalar_t, int64_t kDim>
+// no longer a loop with a remainder), 0 for any other size, read at run time. kWide: the AVX-512 loops
+// (attention_avx512.h), which need kDim.
+template <typename scalar_t, int64_t kDim, bool kWide>
 void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
             double softcap, at::Tensor& out) {
@@ -110,31 +133,40 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t length = lengths[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
       const int64_t count = length - first;
-      const int32_t* table = tables + b * table_width;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* qg = q + (b * q_heads + h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = widen(qg[d]) * scale_f;
       }
+      slots.resize(count);
+      for_each_slot(tables + b * table_width, block_size, first, length, [&](int64_t t, int64_t slot) { slots[t] = slot; });
       scores.resize(group * count);
-      for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) {
-        const scalar_t* k = keys + slot * token_stride + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(qf.data() + g * head_dim, k, head_dim);
-      });
+      const scalar_t *k_head = keys + h * head_dim, *v_head = values + h * head_dim;
+#ifdef CONVEYOR_AVX512_DOTS
+      if constexpr (kWide)
+        conveyor::avx512::score<scalar_t, kDim>(qf.data(), group, k_head, slots.data(), token_stride, count, scores.data());
+      else
+#endif
+        score_portable(qf.data(), group, head_dim, k_head, slots.data(), token_stride, count, scores.data());
       if (softcap > 0) {  // Gemma 2: scores squashed into (-cap, cap) before the softmax
         const float cap = static_cast<float>(softcap);
         for (float& s : scores) s = cap * std::tanh(s / cap);
       }
-      softmax(scores.data(), group, count);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) {
-        const scalar_t* v = values + slot * token_stride + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) add_scaled(acc.data() + g * head_dim, scores[g * count + t], v, head_dim);
-      });
+#ifdef CONVEYOR_AVX512_DOTS
+      if constexpr (kWide) {
+        for (int64_t g = 0; g < group; ++g) conveyor::avx512::softmax16(scores.data() + g * count, count);
+        conveyor::avx512::weigh<scalar_t, kDim>(scores.data(), group, v_head, slots.data(), token_stride, count, acc.data());
+      } else
+#endif
+      {
+        softmax(scores.data(), group, count);
+        weigh_portable(scores.data(), group, head_dim, v_head, slots.data(), token_stride, count, acc.data());
+      }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = o + (b * q_heads + h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
@@ -143,26 +175,40 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   });
 }
 
+// Whether the AVX-512 loops serve this dtype (the ones attention_avx512.h reads: float32 and bfloat16).
 template <typename scalar_t>
+constexpr bool kWideDtype =
+#ifdef CONVEYOR_AVX512_DOTS
+    std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+    false;
+#endif
+
+template <typename scalar_t, bool kAllowWide>
 void by_head_size(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
                   double softcap, at::Tensor& out) {
+  constexpr bool kWide = kAllowWide && kWideDtype<scalar_t>;
   switch (query.size(2)) {
     case 64:
-      return decode<scalar_t, 64>(query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap, out);
+      return decode<scalar_t, 64, kWide>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+                                         softcap, out);
     case 128:
-      return decode<scalar_t, 128>(query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap, out);
+      return decode<scalar_t, 128, kWide>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+                                          softcap, out);
     default:
-      return decode<scalar_t, 0>(query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap, out);
+      return decode<scalar_t, 0, false>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+                                        softcap, out);
   }
 }
 
 // query [B, Hq, D]; key_cache/value_cache [blocks, block_size, Hkv, D]; block_tables [B, W] int32;
 // context_lens [B] int32 (tokens in the cache, the new one included); window 0 for none; softcap 0 for none.
 // Returns [B, Hq, D].
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t window, double softcap) {
+template <bool kAllowWide>
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
+                  double softcap) {
   TORCH_CHECK(query.device().is_cpu(), "paged_decode_attention runs on CPU");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, Hq, D] and a cache [N, block, Hkv, D]");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous inputs");
@@ -174,7 +220,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   auto out = at::empty_like(query);
   conveyor::for_float_dtype(query.scalar_type(), "paged_decode_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    by_head_size<scalar_t>(query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap, out);
+    by_head_size<scalar_t, kAllowWide>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+                                       softcap, out);
   });
   return out;
 }
@@ -185,5 +232,10 @@ TORCH_LIBRARY(conveyor, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, int window, float softcap) -> Tensor");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &attend<true>);
+  // The portable loops alone, where the AVX-512 ones would serve: the tests hold both to the torch path.
+  m.def(
+      "paged_decode_attention_portable(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int window, float softcap) -> Tensor");
+  m.impl("paged_decode_attention_portable", c10::DispatchKey::CPU, &attend<false>);
 }
