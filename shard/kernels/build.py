@@ -39,7 +39,7 @@ SOURCES = [
 ]
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("float_types.h", "row_dots.h", "row_dots_avx512.h", "attention_avx512.h", "quantized_rows.h")
+    for name in ("float_types.h", "row_dots.h", "row_dots_avx512.h", "attention_simd.h", "quantized_rows.h")
 ]  # part of the build's identity, not compiled on their own
 BACKENDS = ("auto", "kernel", "torch")
 

@@ -4,8 +4,9 @@
 // with a mask; at batch 32 that copy and the masked kernel were a large share of a decode step on CPU (the bare
 // forward's decode step, benchmarks/bare.py, with `CONVEYOR_ATTENTION=torch` against `auto`, measures it). Here one
 // task per (sequence, KV head) scores its context once for all the query heads that share that KV head (GQA),
-// softmaxes in float32 and sums the values, reading the pool in place. The torch path stays the reference: the
-// tests hold this kernel to it on random block tables, in float32 and bfloat16.
+// softmaxes in float32 and sums the values, reading the pool in place: in SIMD registers for heads of 64 and 128
+// (attention_simd.h), in portable loops otherwise. The torch path stays the reference: the tests hold this kernel,
+// each of its loops, to it on random block tables, in float32 and bfloat16.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -13,7 +14,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "attention_avx512.h"
+#include "attention_simd.h"
 #include "float_types.h"
 
 #include <algorithm>
@@ -112,13 +113,17 @@ void weigh_portable(const float* weights, int64_t group, int64_t head_dim, const
   }
 }
 
+// The loops a kernel instance runs: the portable ones, or attention_simd.h's over one of its lane widths.
+struct Portable {};
+
 // kDim: the head size when the compiler knows it (64, 128: its loops unroll, and a dot product's reduction is
-// no longer a loop with a remainder), 0 for any other size, read at run time. kWide: the AVX-512 loops
-// (attention_avx512.h), which need kDim.
-template <typename scalar_t, int64_t kDim, bool kWide>
+// no longer a loop with a remainder), 0 for any other size, read at run time. Loops: `Portable`, or a SIMD
+// width of attention_simd.h (which needs kDim).
+template <typename scalar_t, int64_t kDim, typename Loops>
 void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
             double softcap, at::Tensor& out) {
+  constexpr bool kPortable = std::is_same_v<Loops, Portable>;
   const int64_t batch = query.size(0), q_heads = query.size(1), head_dim = kDim ? kDim : query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = q_heads / kv_heads, table_width = block_tables.size(1);
@@ -144,29 +149,32 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = widen(qg[d]) * scale_f;
       }
       slots.resize(count);
-      for_each_slot(tables + b * table_width, block_size, first, length, [&](int64_t t, int64_t slot) { slots[t] = slot; });
+      const int32_t* table = tables + b * table_width;
+      for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) { slots[t] = slot; });
       scores.resize(group * count);
       const scalar_t *k_head = keys + h * head_dim, *v_head = values + h * head_dim;
-#ifdef CONVEYOR_AVX512_DOTS
-      if constexpr (kWide)
-        conveyor::avx512::score<scalar_t, kDim>(qf.data(), group, k_head, slots.data(), token_stride, count, scores.data());
-      else
-#endif
+      if constexpr (kPortable)
         score_portable(qf.data(), group, head_dim, k_head, slots.data(), token_stride, count, scores.data());
+#ifdef CONVEYOR_SIMD_ATTENTION
+      else
+        conveyor::simd::score<Loops, scalar_t, kDim>(qf.data(), group, k_head, slots.data(), token_stride, count,
+                                                     scores.data());
+#endif
       if (softcap > 0) {  // Gemma 2: scores squashed into (-cap, cap) before the softmax
         const float cap = static_cast<float>(softcap);
         for (float& s : scores) s = cap * std::tanh(s / cap);
       }
-#ifdef CONVEYOR_AVX512_DOTS
-      if constexpr (kWide) {
-        for (int64_t g = 0; g < group; ++g) conveyor::avx512::softmax16(scores.data() + g * count, count);
-        conveyor::avx512::weigh<scalar_t, kDim>(scores.data(), group, v_head, slots.data(), token_stride, count, acc.data());
-      } else
-#endif
-      {
+      if constexpr (kPortable) {
         softmax(scores.data(), group, count);
         weigh_portable(scores.data(), group, head_dim, v_head, slots.data(), token_stride, count, acc.data());
       }
+#ifdef CONVEYOR_SIMD_ATTENTION
+      else {
+        for (int64_t g = 0; g < group; ++g) conveyor::simd::softmax<Loops>(scores.data() + g * count, count);
+        conveyor::simd::weigh<Loops, scalar_t, kDim>(scores.data(), group, v_head, slots.data(), token_stride, count,
+                                                     acc.data());
+      }
+#endif
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = o + (b * q_heads + h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
@@ -175,37 +183,43 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   });
 }
 
-// Whether the AVX-512 loops serve this dtype (the ones attention_avx512.h reads: float32 and bfloat16).
-template <typename scalar_t>
-constexpr bool kWideDtype =
-#ifdef CONVEYOR_AVX512_DOTS
-    std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+// The widest SIMD loops this build has (Portable where it has none).
+#if defined(CONVEYOR_SIMD_ATTENTION) && defined(__AVX512F__)
+using Widest = conveyor::simd::Avx512;
+#elif defined(CONVEYOR_SIMD_ATTENTION)
+using Widest = conveyor::simd::Avx2;
 #else
-    false;
+using Widest = Portable;
+#endif
+#ifdef CONVEYOR_SIMD_ATTENTION
+using Avx2Loops = conveyor::simd::Avx2;
+#else
+using Avx2Loops = Portable;
 #endif
 
-template <typename scalar_t, bool kAllowWide>
+template <typename scalar_t, typename Loops>
 void by_head_size(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
                   double softcap, at::Tensor& out) {
-  constexpr bool kWide = kAllowWide && kWideDtype<scalar_t>;
+  // The SIMD loops read float32 and bfloat16; float16 takes the portable ones.
+  using Chosen = std::conditional_t<std::is_same_v<scalar_t, c10::Half>, Portable, Loops>;
   switch (query.size(2)) {
     case 64:
-      return decode<scalar_t, 64, kWide>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
-                                         softcap, out);
-    case 128:
-      return decode<scalar_t, 128, kWide>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+      return decode<scalar_t, 64, Chosen>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
                                           softcap, out);
+    case 128:
+      return decode<scalar_t, 128, Chosen>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+                                           softcap, out);
     default:
-      return decode<scalar_t, 0, false>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
-                                        softcap, out);
+      return decode<scalar_t, 0, Portable>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+                                           softcap, out);
   }
 }
 
 // query [B, Hq, D]; key_cache/value_cache [blocks, block_size, Hkv, D]; block_tables [B, W] int32;
 // context_lens [B] int32 (tokens in the cache, the new one included); window 0 for none; softcap 0 for none.
 // Returns [B, Hq, D].
-template <bool kAllowWide>
+template <typename Loops>
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
                   double softcap) {
@@ -220,7 +234,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at
   auto out = at::empty_like(query);
   conveyor::for_float_dtype(query.scalar_type(), "paged_decode_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    by_head_size<scalar_t, kAllowWide>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+    by_head_size<scalar_t, Loops>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
                                        softcap, out);
   });
   return out;
@@ -232,10 +246,14 @@ TORCH_LIBRARY(conveyor, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, int window, float softcap) -> Tensor");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &attend<true>);
-  // The portable loops alone, where the AVX-512 ones would serve: the tests hold both to the torch path.
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &attend<Widest>);
+  // The narrower loops alone, where wider ones would serve: the tests hold each to the torch path.
+  m.def(
+      "paged_decode_attention_avx2(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int window, float softcap) -> Tensor");
+  m.impl("paged_decode_attention_avx2", c10::DispatchKey::CPU, &attend<Avx2Loops>);
   m.def(
       "paged_decode_attention_portable(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, int window, float softcap) -> Tensor");
-  m.impl("paged_decode_attention_portable", c10::DispatchKey::CPU, &attend<false>);
+  m.impl("paged_decode_attention_portable", c10::DispatchKey::CPU, &attend<Portable>);
 }

@@ -70,14 +70,16 @@ def test_a_batch_of_decode_rows_only_takes_the_kernel_alone() -> None:
     assert group.context_lens.tolist() == [5, 20] and group.block_tables.tolist() == [[3, 0], [1, 2]]
 
 
-# (query heads, KV heads, head size): GQA groups of 1, 3, 5 and 8 rows (the AVX-512 loops keep 4 rows' sums at
-# a time for a head of 64 and 2 for one of 128, so these leave remainders), and a head of 80, which only the
-# portable loops serve.
+# (query heads, KV heads, head size): GQA groups of 1, 3, 5 and 8 rows (the SIMD loops keep sixteen vectors of
+# sums, 4 rows of a head of 64 and 2 of 128 in AVX-512, half that in AVX2, so these leave remainders), and a head
+# of 80, which only the portable loops serve.
 SHAPES = [(4, 4, 64), (6, 2, 64), (10, 2, 64), (8, 1, 64), (6, 2, 128), (10, 2, 128), (6, 2, 80)]
-OPS = ["paged_decode_attention", "paged_decode_attention_portable"]
+# The default op runs the widest loops the CPU has (AVX-512's, or AVX2's); the AVX2 and portable ones are called
+# by name, so each runs here whatever the CPU.
+OPS = ["paged_decode_attention", "paged_decode_attention_avx2", "paged_decode_attention_portable"]
 
 
-@pytest.mark.parametrize("op", OPS, ids=["default", "portable"])
+@pytest.mark.parametrize("op", OPS, ids=["default", "avx2", "portable"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES, ids=[f"{h}x{k}x{d}" for h, k, d in SHAPES])
 @pytest.mark.parametrize(
     ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"]
@@ -85,8 +87,8 @@ OPS = ["paged_decode_attention", "paged_decode_attention_portable"]
 def test_both_loops_equal_the_reference_at_every_head_shape(
     op: str, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, tolerance: float
 ) -> None:
-    """Each of the kernel's loops (the AVX-512 ones serve the default op where the CPU has them) against the torch
-    path, on decode rows whose contexts end at every place within sixteen tokens and a block."""
+    """Each of the kernel's loops against the torch path, on decode rows whose contexts end at every place within
+    sixteen tokens and a block."""
     torch.manual_seed(dim + heads)
     rng = random.Random(dim)
     lengths = DECODE_LENGTHS + [33, 47, 64, 97]
