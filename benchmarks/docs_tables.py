@@ -44,6 +44,18 @@ class Run:
 XEON = "Intel Xeon Emerald Rapids (AVX-512, avx512_bf16, VNNI; AMX not exposed), 2 vCPUs"
 RUNS = (
     Run(
+        "xeon-emerald-rapids-real-attention/smollm2-135m-instruct",
+        ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
+        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
+        "--out benchmarks/results/xeon-emerald-rapids-real-attention",
+        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit 0a2f81b (the decode attention's loops in SIMD "
+        "registers, attention_simd.h): float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system "
+        "with its defaults. The same caveats on ITL and drafts as below. The bare forward ran last, on a VM slower "
+        "by then (its decode step at batch 32 took 98 ms, against 73 ms in a run of Conveyor and the bare forward "
+        "alone half an hour before), so server / bare reads above 1 here and says nothing; the step of the bare "
+        "forward, kernel against kernel, is in the commit that brought it.",
+    ),
+    Run(
         "xeon-emerald-rapids-real-wide/smollm2-135m-instruct",
         ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
         "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
