@@ -10,6 +10,22 @@
 // output sums stay in registers while the context's values stream by.
 #pragma once
 
+#include "row_dots_avx512.h"
+
+namespace conveyor {
+
+// exp(x) for x <= 0 as Cephes computes expf: x = n ln 2 + r, a degree-6 polynomial on r, times 2^n (~1 ulp). The
+// portable kernel's scalar exp and the SIMD one below read these.
+struct CephesExp {
+  static constexpr float kLowest = -87.f;  // below, 2^n leaves the normal floats; exp is < 1.7e-38 there anyway
+  static constexpr float kLog2e = 1.44269504088896341f;
+  static constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 in two parts, for r
+  static constexpr float kPolynomial[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+};
+
+}  // namespace conveyor
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define CONVEYOR_SIMD_ATTENTION 1
 #include <immintrin.h>
@@ -22,16 +38,7 @@
 
 namespace conveyor::simd {
 
-// The portable kernel's Cephes polynomial for exp on x - n ln 2 (its constants, in the same order).
-template <typename V>
-inline typename V::R exp_polynomial(typename V::R x) {
-  typename V::R y = V::set1(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = V::fma(y, x, V::set1(c));
-  return V::add(V::fma(V::mul(y, x), x, x), V::set1(1.f));
-}
-
-#ifdef __AVX512F__
+#ifdef CONVEYOR_AVX512_DOTS
 struct Avx512 {
   using R = __m512;
   static constexpr int kLanes = 16;
@@ -42,27 +49,23 @@ struct Avx512 {
   static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
-  static R load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  static R fnma(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+  static R maximum(R a, R b) { return _mm512_max_ps(a, b); }
+  static R floor(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static R times_pow2(R y, R n) { return _mm512_scalef_ps(y, n); }  // y * 2^n, n a whole number
+  template <typename scalar_t>
+  static R load(const scalar_t* p) {  // sixteen floats, or bfloat16s widened (the small-rows GEMM's load)
+    return conveyor::avx512::load16(p, 0xFFFF);
   }
+  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
   static __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
   static R load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
   static void store_first(float* p, R v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
   static R max_first(R top, const float* p, int64_t n) {  // lanes past n keep top
-    return _mm512_mask_max_ps(top, first(n), top, _mm512_maskz_loadu_ps(first(n), p));
+    return _mm512_mask_max_ps(top, first(n), top, load_first(p, n));
   }
-  static float sum(R v) { return _mm512_reduce_add_ps(v); }
-  static float max(R v) { return _mm512_reduce_max_ps(v); }
-  static R exp_nonpositive(R x) {
-    x = _mm512_max_ps(x, set1(-87.f));
-    const R n = _mm512_roundscale_ps(fma(x, set1(1.44269504088896341f), set1(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = fma(n, set1(2.12194440e-4f), _mm512_fnmadd_ps(n, set1(0.693359375f), x));
-    return _mm512_scalef_ps(exp_polynomial<Avx512>(x), n);
-  }
+  static float reduce_add(R v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(R v) { return _mm512_reduce_max_ps(v); }
   // Lane i of the result is the sum of v[i]'s lanes.
   static R sum_lanes(const R* v) {
     R pairs[8], quads[4], halves[2];
@@ -89,6 +92,13 @@ struct Avx2 {
   static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R fnma(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+  static R maximum(R a, R b) { return _mm256_max_ps(a, b); }
+  static R floor(R x) { return _mm256_floor_ps(x); }
+  static R times_pow2(R y, R n) {  // y * 2^n for whole n >= -126: n's bits put in a float's exponent
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return mul(y, _mm256_castsi256_ps(bits));
+  }
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
   static R load(const c10::BFloat16* p) {
@@ -104,22 +114,15 @@ struct Avx2 {
   static R max_first(R top, const float* p, int64_t n) {
     return _mm256_blendv_ps(top, _mm256_max_ps(top, load_first(p, n)), _mm256_castsi256_ps(first(n)));
   }
-  static float sum(R v) {
+  static float reduce_add(R v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
-  static float max(R v) {
+  static float reduce_max(R v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  }
-  static R exp_nonpositive(R x) {
-    x = _mm256_max_ps(x, set1(-87.f));
-    const R n = _mm256_floor_ps(fma(x, set1(1.44269504088896341f), set1(0.5f)));
-    x = fma(n, set1(2.12194440e-4f), _mm256_fnmadd_ps(n, set1(0.693359375f), x));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return mul(exp_polynomial<Avx2>(x), _mm256_castsi256_ps(bits));
   }
   static R sum_lanes(const R* v) {
     R quads[2];
@@ -129,19 +132,31 @@ struct Avx2 {
   }
 };
 
+// CephesExp's exp, a vector at a time.
+template <typename V>
+inline typename V::R exp_nonpositive(typename V::R x) {
+  using E = CephesExp;
+  x = V::maximum(x, V::set1(E::kLowest));
+  const auto n = V::floor(V::fma(x, V::set1(E::kLog2e), V::set1(0.5f)));
+  x = V::fnma(n, V::set1(E::kLn2Low), V::fnma(n, V::set1(E::kLn2High), x));
+  auto y = V::set1(E::kPolynomial[0]);
+  for (int i = 1; i < 6; ++i) y = V::fma(y, x, V::set1(E::kPolynomial[i]));
+  return V::times_pow2(V::add(V::fma(V::mul(y, x), x, x), V::set1(1.f)), n);
+}
+
 // Softmax of `count` scores in place.
 template <typename V>
 inline void softmax(float* s, int64_t count) {
   constexpr int L = V::kLanes;
   auto top = V::set1(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < count; t += L) top = V::max_first(top, s + t, count - t);
-  const auto peak = V::set1(V::max(top));
+  const auto peak = V::set1(V::reduce_max(top));
   auto total = V::zero();
   for (int64_t t = 0; t < count; t += L) {  // the exps are summed as stored: lanes past the count read back 0
-    V::store_first(s + t, V::exp_nonpositive(V::sub(V::load_first(s + t, count - t), peak)), count - t);
+    V::store_first(s + t, exp_nonpositive<V>(V::sub(V::load_first(s + t, count - t), peak)), count - t);
     total = V::add(total, V::load_first(s + t, count - t));
   }
-  const auto inverse = V::set1(1.f / V::sum(total));
+  const auto inverse = V::set1(1.f / V::reduce_add(total));
   for (int64_t t = 0; t < count; t += L)
     V::store_first(s + t, V::mul(V::load_first(s + t, count - t), inverse), count - t);
 }

@@ -55,18 +55,15 @@ inline void for_each_slot(const int32_t* table, int64_t block_size, int64_t firs
   }
 }
 
-// exp(x) for x <= 0, as Cephes computes expf (a degree-6 polynomial on x - n ln 2, times 2^n; ~1 ulp), written
-// so that the compiler vectorizes it: libm's expf is a call per element, and was the kernel's largest cost.
+// conveyor::CephesExp's exp (attention_simd.h), one float at a time: libm's expf is a call per element, and was
+// the portable kernel's largest cost.
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);  // below, 2^n leaves the normal floats; exp is < 1.7e-38 there anyway
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
+  using E = conveyor::CephesExp;
+  x = std::max(x, E::kLowest);
+  const float n = std::floor(x * E::kLog2e + 0.5f);
+  x = x - n * E::kLn2High - n * E::kLn2Low;
+  float y = E::kPolynomial[0];
+  for (int i = 1; i < 6; ++i) y = y * x + E::kPolynomial[i];
   y = y * x * x + x + 1.f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -184,7 +181,7 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 }
 
 // The widest SIMD loops this build has (Portable where it has none).
-#if defined(CONVEYOR_SIMD_ATTENTION) && defined(__AVX512F__)
+#if defined(CONVEYOR_SIMD_ATTENTION) && defined(CONVEYOR_AVX512_DOTS)
 using Widest = conveyor::simd::Avx512;
 #elif defined(CONVEYOR_SIMD_ATTENTION)
 using Widest = conveyor::simd::Avx2;

@@ -23,19 +23,27 @@ def kernel_built() -> None:
         pytest.skip("the C++ kernels did not build here (the fallback tests below cover that)")
 
 
+def stale_pool(
+    lengths: list[int], kv_heads: int, dim: int, dtype: torch.dtype, rng: random.Random, spare: int
+) -> tuple[KVCache, list[list[int]]]:
+    """A pool of random numbers (stale ones from earlier requests in the slots nobody owns now) and a block table
+    of shuffled blocks for each context length, `spare` blocks left over."""
+    needed = sum(-(-c // BLOCK) for c in lengths)
+    cache = KVCache.allocate(1, needed + spare, BLOCK, kv_heads, dim, dtype, torch.device("cpu"))
+    cache.keys[0].normal_()
+    cache.values[0].normal_()
+    free = list(range(needed + spare))
+    rng.shuffle(free)
+    return cache, [[free.pop() for _ in range(-(-c // BLOCK))] for c in lengths]
+
+
 def run(dtype: torch.dtype, use_kernel: bool, window: int | None, seed: int, softcap: float = 0.0) -> torch.Tensor:
     """One forward's attention over random block tables (shuffled blocks, a stale pool) on either path."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     rows = [(c, 1) for c in DECODE_LENGTHS] + CHUNKS
     rng.shuffle(rows)
-    needed = sum(-(-c // BLOCK) for c, _ in rows)
-    cache = KVCache.allocate(1, needed + 8, BLOCK, KV_HEADS, DIM, dtype, torch.device("cpu"))
-    cache.keys[0].normal_()  # stale numbers from earlier requests in the slots nobody owns now
-    cache.values[0].normal_()
-    free = list(range(needed + 8))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-c // BLOCK))] for c, _ in rows]
+    cache, tables = stale_pool([c for c, _ in rows], KV_HEADS, DIM, dtype, rng, spare=8)
     total = sum(n for _, n in rows)
     q = torch.randn(total, HEADS, DIM, dtype=dtype)
     k = torch.randn(total, KV_HEADS, DIM, dtype=dtype)
@@ -84,21 +92,14 @@ OPS = ["paged_decode_attention", "paged_decode_attention_avx2", "paged_decode_at
 @pytest.mark.parametrize(
     ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"]
 )
-def test_both_loops_equal_the_reference_at_every_head_shape(
+def test_each_loop_equals_the_reference_at_every_head_shape(
     op: str, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, tolerance: float
 ) -> None:
     """Each of the kernel's loops against the torch path, on decode rows whose contexts end at every place within
     sixteen tokens and a block."""
     torch.manual_seed(dim + heads)
-    rng = random.Random(dim)
     lengths = DECODE_LENGTHS + [33, 47, 64, 97]
-    needed = sum(-(-c // BLOCK) for c in lengths)
-    cache = KVCache.allocate(1, needed + 4, BLOCK, kv_heads, dim, dtype, torch.device("cpu"))
-    cache.keys[0].normal_()
-    cache.values[0].normal_()
-    free = list(range(needed + 4))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-c // BLOCK))] for c in lengths]
+    cache, tables = stale_pool(lengths, kv_heads, dim, dtype, random.Random(dim), spare=4)
     q = torch.randn(len(lengths), heads, dim, dtype=dtype)
     k = torch.randn(len(lengths), kv_heads, dim, dtype=dtype)
     v = torch.randn(len(lengths), kv_heads, dim, dtype=dtype)
