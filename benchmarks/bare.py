@@ -3,9 +3,10 @@
 The paged model is loaded in-process as a shard loads it, and the workload's prompts run with at most `batch`
 sequences at once: whenever rows finish, waiting prompts join the next forward whole (up to a prefill token
 budget), and every forward is one flat pass over one new token per decoding row plus the joining prompts, with
-greedy argmax. That is continuous batching with nothing around it (no HTTP, router, gRPC, sampler or
-detokenizer), so `server tok/s / bare tok/s` is what the serving layers keep. Steps at a full batch with no
-prompt joining are also timed alone: the pure decode rate at that batch size.
+the greedy choice (the sampler's `greedy`, the fastest way here to pick a token). That is continuous batching
+with nothing around it (no HTTP, router, gRPC, sampler or detokenizer), so `server tok/s / bare tok/s` is what the
+serving layers keep. Steps at a full batch with no prompt joining are also timed alone: the pure decode rate at
+that batch size.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class BareLoop:
     def forward(self, rows: list[_Row]) -> list[int]:
         """One flat forward over every row's fed tokens; returns each row's greedy next token."""
         from conveyor.shard.layers.attention import build_per_window
+        from conveyor.shard.sampling import greedy
 
         ids = torch.tensor([t for r in rows for t in r.feed], dtype=torch.long)
         positions = torch.cat([torch.arange(r.length, r.length + len(r.feed)) for r in rows])
@@ -106,7 +108,7 @@ class BareLoop:
             torch.device("cpu"),
         )
         last = torch.cumsum(torch.tensor(query_lens), 0) - 1
-        return self.model(ids, positions, self.cache, metas, last).argmax(dim=-1).tolist()
+        return greedy(self.model(ids, positions, self.cache, metas, last))[0].tolist()
 
     def run(self, requests: list[tuple[list[int], int]], prefill_budget: int) -> BareResult:
         """`requests` are (prompt ids, output length), admitted in order, at most `batch` at once."""

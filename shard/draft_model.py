@@ -17,6 +17,7 @@ import torch
 
 from conveyor.shard.layers.attention import KVCache
 from conveyor.shard.requests import RequestState
+from conveyor.shard.sampling import greedy
 
 
 class DraftModel:
@@ -65,7 +66,7 @@ class DraftModel:
         logits = self.forward(feeds, starts, blocks, lengths, counts, model=self.model, cache=self.cache)
         for state, length in zip(states, lengths):
             state.draft_len = length
-        return logits.argmax(dim=-1).tolist()
+        return greedy(logits)[0].tolist()
 
 
 def settle(state: RequestState) -> None:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from conveyor.shard.kernels import build as kernels
+
 if TYPE_CHECKING:
     from conveyor.v1.shard_pb2 import SamplingParameters
 
@@ -76,13 +78,13 @@ class SamplingParams:
 
 class Sample(tuple):
     """Unpacks as `(ids, logprobs)`, and also carries the log-distribution the ids were drawn from, because
-    the engine reports each request's top-n alternatives from exactly that distribution."""
+    the engine reports each request's top-n alternatives from exactly that distribution. A greedy batch never
+    computes it unless asked (`greedy` finds each row's token and log-probability without it)."""
 
-    distribution: torch.Tensor  # [B, V] log-probabilities after penalties and (sampling rows) warpers
-
-    def __new__(cls, ids: torch.Tensor, logprobs: torch.Tensor, distribution: torch.Tensor) -> Sample:
+    def __new__(cls, ids: torch.Tensor, logprobs: torch.Tensor, scores: torch.Tensor, normalized: bool) -> Sample:
+        """`scores` [B, V]: the log-distribution itself when `normalized`, else the scores it normalizes."""
         sample = super().__new__(cls, (ids, logprobs))
-        sample.distribution = distribution
+        sample._scores, sample._normalized = scores, normalized
         return sample
 
     @property
@@ -94,6 +96,24 @@ class Sample(tuple):
     def logprobs(self) -> torch.Tensor:
         """[B] their log-probabilities under the distribution they were drawn from."""
         return self[1]
+
+    @property
+    def distribution(self) -> torch.Tensor:
+        """[B, V] log-probabilities after penalties and (sampling rows) warpers."""
+        if not self._normalized:
+            self._scores, self._normalized = torch.log_softmax(self._scores.float(), dim=-1), True
+        return self._scores
+
+
+def greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's best token (the first of equals, as argmax) and its log-probability under softmax(scores):
+    [B] ids and [B] float32 logprobs. On CPU the kernel (shard/kernels/greedy.cpp) reads each row twice and
+    writes nothing; elsewhere torch's log_softmax is the path, and the reference."""
+    if kernels.serves(scores.device) and scores.dim() == 2:
+        return torch.ops.conveyor.greedy(scores.contiguous())
+    logprobs = torch.log_softmax(scores.float(), dim=-1)
+    ids = logprobs.argmax(dim=-1)
+    return ids, logprobs.gather(1, ids.view(-1, 1)).view(-1)
 
 
 @dataclass
@@ -182,12 +202,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> Sample:
         """logits: [B, V] (each row's last position). Returns the next ids [B] and their logprobs [B], and
-        records the ids in the penalty counts."""
+        records the ids in the penalty counts. A batch with no sampling row takes `greedy`'s path (the warpers
+        are all off then): logits in the model's dtype, no [B, V] log-distribution unless top-n asks for it."""
+        penalised = self.seen is not None or self.generated is not None
+        if not self.sampling_rows:
+            scores = self._penalise(logits.float()) if penalised else logits
+            next_ids, chosen = greedy(scores)
+            self._record(next_ids)
+            return Sample(next_ids, chosen, scores, normalized=False)
         scores = self._warp(self._penalise(logits.float()))
         logprobs = torch.log_softmax(scores, dim=-1)
         next_ids = self._choose(logprobs)
         self._record(next_ids)
-        return Sample(next_ids, logprobs.gather(1, next_ids.view(-1, 1)).view(-1), logprobs)
+        return Sample(next_ids, logprobs.gather(1, next_ids.view(-1, 1)).view(-1), logprobs, normalized=True)
 
     def _penalise(self, scores: torch.Tensor) -> torch.Tensor:
         """Penalties apply to greedy rows too: they change which token is best, not how we choose."""

@@ -64,6 +64,7 @@ struct Avx512 {
   static R max_first(R top, const float* p, int64_t n) {  // lanes past n keep top
     return _mm512_mask_max_ps(top, first(n), top, load_first(p, n));
   }
+  static unsigned equal(R a, R b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // bit i: lane i equal
   static float reduce_add(R v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(R v) { return _mm512_reduce_max_ps(v); }
   // Lane i of the result is the sum of v[i]'s lanes.
@@ -114,6 +115,7 @@ struct Avx2 {
   static R max_first(R top, const float* p, int64_t n) {
     return _mm256_blendv_ps(top, _mm256_max_ps(top, load_first(p, n)), _mm256_castsi256_ps(first(n)));
   }
+  static unsigned equal(R a, R b) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ))); }
   static float reduce_add(R v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -212,3 +214,24 @@ inline void weigh(const float* weights, int64_t group, const scalar_t* values, c
 }  // namespace conveyor::simd
 
 #endif
+
+namespace conveyor {
+
+// The loops a kernel instance runs: the portable ones, or the SIMD traits above over one of their lane widths.
+// The decode attention and the greedy sampler (greedy.cpp) each register an op for the widest and, by name, for
+// the narrower ones, so that the tests hold every width to torch on any machine here.
+struct Portable {};
+#if defined(CONVEYOR_SIMD_ATTENTION) && defined(CONVEYOR_AVX512_DOTS)
+using Widest = simd::Avx512;
+#elif defined(CONVEYOR_SIMD_ATTENTION)
+using Widest = simd::Avx2;
+#else
+using Widest = Portable;
+#endif
+#ifdef CONVEYOR_SIMD_ATTENTION
+using Avx2Loops = simd::Avx2;
+#else
+using Avx2Loops = Portable;
+#endif
+
+}  // namespace conveyor

@@ -35,6 +35,7 @@ SOURCES = [
         "rms_norm.cpp",
         "silu_mul.cpp",
         "rotary.cpp",
+        "greedy.cpp",
     )
 ]
 HEADERS = [

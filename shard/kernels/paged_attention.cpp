@@ -27,6 +27,9 @@
 
 namespace {
 
+using conveyor::Avx2Loops;
+using conveyor::Portable;
+using conveyor::Widest;
 using conveyor::widen;
 
 // q . row, the row widened to float as it is read (no copy through a buffer).
@@ -110,9 +113,6 @@ void weigh_portable(const float* weights, int64_t group, int64_t head_dim, const
   }
 }
 
-// The loops a kernel instance runs: the portable ones, or attention_simd.h's over one of its lane widths.
-struct Portable {};
-
 // kDim: the head size when the compiler knows it (64, 128: its loops unroll, and a dot product's reduction is
 // no longer a loop with a remainder), 0 for any other size, read at run time. Loops: `Portable`, or a SIMD
 // width of attention_simd.h (which needs kDim).
@@ -179,20 +179,6 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
     }
   });
 }
-
-// The widest SIMD loops this build has (Portable where it has none).
-#if defined(CONVEYOR_SIMD_ATTENTION) && defined(CONVEYOR_AVX512_DOTS)
-using Widest = conveyor::simd::Avx512;
-#elif defined(CONVEYOR_SIMD_ATTENTION)
-using Widest = conveyor::simd::Avx2;
-#else
-using Widest = Portable;
-#endif
-#ifdef CONVEYOR_SIMD_ATTENTION
-using Avx2Loops = conveyor::simd::Avx2;
-#else
-using Avx2Loops = Portable;
-#endif
 
 template <typename scalar_t, typename Loops>
 void by_head_size(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,

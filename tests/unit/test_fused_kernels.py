@@ -1,5 +1,6 @@
-"""The fused C++ ops of a decode step (residual add + RMSNorm, silu(gate) * up, the rotation) against the torch code
-they replace, which stays the reference path: the same bits where the kernel rounds as torch does."""
+"""The fused C++ ops of a decode step (residual add + RMSNorm, silu(gate) * up, the rotation, the greedy sampler's
+choice) against the torch code they replace, which stays the reference path: the same bits where the kernel rounds
+as torch does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conveyor import cpu
 from conveyor.shard.kernels import build as kernels
 from conveyor.shard.layers.norm import RMSNorm
 from conveyor.shard.layers.rotary import apply_rotary, rotate
+from conveyor.shard.sampling import greedy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -128,3 +130,69 @@ def test_rotary_kv_rotates_in_place_and_writes_the_caches(built, dtype: torch.dt
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
     with pytest.raises(RuntimeError, match="a slot beyond the caches"):
         torch.ops.conveyor.rotary_kv_(fused, heads, kv_heads, cos, sin, caches[2], caches[3], torch.tensor([0, 1, 24]))
+
+
+GREEDY_OPS = ["greedy", "greedy_avx2", "greedy_portable"]  # the widest loops, AVX2's, the portable ones
+
+
+def _greedy_reference(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs = torch.log_softmax(scores.float(), dim=-1)
+    ids = logprobs.argmax(dim=-1)
+    return ids, logprobs.gather(1, ids.view(-1, 1)).view(-1)
+
+
+def _assert_greedy(op: str, scores: torch.Tensor) -> None:
+    ids, logprobs = getattr(torch.ops.conveyor, op)(scores)
+    want_ids, want_logprobs = _greedy_reference(scores)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-6, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("op", GREEDY_OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [49152, 1003, 5], ids=lambda v: f"vocab{v}")  # whole vectors, a tail, a tail alone
+def test_greedy_equals_log_softmax_then_argmax(built, op: str, dtype: torch.dtype, vocab: int) -> None:
+    g = _generator(vocab)
+    _assert_greedy(op, (torch.randn(9, vocab, generator=g) * 4).to(dtype))
+    _assert_greedy(op, (torch.randn(1, vocab, generator=g) * 4).to(dtype))
+
+
+@pytest.mark.parametrize("op", GREEDY_OPS)
+def test_greedy_takes_the_first_of_equal_bests_wherever_they_lie(built, op: str) -> None:
+    """torch's argmax picks the first maximum: in the same vector, in a later vector, or in the tail."""
+    g = _generator(3)
+    vocab = 1003  # 62 vectors of 16 (125 of 8) and a tail
+    scores = torch.randn(5, vocab, generator=g)
+    for row, places in enumerate([(2, 5, 9), (40, 999), (995, 1001), (1002,), (0, 1002)]):
+        scores[row, list(places)] = 9.0
+    _assert_greedy(op, scores)
+    assert getattr(torch.ops.conveyor, op)(scores)[0].tolist() == [2, 40, 995, 1002, 0]
+
+
+@pytest.mark.parametrize("op", GREEDY_OPS)
+def test_greedy_reads_masked_rows(built, op: str) -> None:
+    """A grammar leaves a few tokens of -inf rows; a row masked entirely answers token 0 and NaN, as torch does."""
+    scores = torch.full((3, 1003), float("-inf"))
+    scores[0, [5, 700]] = torch.tensor([1.0, 2.0])
+    scores[1, 1001] = -3.0  # the only token left, in the tail
+    _assert_greedy(op, scores)
+    ids, logprobs = getattr(torch.ops.conveyor, op)(scores)
+    assert ids.tolist() == [700, 1001, 0]
+    assert logprobs[1].item() == 0.0 and logprobs[2].isnan()
+
+
+def test_greedy_refuses_what_it_cannot_read(built) -> None:
+    with pytest.raises(RuntimeError, match="batch, vocab"):
+        torch.ops.conveyor.greedy(torch.randn(4))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.conveyor.greedy(torch.randn(8, 6)[:, :3])
+
+
+def test_the_sampler_greedy_path_is_the_kernel_where_it_serves_or_the_reference(built, monkeypatch) -> None:
+    scores = torch.randn(4, 300, generator=_generator(5)).to(torch.bfloat16)
+    want_ids, want_logprobs = _greedy_reference(scores)
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("CONVEYOR_ATTENTION", backend)
+        ids, logprobs = greedy(scores)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-6, atol=1e-5)
