@@ -63,11 +63,11 @@ def span(
     **attributes,
 ) -> Iterator[Span]:
     """A span under `parent` (a span, a context, or the current span when None). With no tracer provider set
-    (no `--otlp-endpoint`), a span under the current one would be the current one again, unrecorded: it is
-    yielded as it is, which saves what the no-op tracer takes to make it on the hot paths (a request's validation,
-    whose cost benchmarks/validation.py measures; a step)."""
-    if parent is None and not links and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-        yield trace.get_current_span()
+    (no `--otlp-endpoint`), the no-op tracer's span would be its parent's context again, unrecorded: the parent
+    is yielded as it is, which saves what the no-op tracer takes to make it on the hot paths (a request's
+    validation, whose cost benchmarks/validation.py measures; every step, in the router and in each shard)."""
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        yield parent if isinstance(parent, Span) else trace.get_current_span(parent)
         return
     ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
     span_links = [Link(s.get_span_context()) for s in links or []]

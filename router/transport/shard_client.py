@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -234,7 +235,10 @@ class DecodeRun:
 async def _gather(name: str, calls: list[Awaitable[T]], timeout: float | None = None) -> list[T]:
     """Awaits one call per rank at once; the first failure fails the whole call at once, without waiting for the
     other ranks (when one rank dies, the others may wait for it in a collective for ever). `timeout` is for calls
-    that carry no deadline of their own (a stream's reads)."""
+    that carry no deadline of their own (a stream's reads). One rank's call is awaited as it is: no task, no
+    wait (a step pays this twice, at every token)."""
+    if len(calls) == 1:
+        return [await _one(name, calls[0], timeout)]
     tasks = [asyncio.ensure_future(c) for c in calls]
     try:
         done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
@@ -248,6 +252,29 @@ async def _gather(name: str, calls: list[Awaitable[T]], timeout: float | None = 
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _one(name: str, call: Awaitable[T], timeout: float | None) -> T:
+    try:
+        return await _within(call, timeout)
+    except asyncio.TimeoutError:
+        raise ShardError(
+            f"shards [0] did not answer {name} in {timeout} s", grpc.StatusCode.DEADLINE_EXCEEDED
+        ) from None
+    except ShardError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - as _gather names a failed rank's error
+        raise _shard_error(0, name, exc) from exc
+
+
+async def _within(call: Awaitable[T], timeout: float | None) -> T:
+    """`call`, cancelled after `timeout` seconds: by asyncio.timeout where there is one (3.11), which makes no task."""
+    if timeout is None:
+        return await call
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await call
+    return await asyncio.wait_for(call, timeout)
 
 
 def _shard_error(rank: int, name: str, exc: BaseException) -> ShardError:
