@@ -48,12 +48,12 @@ RUNS = (
         ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
         "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
         "--out benchmarks/results/xeon-emerald-rapids-real-greedy",
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit a1b865b (the greedy sampler's kernel, greedy.cpp, "
-        "and less router work per step): float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system "
+        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit a1b865b (the greedy sampler's kernel, greedy.cpp,"
+        " and less router work per step): float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system "
         "with its defaults. The same caveats on ITL and drafts as below. The VM ran slower than at the sitting below "
         "(Conveyor float32 saturated 276 against 347 tok/s there): right after it, Conveyor alone at 5c1ee46 and at "
-        "a1b865b, interleaved, measured 282.1 / 277.6 and 284.5 / 265.4 tok/s, so neither the float32 miss nor the "
-        "bf16 tie here is the change's doing; they are the VM's swing between sittings.",
+        "a1b865b, interleaved, measured 282.1 / 277.6 and 284.5 / 265.4 tok/s, so neither the float32 miss nor the bf16"
+        " tie here is the change's doing; they are the VM's swing between sittings.",
     ),
     Run(
         "xeon-emerald-rapids-real-attention/smollm2-135m-instruct",
