@@ -109,7 +109,7 @@ def greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's best token (the first of equals, as argmax) and its log-probability under softmax(scores):
     [B] ids and [B] float32 logprobs. On CPU the kernel (shard/kernels/greedy.cpp) reads each row twice and
     writes nothing; elsewhere torch's log_softmax is the path, and the reference."""
-    if kernels.serves(scores.device) and scores.dim() == 2:
+    if kernels.serves(scores.device):
         return torch.ops.conveyor.greedy(scores.contiguous())
     logprobs = torch.log_softmax(scores.float(), dim=-1)
     ids = logprobs.argmax(dim=-1)

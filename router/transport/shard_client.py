@@ -261,8 +261,6 @@ async def _one(name: str, call: Awaitable[T], timeout: float | None) -> T:
         raise ShardError(
             f"shards [0] did not answer {name} in {timeout} s", grpc.StatusCode.DEADLINE_EXCEEDED
         ) from None
-    except ShardError:
-        raise
     except Exception as exc:  # noqa: BLE001 - as _gather names a failed rank's error
         raise _shard_error(0, name, exc) from exc
 

@@ -10,6 +10,11 @@
 // output sums stay in registers while the context's values stream by.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
 #include "row_dots_avx512.h"
 
 namespace conveyor {
@@ -24,6 +29,22 @@ struct CephesExp {
                                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 };
 
+// CephesExp's exp, one float at a time (the portable loops and the SIMD loops' remainders): libm's expf is a call
+// per element, and was the portable attention kernel's largest cost.
+inline float exp_nonpositive(float x) {
+  using E = CephesExp;
+  x = std::max(x, E::kLowest);
+  const float n = std::floor(x * E::kLog2e + 0.5f);
+  x = x - n * E::kLn2High - n * E::kLn2Low;
+  float y = E::kPolynomial[0];
+  for (int i = 1; i < 6; ++i) y = y * x + E::kPolynomial[i];
+  y = y * x * x + x + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
 }  // namespace conveyor
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -32,8 +53,6 @@ struct CephesExp {
 
 #include <c10/util/BFloat16.h>
 
-#include <algorithm>
-#include <cstdint>
 #include <limits>
 
 namespace conveyor::simd {
@@ -115,7 +134,9 @@ struct Avx2 {
   static R max_first(R top, const float* p, int64_t n) {
     return _mm256_blendv_ps(top, _mm256_max_ps(top, load_first(p, n)), _mm256_castsi256_ps(first(n)));
   }
-  static unsigned equal(R a, R b) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ))); }
+  static unsigned equal(R a, R b) {
+    return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)));
+  }
   static float reduce_add(R v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -24,6 +24,7 @@
 namespace {
 
 using conveyor::Avx2Loops;
+using conveyor::exp_nonpositive;
 using conveyor::Portable;
 using conveyor::Widest;
 using conveyor::widen;
@@ -43,7 +44,7 @@ Choice choose_portable(const scalar_t* row, int64_t vocab) {
   }
   if (peak == -std::numeric_limits<float>::infinity()) return {0, std::numeric_limits<float>::quiet_NaN()};
   double total = 0.;  // summed in order, one at a time: a float sum of 49,152 terms drifts by 1e-4
-  for (int64_t t = 0; t < vocab; ++t) total += std::exp(widen(row[t]) - peak);
+  for (int64_t t = 0; t < vocab; ++t) total += exp_nonpositive(widen(row[t]) - peak);
   return {id, static_cast<float>(-std::log(total))};
 }
 
@@ -73,7 +74,7 @@ Choice choose_simd(const scalar_t* row, int64_t vocab) {
   for (int64_t t = whole; t < vocab; ++t) {
     const float x = widen(row[t]);
     if (id < 0 && x == peak) id = t;
-    sum += std::exp(x - peak);
+    sum += exp_nonpositive(x - peak);
   }
   return {id, -std::log(sum)};
 }

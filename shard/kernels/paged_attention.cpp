@@ -28,6 +28,7 @@
 namespace {
 
 using conveyor::Avx2Loops;
+using conveyor::exp_nonpositive;
 using conveyor::Portable;
 using conveyor::Widest;
 using conveyor::widen;
@@ -56,22 +57,6 @@ inline void for_each_slot(const int32_t* table, int64_t block_size, int64_t firs
     const int64_t base = static_cast<int64_t>(table[block]) * block_size - block * block_size;
     for (int64_t p = begin; p < end; ++p) visit(p - first, base + p);
   }
-}
-
-// conveyor::CephesExp's exp (attention_simd.h), one float at a time: libm's expf is a call per element, and was
-// the portable kernel's largest cost.
-inline float exp_nonpositive(float x) {
-  using E = conveyor::CephesExp;
-  x = std::max(x, E::kLowest);
-  const float n = std::floor(x * E::kLog2e + 0.5f);
-  x = x - n * E::kLn2High - n * E::kLn2Low;
-  float y = E::kPolynomial[0];
-  for (int i = 1; i < 6; ++i) y = y * x + E::kPolynomial[i];
-  y = y * x * x + x + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
 }
 
 // Softmax of each of `group` rows of `count` scores, in place.
