@@ -44,6 +44,17 @@ class Run:
 XEON = "Intel Xeon Emerald Rapids (AVX-512, avx512_bf16, VNNI; AMX not exposed), 2 vCPUs"
 RUNS = (
     Run(
+        "epyc-zen4-real/smollm2-135m-instruct",
+        ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
+        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
+        "--out benchmarks/results/epyc-zen4-real",
+        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit 43b4d83, the first on an AMD EPYC Zen 4: "
+        "float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system with its defaults. The same "
+        "caveats on ITL and drafts as below. bf16 prompts here still went through the float32 copy, which on this "
+        "CPU computes them slower than bf16 itself (the commit after this one stops that on AMD CPUs), hence vLLM's "
+        "lower bf16 TTFT.",
+    ),
+    Run(
         "xeon-emerald-rapids-real-greedy/smollm2-135m-instruct",
         ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
         "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
