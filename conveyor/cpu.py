@@ -1,9 +1,10 @@
 """What this CPU offers, asked in one place, so that every choice that depends on it can be faked in a test.
 
-Conveyor lands on AMD EPYCs (AVX2, no bf16 kernels in oneDNN) and on Intel Xeons (AVX-512, avx512_bf16, VNNI,
-sometimes AMX). What differs between them: whether oneDNN runs bf16 matmuls (the GEMM packs bf16 weights, the
-benchmark adds its bf16 systems by default), the instruction sets the benchmark records beside its numbers, and
-how many cores a process may use. Everything that depends on them asks here and nowhere else: a test fakes a CPU
+Conveyor lands on AMD EPYCs (AVX2 with no bf16 kernels in oneDNN, or Zen 4 with AVX-512 and avx512_bf16) and on
+Intel Xeons (AVX-512, avx512_bf16, VNNI, sometimes AMX). What differs between them: whether oneDNN runs bf16 matmuls
+(the GEMM packs bf16 weights, the benchmark adds its bf16 systems by default), whether bf16 computes prompts faster
+than float32 (the vendor and AMX decide), the instruction sets the benchmark records beside its numbers, and how
+many cores a process may use. Everything that depends on them asks here and nowhere else: a test fakes a CPU
 kind by replacing `_torch_bf16` and `CPUINFO`, and `CONVEYOR_CPU_BF16=0` makes a CPU with bf16 kernels behave as
 one without, so that both branches run on a Xeon.
 """
@@ -79,6 +80,7 @@ class Cpu:
     cores: int
     flags: frozenset[str]
     onednn_bf16: bool
+    vendor: str = "?"  # /proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD
 
     @property
     def avx512(self) -> bool:
@@ -94,6 +96,10 @@ class Cpu:
         return bool({"avx512_vnni", "avx_vnni"} & self.flags)
 
     @property
+    def amd(self) -> bool:
+        return self.vendor == "AuthenticAMD"
+
+    @property
     def amx(self) -> bool:
         """Tile matrix units (Sapphire Rapids and later Xeons); oneDNN uses them for bf16 when they are there."""
         return "amx_bf16" in self.flags
@@ -107,4 +113,5 @@ def probe() -> Cpu:
         lines = []
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return Cpu(model, usable_cores(), frozenset(flags), onednn_bf16())
+    vendor = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "?")
+    return Cpu(model, usable_cores(), frozenset(flags), onednn_bf16(), vendor)

@@ -25,20 +25,29 @@ class Kind:
     model: str
     flags: str
     onednn_bf16: bool  # torch.ops.mkldnn._is_mkldnn_bf16_supported() there
+    vendor: str
 
     def cpuinfo(self) -> str:
-        return "".join(f"processor\t: {n}\nmodel name\t: {self.model}\nflags\t\t: {self.flags}\n\n" for n in range(2))
+        return "".join(
+            f"processor\t: {n}\nvendor_id\t: {self.vendor}\nmodel name\t: {self.model}\nflags\t\t: {self.flags}\n\n"
+            for n in range(2)
+        )
 
 
-AMD_EPYC = Kind("amd-epyc-avx2", "AMD EPYC 7B12 64-Core Processor", AVX2_FLAGS, False)
-XEON_BF16 = Kind("xeon-avx512-bf16-vnni", "Intel(R) Xeon(R) Platinum 8380H CPU", AVX512_FLAGS + " avx512_bf16", True)
+INTEL, AMD = "GenuineIntel", "AuthenticAMD"
+AMD_EPYC = Kind("amd-epyc-avx2", "AMD EPYC 7B12 64-Core Processor", AVX2_FLAGS, False, AMD)
+AMD_ZEN4 = Kind("amd-epyc-zen4", "AMD EPYC 9R14 96-Core Processor", AVX512_FLAGS + " avx512_bf16", True, AMD)
+XEON_BF16 = Kind(
+    "xeon-avx512-bf16-vnni", "Intel(R) Xeon(R) Platinum 8380H CPU", AVX512_FLAGS + " avx512_bf16", True, INTEL
+)
 XEON_AMX = Kind(
     "xeon-amx",
     "Intel(R) Xeon(R) Platinum 8480+",
     AVX512_FLAGS + " avx512_bf16 avx_vnni avx512_fp16 amx_bf16 amx_tile amx_int8",
     True,
+    INTEL,
 )
-KINDS = [AMD_EPYC, XEON_BF16, XEON_AMX]
+KINDS = [AMD_EPYC, AMD_ZEN4, XEON_BF16, XEON_AMX]
 
 
 def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind) -> None:
@@ -57,6 +66,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind) -> None:
     "kind, avx512, avx512_bf16, vnni, amx",
     [
         pytest.param(AMD_EPYC, False, False, False, False, id=AMD_EPYC.name),
+        pytest.param(AMD_ZEN4, True, True, True, False, id=AMD_ZEN4.name),
         pytest.param(XEON_BF16, True, True, True, False, id=XEON_BF16.name),
         pytest.param(XEON_AMX, True, True, True, True, id=XEON_AMX.name),
     ],
@@ -92,7 +102,7 @@ def test_no_cpuinfo_means_unknown_model_and_no_flags(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cpu, "_torch_bf16", lambda: False)
     monkeypatch.delenv(cpu.BF16_SWITCH, raising=False)
     here = cpu.probe()
-    assert (here.model, here.flags, here.avx512, here.amx) == ("?", frozenset(), False, False)
+    assert (here.model, here.flags, here.avx512, here.amx, here.amd) == ("?", frozenset(), False, False, False)
 
 
 # --- the switch --------------------------------------------------------------------------------------------------
@@ -173,6 +183,17 @@ def test_gemm_choice_on_each_cpu_kind(monkeypatch: pytest.MonkeyPatch, tmp_path:
             gemm.kernel(bf16)
 
 
+@pytest.mark.parametrize("kind, widens", [(AMD_EPYC, True), (AMD_ZEN4, False), (XEON_BF16, True), (XEON_AMX, False)])
+def test_bf16_prompts_widen_where_bf16_computes_slower(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind, widens: bool
+) -> None:
+    """A Xeon without AMX (and any CPU without avx512_bf16) computes bf16 prompts through a float32 copy; an AMX
+    Xeon and an AMD CPU with avx512_bf16 compute them in bf16 (shard/layers/gemm.py says what each measured)."""
+    fake(monkeypatch, tmp_path, kind)
+    assert cpu.probe().amd is (kind.vendor == AMD)
+    assert gemm.widens(cpu.probe()) is widens
+
+
 # --- threads ------------------------------------------------------------------------------------------------------
 
 
@@ -191,13 +212,14 @@ def test_threads_per_rank(local_ranks: int, cores: int, environ: dict[str, str],
 
 # --- --dtype auto -------------------------------------------------------------------------------------------------
 
-XEON_AVX512_ONLY = Kind("xeon-avx512-no-bf16", "Intel(R) Xeon(R) Gold 6148 CPU", AVX512_FLAGS, True)
+XEON_AVX512_ONLY = Kind("xeon-avx512-no-bf16", "Intel(R) Xeon(R) Gold 6148 CPU", AVX512_FLAGS, True, INTEL)
 
 
 @pytest.mark.parametrize(
     "kind, bf16_checkpoint_runs_in",
     [
         pytest.param(AMD_EPYC, "float32", id=AMD_EPYC.name),
+        pytest.param(AMD_ZEN4, "bfloat16", id=AMD_ZEN4.name),
         pytest.param(XEON_AVX512_ONLY, "float32", id=XEON_AVX512_ONLY.name),  # oneDNN converts: no faster
         pytest.param(XEON_BF16, "bfloat16", id=XEON_BF16.name),
         pytest.param(XEON_AMX, "bfloat16", id=XEON_AMX.name),

@@ -124,14 +124,6 @@ def test_plain_copies_only_where_memory_allows(tmp_path: Path) -> None:
     assert not plain_copy_fits(1001, 2000 / share)
 
 
-def test_bf16_widens_to_float32_where_the_cpu_has_no_amx() -> None:
-    """Every CPU kind on any machine: AVX2, AVX-512, avx512_bf16 widen bf16 prompts to float32; AMX does not."""
-    kind = lambda *flags: cpu.Cpu("fake", 2, frozenset(flags), False)  # noqa: E731
-    assert gemm.widens(kind("avx2", "fma"))
-    assert gemm.widens(kind("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
-    assert not gemm.widens(kind("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile"))
-
-
 @pytest.mark.parametrize("widens", [True, False], ids=["widens", "amx"])
 def test_weight_copies_count_the_float32_copy(monkeypatch: pytest.MonkeyPatch, widens: bool) -> None:
     monkeypatch.setattr(gemm, "_machine_widens", lambda: widens)
