@@ -94,7 +94,7 @@ inline void dot_rows(const ArrangedRows& x, int64_t m, const uint8_t* const pack
     __m512i low[kWeights], high[kWeights];
     __m512 s[kWeights];
     for (int j = 0; j < kWeights; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(packed[j] + c * kChunkBytes) + conveyor::kPrefetchBytes, _MM_HINT_T0);
+      conveyor::prefetch_weight(packed[j] + c * kChunkBytes);
       const __m512i w = _mm512_maskz_loadu_epi8(mask, packed[j] + c * kChunkBytes);
       low[j] = _mm512_and_si512(w, nibble);
       high[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);

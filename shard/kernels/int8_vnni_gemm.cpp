@@ -135,7 +135,7 @@ inline void dot_group(const GroupedRows& x, int64_t m, const uint8_t* const w[kW
   for (int v = 0; v < kVectors; ++v) {
     __m512i wv[kWeights];
     for (int j = 0; j < kWeights; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + base + v * 64) + conveyor::kPrefetchBytes, _MM_HINT_T0);
+      conveyor::prefetch_weight(w[j] + base + v * 64);
       wv[j] = _mm512_maskz_loadu_epi8(bytes, w[j] + base + v * 64);
     }
     for (int r = 0; r < kRows; ++r) {

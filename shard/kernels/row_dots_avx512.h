@@ -32,7 +32,7 @@ inline void dot_block(const float* x, int64_t in, const weight_t* w, float* sums
     const __mmask16 mask = in - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (in - k)) - 1);
     __m512 wv[kOut];
     for (int r = 0; r < kOut; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * in + k) + conveyor::kPrefetchBytes, _MM_HINT_T0);
+      conveyor::prefetch_weight(w + r * in + k);
       wv[r] = load16(w + r * in + k, mask);
     }
     for (int j = 0; j < kRows; ++j) {
@@ -59,7 +59,7 @@ inline void dot_block_bf16(const c10::BFloat16* x, int64_t in, const c10::BFloat
     const __mmask32 mask = in - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (in - k)) - 1);
     __m512bh wv[kOut];
     for (int r = 0; r < kOut; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * in + k) + conveyor::kPrefetchBytes, _MM_HINT_T0);
+      conveyor::prefetch_weight(w + r * in + k);
       wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * in + k);
     }
     for (int j = 0; j < kRows; ++j) {
