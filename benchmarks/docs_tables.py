@@ -44,6 +44,18 @@ class Run:
 XEON = "Intel Xeon Emerald Rapids (AVX-512, avx512_bf16, VNNI; AMX not exposed), 2 vCPUs"
 RUNS = (
     Run(
+        "epyc-zen4-real-prefetch/smollm2-135m-instruct",
+        ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
+        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
+        "--out benchmarks/results/epyc-zen4-real-prefetch",
+        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit 6a6ceb0 (bf16 prompts in bf16 on AMD CPUs, "
+        "weight prefetches into L2 there), an hour after the sitting below on the same AMD EPYC Zen 4. The same caveats"
+        " on ITL and drafts as below. Conveyor's float32 row ran at a slow moment of the VM (its ITL p99 269 ms, "
+        "llama.cpp's 289 against 146 in the sitting below), and no change here touches a float32 batch of 32: Conveyor"
+        " float32 alone right after, 4 interleaved rounds at 43b4d83 and 6a6ceb0, measured 317.2 / 266.5 / 293.2 / "
+        "289.4 and 251.8 / 262.2 / 333.1 / 323.6 tok/s.",
+    ),
+    Run(
         "epyc-zen4-real/smollm2-135m-instruct",
         ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
         "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
