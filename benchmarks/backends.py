@@ -21,6 +21,7 @@ class RequestOptions:
     model: str
     ignore_eos: bool = False
     extra_fields: bool = True  # off: send only fields of the public API schema (no `ignore_eos`)
+    speculate: int | None = None  # Conveyor's per-request cap on draft tokens (0: none), sent with extra fields
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class OpenAIBackend(Backend):
         }
         if options.ignore_eos and options.extra_fields:
             body["ignore_eos"] = True
+        if options.speculate is not None and options.extra_fields:
+            body["speculate"] = options.speculate
         return body
 
     def content(self, choice: dict[str, Any]) -> str:
@@ -109,6 +112,8 @@ class TGIBackend(Backend):
         parameters: dict[str, Any] = {"max_new_tokens": prompt.output_len, "details": True}
         if options.ignore_eos and options.extra_fields:
             parameters["ignore_eos"] = True
+        if options.speculate is not None and options.extra_fields:
+            parameters["speculate"] = options.speculate
         return {"inputs": prompt.text, "parameters": parameters}
 
     def read(self, event: dict[str, Any]) -> StreamEvent:

@@ -70,11 +70,11 @@ class _Row:
 
 
 class BareLoop:
-    def __init__(self, model_dir: Path, batch: int, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: Path, batch: int, dtype: str = "float32", quantize: str | None = None) -> None:
         from conveyor.shard.distributed import ProcessGroup
         from conveyor.shard.engine import Engine
 
-        self.engine = Engine(model_dir, dtype, torch.device("cpu"), ProcessGroup(0, 1))
+        self.engine = Engine(model_dir, dtype, torch.device("cpu"), ProcessGroup(0, 1), quantize=quantize)
         self.model, self.block_size, self.batch = self.engine.model, self.engine.block_size, batch
         self.blocks_per_slot = 0
         self.cache = None
@@ -167,14 +167,16 @@ def measure(
     warmup_steps: int = 2,
     dtype: str = "float32",
     gemm: str = "auto",
+    quantize: str | None = None,
 ) -> BareResult:
-    """Loads the model (its linear layers on the `gemm` backend, see `layers/gemm.py`), warms it up on the first
-    prompts, then runs the whole workload once, timed."""
-    note(f"bare forward: loading {model_dir} in-process, batch {batch}, {dtype}, GEMM {gemm}")
+    """Loads the model (its linear layers on the `gemm` backend, see `layers/gemm.py`, weights quantized as
+    `--quantize` would), warms it up on the first prompts, then runs the whole workload once, timed."""
+    weights = f"{dtype}, --quantize {quantize}" if quantize else dtype
+    note(f"bare forward: loading {model_dir} in-process, batch {batch}, {weights}, GEMM {gemm}")
     previous = os.environ.get("CONVEYOR_GEMM")
     os.environ["CONVEYOR_GEMM"] = gemm  # read when the layers pack their weights, i.e. while loading
     try:
-        loop = BareLoop(model_dir, batch, dtype)
+        loop = BareLoop(model_dir, batch, dtype, quantize)
     finally:
         if previous is None:
             del os.environ["CONVEYOR_GEMM"]

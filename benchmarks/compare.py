@@ -56,9 +56,11 @@ from conveyor import cpu
 from conveyor.benchmarks import bare, deploy, real_model
 from conveyor.benchmarks.compare_report import (
     BARE,
+    BARE_ONE,
     BARE_TORCH_GEMM,
     BF16,
     LLAMACPP,
+    NO_DRAFTS,
     QUANTIZED,
     TRANSFORMERS,
     VLLM,
@@ -111,7 +113,7 @@ def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workl
     if args.output_mean:
         low, high = args.output_len
         outputs = LengthSpec("exponential", args.output_mean, low=low, high=high)
-    return {
+    workloads = {
         "throughput": Workload(
             "throughput",
             build_prompts(args.num_prompts, inputs, outputs, args.seed, tokenizer),
@@ -127,14 +129,11 @@ def build_workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, Workl
             args.seed + 1,
         ),
         "long": long_mix(args, tokenizer),
-        "single": Workload(
-            "single",
-            build_prompts(args.single_prompts, inputs, spec((args.single_output_len,) * 2), args.seed + 3, tokenizer),
-            [float("inf")],
-            1,
-            args.seed + 3,
-        ),
     }
+    single = build_prompts(args.single_prompts, inputs, spec((args.single_output_len,) * 2), args.seed + 3, tokenizer)
+    workloads["single"] = Workload("single", single, [float("inf")], 1, args.seed + 3)
+    workloads[NO_DRAFTS] = Workload(NO_DRAFTS, single, [float("inf")], 1, args.seed + 3, speculate=0)
+    return workloads
 
 
 def plan(args: argparse.Namespace, system: str) -> list[str]:
@@ -143,7 +142,10 @@ def plan(args: argparse.Namespace, system: str) -> list[str]:
     for suffix in QUANTIZED.values():
         short = short.removesuffix(suffix)
     chosen = (("single", args.single_systems), ("sweep", args.sweep_systems), ("long", args.long_systems))
-    return ["throughput"] + [name for name, systems in chosen if short in systems]
+    planned = ["throughput"] + [name for name, systems in chosen if short in systems]
+    if "single" in planned and system.startswith("conveyor-"):
+        planned.insert(planned.index("single") + 1, NO_DRAFTS)  # the same stream with drafts off, against the bare
+    return planned
 
 
 def measure(
@@ -169,6 +171,7 @@ def measure(
             max_concurrency=w.max_concurrency,
             ignore_eos=True,
             extra_fields=extra_fields,
+            speculate=w.speculate,
             tokenizer=str(args.model_dir),
             num_warmups=warmups,
             request_timeout=args.request_timeout,
@@ -294,9 +297,13 @@ def run_llamacpp(args: argparse.Namespace, workloads: dict[str, Workload], dtype
 
 
 def run_bare(
-    args: argparse.Namespace, workload: Workload, dtype: str = "float32", gemm: str = "auto"
+    args: argparse.Namespace,
+    workload: Workload,
+    dtype: str = "float32",
+    gemm: str = "auto",
+    quantize: str | None = None,
 ) -> bare.BareResult | str:
-    """The ceiling, or why there is none."""
+    """The ceiling at the workload's concurrency cap, or why there is none."""
     if args.skip_bare:
         return "skipped (--skip-bare)"
     try:
@@ -304,22 +311,31 @@ def run_bare(
             args.model_dir,
             [p.text for p in workload.prompts],
             [p.output_len for p in workload.prompts],
-            args.max_concurrency,
+            workload.max_concurrency or args.max_concurrency,
             dtype=dtype,
             gemm=gemm,
+            quantize=quantize,
         )
     except Exception as exc:  # noqa: BLE001 - reported in the table; the rest of the comparison stands
         note(f"FAILED: bare forward: {type(exc).__name__}: {exc}")
         return f"failed: {type(exc).__name__}: {exc}"
 
 
-def run_ceilings(args: argparse.Namespace, workload: Workload) -> dict[str, bare.BareResult | str]:
-    """The bare forward as the shard runs it, on F.linear (the GEMM baseline), and in each further dtype."""
-    ceilings = {BARE: run_bare(args, workload)}
+def run_ceilings(args: argparse.Namespace, workloads: dict[str, Workload]) -> dict[str, bare.BareResult | str]:
+    """The bare forward as the shard runs it, on F.linear (the GEMM baseline), and in each further dtype; and at
+    batch 1 on the single workload in every dtype and quantization Conveyor served it in (its decode step against
+    the server's time per token with drafts off)."""
+    throughput = workloads["throughput"]
+    ceilings = {BARE: run_bare(args, throughput)}
     if args.gemm_baseline:
-        ceilings[BARE_TORCH_GEMM] = run_bare(args, workload, gemm="torch")
+        ceilings[BARE_TORCH_GEMM] = run_bare(args, throughput, gemm="torch")
     for dtype in args.dtypes[1:]:
-        ceilings[BARE + DTYPE_SUFFIX[dtype]] = run_bare(args, workload, dtype)
+        ceilings[BARE + DTYPE_SUFFIX[dtype]] = run_bare(args, throughput, dtype)
+    if "continuous" in args.systems and "continuous" in args.single_systems:
+        for dtype in args.dtypes:
+            ceilings[BARE_ONE + DTYPE_SUFFIX[dtype]] = run_bare(args, workloads["single"], dtype)
+        for quantize in args.quantized:
+            ceilings[BARE_ONE + QUANTIZED[quantize]] = run_bare(args, workloads["single"], quantize=quantize)
     return ceilings
 
 
@@ -552,7 +568,7 @@ def compare_model(args: argparse.Namespace) -> bool:
     check_model(args)
     workloads = build_workloads(args, load_tokenizer(str(args.model_dir)))
     outcomes = run_systems(args, workloads, deploy.launcher_flags())
-    ceilings = run_ceilings(args, workloads["throughput"])
+    ceilings = run_ceilings(args, workloads)
     summary = summary_dict(args, outcomes, ceilings, workloads)
     write_outputs(args, outcomes, summary)
     print_report(args, outcomes, ceilings, summary, workloads)

@@ -27,6 +27,8 @@ CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM, LLAMACPP = (
     "llama.cpp",
 )
 BARE, BARE_TORCH_GEMM = "bare forward", "bare forward, F.linear (MKL)"
+BARE_ONE = "bare forward, batch 1"  # on the single workload: the decode step one stream gets with nothing around it
+NO_DRAFTS = "single-no-drafts"  # the single workload again on Conveyor, each request asking for no drafts
 BF16 = "-bf16"
 # --quantized: Conveyor --quantize int8 (int4) against llama.cpp's q8_0 (q4_0) GGUF, named by the suffix
 QUANTIZED = {"int8": "-int8", "int4": "-int4"}
@@ -116,6 +118,24 @@ def _bare_tps(ceiling: BareResult | str | None) -> float | None:
     return ceiling.output_throughput if isinstance(ceiling, BareResult) else None
 
 
+def _one_stream_target(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> Target:
+    """What the server keeps of the forward's speed for one stream: the bare decode step at batch 1 over the
+    server's median time per output token, drafts off on both (a draft verified is not a plain step)."""
+    ceiling = ceilings.get(BARE_ONE + suffix)
+    step = ceiling.median_full_decode_step_ms if isinstance(ceiling, BareResult) else None
+    served = by.get(CONTINUOUS + suffix)
+    tpot = _lat(served, "tpot", "median", NO_DRAFTS)
+    return _ratio_target(
+        f"one stream, drafts off: continuous{suffix} / bare forward at batch 1, decode tok/s",
+        ">= 0.95",
+        step,
+        tpot,
+        lambda v: v >= 0.95,
+        f"bare step {step:.2f} ms, server median TPOT {tpot:.2f} ms" if step and tpot else "",
+        _missing(served, workload=NO_DRAFTS) or (None if step else f"bare forward at batch 1 {ceiling or 'not run'}"),
+    )
+
+
 def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> list[Target]:
     """Conveyor continuous against vLLM (every core bound), transformers serve and its own bare forward, in one
     dtype (suffix '' for float32, '-bf16')."""
@@ -191,6 +211,7 @@ def _peer_targets(by: dict[str, Outcome], ceilings: Ceilings, suffix: str) -> li
             "same workload, batch = the concurrency cap",
             _missing(cont) or (None if bare_tps else f"bare forward {ceiling or 'not run'}"),
         ),
+        _one_stream_target(by, ceilings, suffix),
         _ratio_target(
             f"bare decode step at the full batch{tag} / {goal:g} ms",
             "<= 1",
@@ -259,6 +280,7 @@ def targets(by: dict[str, Outcome], ceilings: Ceilings, itl: dict[str, float] | 
     for suffix in QUANTIZED.values():
         if CONTINUOUS + suffix in by:
             found += _quantized_targets(by, suffix)
+            found.append(_one_stream_target(by, ceilings, suffix))
     return found
 
 
@@ -409,7 +431,11 @@ def machine_line(m: dict[str, Any]) -> str:
 
 
 def _single_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:
-    return [(o.system, run) for o in outcomes if (run := o.run("single"))]
+    rows = []
+    for o in outcomes:
+        rows += [(o.system, run)] if (run := o.run("single")) else []
+        rows += [(f"{o.system}, drafts off", run)] if (run := o.run(NO_DRAFTS)) else []
+    return rows
 
 
 def _sweep_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:

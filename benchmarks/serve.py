@@ -54,6 +54,7 @@ class BenchmarkConfig:
     max_concurrency: int | None = None
     ignore_eos: bool = False
     extra_fields: bool = True
+    speculate: int | None = None  # Conveyor's draft tokens per step for every request (None: the server's)
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
     tokenizer: str | None = None  # a model directory: token-exact prompts, and output counts without usage
     num_warmups: int = 0
@@ -103,6 +104,7 @@ def workload_dict(config: BenchmarkConfig, prompts: list[Prompt], built_here: bo
         "max_concurrency": config.max_concurrency,
         "ignore_eos": config.ignore_eos,
         "extra_fields": config.extra_fields,
+        "speculate": config.speculate,
         "goodput_slos_ms": config.goodput_slos_ms,
     }
 
@@ -186,7 +188,7 @@ async def run(config: BenchmarkConfig, prompts: list[Prompt] | None = None) -> B
             session,
             base_url,
             backend(config.backend),
-            RequestOptions(model, config.ignore_eos, config.extra_fields),
+            RequestOptions(model, config.ignore_eos, config.extra_fields, config.speculate),
             tokenizer,
             limit,
         )

@@ -152,3 +152,4 @@ class Workload:
     max_concurrency: int | None
     seed: int
     short: set[int] = field(default_factory=set)  # long-prompt workload: indexes of the short streams
+    speculate: int | None = None  # draft tokens per step each request asks Conveyor for (None: the server's)

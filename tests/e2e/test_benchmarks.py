@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from conftest import Server
 
-from conveyor.benchmarks.backends import backend
+from conveyor.benchmarks.backends import RequestOptions, backend
 from conveyor.benchmarks.client import RequestRecord, sse_data
 from conveyor.benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, summarize
 from conveyor.benchmarks.serve import load_tokenizer
 from conveyor.benchmarks.shards import RATIO_LABEL, Outcome, print_report
 from conveyor.benchmarks.shards import parse_args as parse_shards_args
 from conveyor.benchmarks.shards import streams as shards_streams
-from conveyor.benchmarks.workload import LengthSpec, arrival_offsets, build_prompts, count_tokens
+from conveyor.benchmarks.workload import LengthSpec, Prompt, arrival_offsets, build_prompts, count_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 Row = shards_streams.Row  # the class shards.py builds its rows from (streams.py, loaded by path)
@@ -203,6 +203,15 @@ def test_backends_count_only_content_chunks() -> None:
     assert backend("tgi").read({"token": {"text": ""}, "details": {"generated_tokens": 3}}).completion_tokens == 3
 
 
+def test_a_workload_may_ask_conveyor_for_no_drafts() -> None:
+    prompt = Prompt(0, "hello", 1, 4, exact=True)
+    off, schema_only = RequestOptions("m", speculate=0), RequestOptions("m", extra_fields=False, speculate=0)
+    assert backend("openai-completions").body(prompt, off)["speculate"] == 0
+    assert backend("tgi").body(prompt, off)["parameters"]["speculate"] == 0
+    assert "speculate" not in backend("openai-chat").body(prompt, RequestOptions("m"))
+    assert "speculate" not in backend("openai-completions").body(prompt, schema_only)  # a peer's schema
+
+
 def test_metrics_follow_vllm_definitions(tmp_path: Path) -> None:
     ok = RequestRecord(0, 10, 5, True, ttft=0.1, itl=[0.05, 0.05, 0.1, 0.1], e2el=0.5)
     slow = RequestRecord(1, 20, 1, True, ttft=0.9, itl=[], e2el=0.9)
@@ -288,6 +297,15 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
     assert verdicts["bare decode step at the full batch / 82 ms"] is not None
     assert verdicts["one stream: continuous-int8 / best float dtype, out tok/s"] is not None  # both measured
     assert verdicts["one stream: continuous-int8 / llama.cpp-int8, median ITL"] is None
+    # The single workload again with drafts off, against the bare forward at batch 1 in the same weights.
+    for suffix in ("", "-int8"):
+        assert (
+            verdicts[f"one stream, drafts off: continuous{suffix} / bare forward at batch 1, decode tok/s"] is not None
+        )
+        no_drafts = json.loads((results / f"conveyor-continuous{suffix}-single-no-drafts.json").read_text())
+        assert no_drafts["workload"]["speculate"] == 0
+        one = summary["bare_forward"][f"bare forward, batch 1{suffix}"]
+        assert (one["batch"], one["output_tokens"]) == (1, no_drafts["runs"][0]["total_output_tokens"])
     assert summary["long_prompts_short_streams"]["gaps"] > 0
     assert (results / "sweep.png").read_bytes()[:8] == PNG_MAGIC
     assert (results / "conveyor-continuous-long.json").exists()
