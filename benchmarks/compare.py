@@ -25,14 +25,16 @@ its OpenAI completions route (greedy, output length fixed by max_tokens, EOS ign
   throughput  all prompts at once under a concurrency cap (output lengths vary, so a static batch waits on its
               longest member as it would in real traffic), on every system;
   single      one request at a time (batch 1): the inter-token latency one person chatting alone feels, on
-              Conveyor continuous, vLLM and llama.cpp;
+              Conveyor continuous, vLLM and llama.cpp; Conveyor runs it again with drafts off (each request asks
+              for `speculate: 0`), whose time per token the bare forward's decode step at batch 1 is set against;
   sweep       Poisson arrivals at a few rates, for the latency-against-load plot;
   long        ~2k-token prompts arriving among short streams (Conveyor continuous): how much a long prefill
               stalls the short streams' inter-token latency.
 
 The bare-forward ceiling runs the throughput workload through the same model in-process, at the concurrency cap
-as batch size, with the linear layers on oneDNN (what the shard runs) and again on torch's F.linear (MKL), which
-shows what the packed-weight GEMM wins. With bfloat16 among --dtypes (the default only where oneDNN has bf16
+as batch size (and the single workload at batch 1, in each dtype and quantization Conveyor served), with the
+linear layers on oneDNN (what the shard runs) and again on torch's F.linear (MKL), which shows what the
+packed-weight GEMM wins. With bfloat16 among --dtypes (the default only where oneDNN has bf16
 kernels for the CPU; CONVEYOR_CPU_BF16=0 leaves it out anywhere), Conveyor continuous, vLLM (all cores),
 transformers serve and the bare forward run again in it. The report prints each system's metrics, then the
 ratios against the targets. JSON for every run, a summary and the sweep plot go to the model's folder under
