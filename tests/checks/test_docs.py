@@ -70,6 +70,16 @@ def test_the_benchmark_tables_are_generated_from_the_results() -> None:
     )
 
 
+def test_readme_leads_with_the_real_model_on_each_kind_of_cpu() -> None:
+    document = docs_tables.README.read_text()
+    assert docs_tables.generated_part(document) == docs_tables.render_readme(), (
+        "README.md's benchmark table differs from benchmarks/results/: run "
+        "`.venv/bin/python -m conveyor.benchmarks.docs_tables`"
+    )
+    kinds = {run.path: summary["machine"]["cpu"] for run, summary in docs_tables.newest_real_sittings()}
+    assert len(set(kinds.values())) >= 2, kinds  # an AMD EPYC and an Intel Xeon sitting, at least
+
+
 def test_every_results_folder_has_a_section() -> None:
     documented = {docs_tables.folder_of(run) for run in docs_tables.RUNS}
     assert set(docs_tables.result_folders()) <= documented
