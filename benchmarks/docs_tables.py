@@ -48,6 +48,23 @@ class Run:
 XEON = "Intel Xeon Emerald Rapids (AVX-512, avx512_bf16, VNNI; AMX not exposed), 2 vCPUs"
 RUNS = (
     Run(
+        "epyc-zen4-both-models/smollm2-135m-instruct",
+        ".venv/bin/python -m conveyor.benchmarks.compare --model-id real,demo --systems continuous --vllm-bindings all "
+        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
+        "--out benchmarks/results/epyc-zen4-both-models",
+        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit c5c6592, the first with the single workload run "
+        "again on Conveyor with drafts off beside the bare forward at batch 1 (its target: the bare decode step over "
+        "the server's median TPOT), on the same AMD EPYC Zen 4 as the two sittings below. Every server streams its "
+        "tokens to the benchmark's client, on the same two cores. The same caveats on ITL and drafts as below.",
+    ),
+    Run(
+        "epyc-zen4-both-models/demo-small",
+        ".venv/bin/python -m conveyor.benchmarks.compare --model-id real,demo --systems continuous --vllm-bindings all "
+        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
+        "--out benchmarks/results/epyc-zen4-both-models",
+        "The demo `small` model (random weights, width 768, 12 layers) in the same sitting, after the real model.",
+    ),
+    Run(
         "epyc-zen4-real-prefetch/smollm2-135m-instruct",
         ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
         "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
