@@ -32,7 +32,7 @@ its OpenAI completions route (greedy, output length fixed by max_tokens, EOS ign
               stalls the short streams' inter-token latency.
 
 The bare-forward ceiling runs the throughput workload through the same model in-process, at the concurrency cap
-as batch size (and the single workload at batch 1, in each dtype and quantization Conveyor served), with the
+as batch size (and the single workload at batch 1 right after Conveyor served it, in the same weights), with the
 linear layers on oneDNN (what the shard runs) and again on torch's F.linear (MKL), which shows what the
 packed-weight GEMM wins. With bfloat16 among --dtypes (the default only where oneDNN has bf16
 kernels for the CPU; CONVEYOR_CPU_BF16=0 leaves it out anywhere), Conveyor continuous, vLLM (all cores),
@@ -323,38 +323,55 @@ def run_bare(
         return f"failed: {type(exc).__name__}: {exc}"
 
 
-def run_ceilings(args: argparse.Namespace, workloads: dict[str, Workload]) -> dict[str, bare.BareResult | str]:
-    """The bare forward as the shard runs it, on F.linear (the GEMM baseline), and in each further dtype; and at
-    batch 1 on the single workload in every dtype and quantization Conveyor served it in (its decode step against
-    the server's time per token with drafts off)."""
-    throughput = workloads["throughput"]
-    ceilings = {BARE: run_bare(args, throughput)}
+def run_ceilings(args: argparse.Namespace, workload: Workload) -> dict[str, bare.BareResult | str]:
+    """The bare forward as the shard runs it, on F.linear (the GEMM baseline), and in each further dtype."""
+    ceilings = {BARE: run_bare(args, workload)}
     if args.gemm_baseline:
-        ceilings[BARE_TORCH_GEMM] = run_bare(args, throughput, gemm="torch")
+        ceilings[BARE_TORCH_GEMM] = run_bare(args, workload, gemm="torch")
     for dtype in args.dtypes[1:]:
-        ceilings[BARE + DTYPE_SUFFIX[dtype]] = run_bare(args, throughput, dtype)
-    if "continuous" in args.systems and "continuous" in args.single_systems:
-        for dtype in args.dtypes:
-            ceilings[BARE_ONE + DTYPE_SUFFIX[dtype]] = run_bare(args, workloads["single"], dtype)
-        for quantize in args.quantized:
-            ceilings[BARE_ONE + QUANTIZED[quantize]] = run_bare(args, workloads["single"], quantize=quantize)
+        ceilings[BARE + DTYPE_SUFFIX[dtype]] = run_bare(args, workload, dtype)
     return ceilings
 
 
-def run_systems(args: argparse.Namespace, workloads: dict[str, Workload], known: set[str]) -> list[Outcome]:
+def run_continuous(
+    args: argparse.Namespace,
+    workloads: dict[str, Workload],
+    known: set[str],
+    ceilings: dict[str, bare.BareResult | str],
+    dtype: str = "float32",
+    quantize: str | None = None,
+) -> Outcome:
+    """Conveyor continuous; then, where it served the single workload with drafts off, the bare forward at batch 1
+    on that workload in the same weights (into `ceilings`), right after it: the VM's speed drifts over a sitting,
+    and the two are set against each other."""
+    outcome = run_conveyor(args, "continuous", workloads, known, dtype, quantize)
+    if NO_DRAFTS in plan(args, outcome.system):
+        suffix = QUANTIZED[quantize] if quantize else DTYPE_SUFFIX[dtype]
+        ceilings[BARE_ONE + suffix] = run_bare(args, workloads["single"], dtype, quantize=quantize)
+    return outcome
+
+
+def run_systems(
+    args: argparse.Namespace, workloads: dict[str, Workload], known: set[str], ceilings: dict[str, Any]
+) -> list[Outcome]:
     """Every server, float32 first; in each further dtype, the three that compete: Conveyor continuous, vLLM
-    with every core, transformers serve."""
-    outcomes = [run_conveyor(args, mode, workloads, known) for mode in args.systems]
+    with every core, transformers serve. The bare forward at batch 1 goes into `ceilings` (`run_continuous`)."""
+    outcomes = [
+        run_continuous(args, workloads, known, ceilings)
+        if mode == "continuous"
+        else run_conveyor(args, mode, workloads, known)
+        for mode in args.systems
+    ]
     outcomes += [run_vllm(args, workloads, binding) for binding in args.vllm_bindings]
     outcomes.append(run_llamacpp(args, workloads))
     outcomes.append(run_transformers(args, workloads))
     for dtype in args.dtypes[1:]:
-        outcomes.append(run_conveyor(args, "continuous", workloads, known, dtype))
+        outcomes.append(run_continuous(args, workloads, known, ceilings, dtype))
         outcomes.append(run_vllm(args, workloads, "all", dtype))
         outcomes.append(run_llamacpp(args, workloads, dtype))
         outcomes.append(run_transformers(args, workloads, dtype))
     for quantize in args.quantized:  # float32 activations, against llama.cpp's weights of the same width
-        outcomes.append(run_conveyor(args, "continuous", workloads, known, quantize=quantize))
+        outcomes.append(run_continuous(args, workloads, known, ceilings, quantize=quantize))
         outcomes.append(run_llamacpp(args, workloads, quantize))
     return outcomes
 
@@ -569,8 +586,9 @@ def compare_model(args: argparse.Namespace) -> bool:
     note(f"model {args.model_dir.name}: {args.model_dir}")
     check_model(args)
     workloads = build_workloads(args, load_tokenizer(str(args.model_dir)))
-    outcomes = run_systems(args, workloads, deploy.launcher_flags())
-    ceilings = run_ceilings(args, workloads)
+    at_batch_1: dict[str, bare.BareResult | str] = {}
+    outcomes = run_systems(args, workloads, deploy.launcher_flags(), at_batch_1)
+    ceilings = {**run_ceilings(args, workloads["throughput"]), **at_batch_1}
     summary = summary_dict(args, outcomes, ceilings, workloads)
     write_outputs(args, outcomes, summary)
     print_report(args, outcomes, ceilings, summary, workloads)
