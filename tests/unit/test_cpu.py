@@ -144,7 +144,8 @@ def test_compare_runs_bf16_systems_by_default_only_where_onednn_has_bf16(
     args.model_dir = tmp_path
     bf16 = kind.onednn_bf16
     assert args.dtypes == (["float32", "bfloat16"] if bf16 else ["float32"])
-    systems = [o.system for o in compare.run_systems(args, {}, {"--scheduling"})]
+    at_batch_1: dict = {}  # the bare forward at batch 1, after each Conveyor continuous (skipped here)
+    systems = [o.system for o in compare.run_systems(args, {"single": None}, {"--scheduling"}, at_batch_1)]
     assert systems == [
         "conveyor-continuous",
         "conveyor-static",
@@ -154,6 +155,7 @@ def test_compare_runs_bf16_systems_by_default_only_where_onednn_has_bf16(
         "llama.cpp",
         "transformers-serve",
     ] + (["conveyor-continuous-bf16", "vllm-cpu-bf16", "llama.cpp-bf16", "transformers-serve-bf16"] if bf16 else [])
+    assert list(at_batch_1) == ["bare forward, batch 1"] + (["bare forward, batch 1-bf16"] if bf16 else [])
     ceilings = list(compare.run_ceilings(args, None))
     assert ceilings == ["bare forward", "bare forward, F.linear (MKL)"] + (["bare forward-bf16"] if bf16 else [])
     # Asked for, bfloat16 runs on any CPU (slowly where oneDNN has no bf16 kernels).
