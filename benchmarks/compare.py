@@ -61,6 +61,7 @@ from conveyor.benchmarks.compare_report import (
     BARE_ONE,
     BARE_TORCH_GEMM,
     BF16,
+    CONTINUOUS,
     LLAMACPP,
     NO_DRAFTS,
     QUANTIZED,
@@ -345,9 +346,10 @@ def run_continuous(
     on that workload in the same weights (into `ceilings`), right after it: the VM's speed drifts over a sitting,
     and the two are set against each other."""
     outcome = run_conveyor(args, "continuous", workloads, known, dtype, quantize)
-    if NO_DRAFTS in plan(args, outcome.system):
-        suffix = QUANTIZED[quantize] if quantize else DTYPE_SUFFIX[dtype]
-        ceilings[BARE_ONE + suffix] = run_bare(args, workloads["single"], dtype, quantize=quantize)
+    if NO_DRAFTS in plan(args, outcome.system):  # named as the system is, for the target to pair them
+        ceilings[BARE_ONE + outcome.system.removeprefix(CONTINUOUS)] = run_bare(
+            args, workloads["single"], dtype, quantize=quantize
+        )
     return outcome
 
 

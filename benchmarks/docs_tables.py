@@ -46,12 +46,15 @@ class Run:
 
 
 XEON = "Intel Xeon Emerald Rapids (AVX-512, avx512_bf16, VNNI; AMX not exposed), 2 vCPUs"
+BOTH_MODELS = (  # one sitting that wrote two folders, a model each
+    ".venv/bin/python -m conveyor.benchmarks.compare --model-id real,demo --systems continuous --vllm-bindings all "
+    "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
+    "--out benchmarks/results/epyc-zen4-both-models"
+)
 RUNS = (
     Run(
         "epyc-zen4-both-models/smollm2-135m-instruct",
-        ".venv/bin/python -m conveyor.benchmarks.compare --model-id real,demo --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/epyc-zen4-both-models",
+        BOTH_MODELS,
         "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit c5c6592, the first with the single workload run "
         "again on Conveyor with drafts off beside the bare forward at batch 1 (its target: the bare decode step over "
         "the server's median TPOT), on the same AMD EPYC Zen 4 as the two sittings below. Every server streams its "
@@ -59,9 +62,7 @@ RUNS = (
     ),
     Run(
         "epyc-zen4-both-models/demo-small",
-        ".venv/bin/python -m conveyor.benchmarks.compare --model-id real,demo --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/epyc-zen4-both-models",
+        BOTH_MODELS,
         "The demo `small` model (random weights, width 768, 12 layers) in the same sitting, after the real model.",
     ),
     Run(
@@ -423,9 +424,9 @@ def newest_real_sittings() -> list[tuple[Run, Json]]:
 
 
 def _single(folder: Path, system: str, workload: str = "single") -> str:
-    path = folder / f"{system}-{workload}.json"
-    runs = load(path)["runs"] if path.exists() else []
-    return cell(runs[0]["median_tpot_ms"], 0) if runs and runs[0]["completed"] else "-"
+    """The system's median TPOT on a one-stream workload, in ms; '-' where it has none."""
+    found = runs_of(folder, [system], workload)
+    return cell(found[0][1]["median_tpot_ms"], 0) if found else "-"
 
 
 def glance_rows(run: Run, summary: Json) -> list[tuple[str, ...]]:

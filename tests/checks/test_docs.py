@@ -76,8 +76,8 @@ def test_readme_leads_with_the_real_model_on_each_kind_of_cpu() -> None:
         "README.md's benchmark table differs from benchmarks/results/: run "
         "`.venv/bin/python -m conveyor.benchmarks.docs_tables`"
     )
-    kinds = {run.path: summary["machine"]["cpu"] for run, summary in docs_tables.newest_real_sittings()}
-    assert len(set(kinds.values())) >= 2, kinds  # an AMD EPYC and an Intel Xeon sitting, at least
+    kinds = {summary["machine"]["cpu"] for _, summary in docs_tables.newest_real_sittings()}
+    assert len(kinds) >= 2, kinds  # an AMD EPYC and an Intel Xeon sitting, at least
 
 
 def test_every_results_folder_has_a_section() -> None:
