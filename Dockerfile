@@ -15,13 +15,20 @@ FROM ${BASE_IMAGE} AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# g++ builds the C++ kernels here, with the package: a library per x86 CPU kind (shard/kernels/compile.py). The
+# image that runs has no compiler; each shard loads the library its CPU runs.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first, from its own index, so that `pip install .` finds it installed and pulls no other build.
-RUN pip install --upgrade pip && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# torch first, from its own index, so that `pip install .` finds it installed and pulls no other build; the kernels
+# are built against it (no build isolation, which would fetch a torch of its own).
+RUN pip install --upgrade pip && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && pip install "setuptools>=68" wheel
 WORKDIR /src
 COPY . .
-RUN pip install . && conveyor-launcher --help > /dev/null
+RUN pip install --no-build-isolation . \
+    && python -c "from conveyor.shard.kernels import compile; assert (compile.BUILT / compile.MANIFEST).is_file()" \
+    && conveyor-launcher --help > /dev/null
 
 FROM ${BASE_IMAGE}
 COPY --from=builder /opt/venv /opt/venv
@@ -30,9 +37,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     CONVEYOR_CACHE=/models \
     HF_HUB_OFFLINE=1
-# g++: the C++ kernels (shard/kernels) are built for the CPU the container runs on, at the first start, into
-# CONVEYOR_CACHE; without a compiler the shards serve with the torch attention path.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+# No compiler: the kernels came built with the package. libgomp1 is OpenMP's runtime, which they link (torch's own
+# copy serves them once torch is loaded; the system's is there for a torch build that names its copy otherwise).
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 1000 --user-group conveyor \
     && mkdir /models \
     && chown conveyor:conveyor /models

@@ -17,26 +17,41 @@ ARGS ?=
 
 .PHONY: serve test venv clean proto bench bench-speculation bench-lora soak image image-gpu
 
+KERNELS := shard/kernels/built/manifest.json
+# The kernel and layer tests, run a second time as on an AVX2-only CPU (see `test`).
+KERNEL_TESTS := tests/unit/test_cpu.py tests/unit/test_kernel_build.py tests/unit/test_small_gemm.py \
+	tests/unit/test_attention.py tests/unit/test_paged_kernel.py tests/unit/test_norm_kernel.py \
+	tests/unit/test_fused_kernels.py tests/unit/test_rotary.py tests/e2e/test_quantize.py -k 'not serving'
+AS_AVX2 := CONVEYOR_CPU_VARIANT=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The editable install compiles the C++ kernels, a library per CPU kind, into shard/kernels/built/ (setup.py).
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, pinned to the local CPU wheel, so that nothing pulls CUDA packages.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	# torch first, pinned to the local CPU wheel, so that nothing pulls CUDA packages; the kernels build against
+	# it (no build isolation, which would install a torch of its own).
+	$(BIN)/pip install --quiet torch==2.13.0 'setuptools>=68' wheel
+	$(BIN)/pip install --quiet --no-build-isolation -e '.[test]'
 	# Hugging Face's text-generation client, for compatibility tests; it pins huggingface_hub<1, which
 	# transformers 5 cannot use, and needs nothing from it that the installed one lacks.
 	$(BIN)/pip install --quiet --no-deps text-generation==0.7.0
-	# The C++ kernels, built for this CPU now rather than by the first shard (shards fall back without them).
-	$(BIN)/python -m conveyor.shard.kernels.build || echo "no C++ kernels: shards use the torch attention path"
 	touch $(STAMP)
 
-serve: $(STAMP)
+# A kernel edited in this checkout: its libraries again (a shard would otherwise build its own kind at start).
+# Without a compiler the shards serve on the torch path, and say so.
+$(KERNELS): $(wildcard shard/kernels/*.cpp shard/kernels/*.h) | $(STAMP)
+	$(BIN)/python -m conveyor.shard.kernels.compile || echo "no C++ kernels: shards use the torch path"
+
+serve: $(STAMP) $(KERNELS)
 	$(BIN)/conveyor-launcher --model-id demo $(ARGS)
 
-test: $(STAMP)
+# The suite, then its kernel and layer tests once more as an AVX2-only CPU runs them: the AVX2 library, the flags
+# conveyor.cpu reports, oneDNN and ATen all held to AVX2, so that an AVX-512 machine catches what breaks there.
+test: $(STAMP) $(KERNELS)
 	$(BIN)/python -m pytest -q $(ARGS)
+	$(AS_AVX2) $(BIN)/python -m pytest -q $(KERNEL_TESTS)
 
 # The fault soak at full size: 1,000 requests of every generating route, ~10% of clients hanging up, on a small KV
 # pool, the shard SIGKILLed 3 times (tests/faults/test_soak.py; CI runs fewer). Prints sent, completed, cancelled,

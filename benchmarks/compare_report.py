@@ -419,6 +419,7 @@ def machine() -> dict[str, Any]:
         "vnni": here.vnni,
         "amx": here.amx,
         "native_bf16": here.onednn_bf16,  # oneDNN runs bf16 matmuls (the bf16 systems are in the default run)
+        "kernels": here.kind or "torch",  # the C++ kernels' variant Conveyor's shards loaded (conveyor.cpu.KINDS)
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

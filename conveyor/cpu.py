@@ -7,6 +7,11 @@ than float32 (the vendor and AMX decide), the instruction sets the benchmark rec
 many cores a process may use. Everything that depends on them asks here and nowhere else: a test fakes a CPU
 kind by replacing `_torch_bf16` and `CPUINFO`, and `CONVEYOR_CPU_BF16=0` makes a CPU with bf16 kernels behave as
 one without, so that both branches run on a Xeon.
+
+The C++ kernels ship built for each x86 kind in `KINDS` (shard/kernels/compile.py), and a shard loads the last kind
+whose flags this CPU has. `CONVEYOR_CPU_VARIANT=avx2` (or any kind at or below this CPU's) makes every choice here
+see a CPU of that kind: the kernels' variant, and the flags `probe` reports, so that an AVX-512 machine runs the
+AVX2 machine's branches (the Makefile's test target does, with oneDNN and ATen held to AVX2 as well).
 """
 
 from __future__ import annotations
@@ -17,7 +22,48 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BF16_SWITCH = "CONVEYOR_CPU_BF16"
+VARIANT_SWITCH = "CONVEYOR_CPU_VARIANT"
 CPUINFO = Path("/proc/cpuinfo")
+
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+# The x86 kinds the kernels are built for, least to most, each as the /proc/cpuinfo flags its instructions need:
+# AVX2 + FMA (most desktops and AMD EPYCs before Zen 4), AVX-512 (Skylake-SP), + VNNI (Cascade Lake, Ice Lake),
+# + BF16 (Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later). No kernel uses AMX tiles (oneDNN's
+# matmuls do), so an AMX Xeon takes avx512_bf16. A CPU below AVX2 keeps the torch path.
+KINDS: dict[str, frozenset[str]] = {
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_vnni": _AVX512 | {"avx512_vnni"},
+    "avx512_bf16": _AVX512 | {"avx512_vnni", "avx512_bf16"},
+}
+_GOVERNED = ("avx512", "amx", "avx_")  # flag prefixes a kind below them hides, beside every flag in KINDS
+
+
+def kind_of(flags: frozenset[str]) -> str | None:
+    """The most capable kind whose instructions `flags` all offer, or None below AVX2."""
+    return next((name for name in reversed(KINDS) if KINDS[name] <= flags), None)
+
+
+def compile_flags(kind: str) -> list[str]:
+    """The compiler's switches for a kind's instructions: each cpuinfo flag is gcc's -m name without underscores."""
+    return [f"-m{flag.replace('_', '')}" for flag in sorted(KINDS[kind])]
+
+
+def capped(flags: frozenset[str], switch: str | None = None) -> frozenset[str]:
+    """`flags` as a CPU of the kind `CONVEYOR_CPU_VARIANT` names would show them: every instruction-set flag above
+    that kind hidden. Naming a kind this CPU lacks is an error, not a quiet downgrade of the machine's own kind."""
+    switch = os.environ.get(VARIANT_SWITCH, "") if switch is None else switch
+    if not switch:
+        return flags
+    if switch not in KINDS:
+        raise ValueError(f"{VARIANT_SWITCH} must be one of {', '.join(KINDS)} (or unset), not {switch!r}")
+    if not KINDS[switch] <= flags:
+        missing = ", ".join(sorted(KINDS[switch] - flags))
+        raise ValueError(f"{VARIANT_SWITCH}={switch}, but this CPU lacks {missing}")
+    kept = KINDS[switch]
+    governed = set().union(*KINDS.values())
+    return frozenset(f for f in flags if f in kept or not (f in governed or f.startswith(_GOVERNED)))
 
 
 def onednn_bf16() -> bool:
@@ -96,6 +142,11 @@ class Cpu:
         return bool({"avx512_vnni", "avx_vnni"} & self.flags)
 
     @property
+    def kind(self) -> str | None:
+        """The kernels' variant this CPU runs (`KINDS`), None below AVX2."""
+        return kind_of(self.flags)
+
+    @property
     def amd(self) -> bool:
         return self.vendor == "AuthenticAMD"
 
@@ -106,7 +157,8 @@ class Cpu:
 
 
 def probe() -> Cpu:
-    """This machine's CPU, from /proc/cpuinfo (empty elsewhere) and `onednn_bf16`."""
+    """This machine's CPU, from /proc/cpuinfo (empty elsewhere) and `onednn_bf16`, its flags `capped` by
+    CONVEYOR_CPU_VARIANT."""
     try:
         lines = CPUINFO.read_text().splitlines()
     except OSError:
@@ -114,4 +166,4 @@ def probe() -> Cpu:
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     vendor = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "?")
-    return Cpu(model, usable_cores(), frozenset(flags), onednn_bf16(), vendor)
+    return Cpu(model, usable_cores(), capped(frozenset(flags)), onednn_bf16(), vendor)

@@ -15,6 +15,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.paths import build_once
+
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
 SPECIAL_TOKENS = [BOS, EOS, UNK, PAD]  # ids 0..3, in this order
 
@@ -275,12 +277,18 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama")
 
 
 def ensure(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama") -> Path:
-    """Builds the model unless `out_dir` already holds a finished build (the marker file is written last)."""
-    if not (out_dir / "conveyor_demo.json").exists():
-        build(out_dir, size, seed, arch)
-    else:
+    """Builds the model unless `out_dir` already holds a finished build (the marker file is written last), once
+    per machine and whole or not at all (`paths.build_once`): launchers starting together build it once, and one
+    killed while building leaves nothing the next takes for a model."""
+    finished = _is_built(out_dir)
+    build_once(out_dir, lambda staging: build(staging, size, seed, arch), f"the {size} demo model", _is_built)
+    if finished:
         _template_into_tokenizer_config(out_dir)  # a build from before the template last changed gets the new one
     return out_dir
+
+
+def _is_built(out_dir: Path) -> bool:
+    return (out_dir / "conveyor_demo.json").exists()
 
 
 DEMO_MODEL = "demo"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 
 if TYPE_CHECKING:
     from conveyor.v1.shard_pb2 import SamplingParameters

@@ -402,16 +402,23 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None, log: Path | None = None) -> Server:
+def start_server(
+    model_dir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    python: str = sys.executable,
+    cwd: Path | None = None,
+) -> Server:
     """A deployment through the real launcher; `extra` are launcher flags, `env` extra environment, `log` a file
-    for every process's log lines (default: the test's stderr)."""
+    for every process's log lines (default: the test's stderr), `python` the interpreter of another install."""
     port, grpc_port = free_port(), free_port()
     env = {**os.environ, "CONVEYOR_LOG_LEVEL": os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"), **(env or {})}
     if "HF_ENDPOINT" not in env:  # no Hub but a test's stand-in: a Hub id (an adapter's, say) fails offline at once
         env["HF_HUB_OFFLINE"] = "1"
     process = subprocess.Popen(
         [
-            sys.executable,
+            python,
             "-m",
             "conveyor.launcher.main",
             "--model-id",
@@ -424,6 +431,7 @@ def start_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None
         ],
         env=env,
         stderr=None if log is None else log.open("ab"),
+        cwd=cwd,
     )
     server = Server(f"http://127.0.0.1:{port}", process, model_dir, f"127.0.0.1:{grpc_port}")
 

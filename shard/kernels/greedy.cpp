@@ -21,7 +21,8 @@
 #include "attention_simd.h"
 #include "float_types.h"
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::greedy_kernel {
 
 using conveyor::Avx2Loops;
 using conveyor::exp_nonpositive;
@@ -113,8 +114,6 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& scores) {
   return {ids, logprobs};
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("greedy(Tensor scores) -> (Tensor, Tensor)");
   m.impl("greedy", c10::DispatchKey::CPU, &greedy<Widest>);
@@ -123,3 +122,5 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("greedy_portable(Tensor scores) -> (Tensor, Tensor)");
   m.impl("greedy_portable", c10::DispatchKey::CPU, &greedy<Portable>);
 }
+
+}  // namespace conveyor::greedy_kernel

@@ -17,7 +17,8 @@
 #include <cstdint>
 #include <vector>
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::int4_gemm_kernel {
 
 using conveyor::widen;
 
@@ -97,9 +98,9 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("int4_gemm", c10::DispatchKey::CPU, &int4_gemm);
 }
+
+}  // namespace conveyor::int4_gemm_kernel

@@ -31,7 +31,8 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::int4_vnni_gemm_kernel {
 
 constexpr int64_t kGroup = 32;
 
@@ -190,9 +191,9 @@ at::Tensor int4_vnni_gemm(const at::Tensor& x, const at::Tensor& weight, const a
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("int4_vnni_gemm(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("int4_vnni_gemm", c10::DispatchKey::CPU, &int4_vnni_gemm);
 }
+
+}  // namespace conveyor::int4_vnni_gemm_kernel

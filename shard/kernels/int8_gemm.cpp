@@ -23,7 +23,8 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::int8_gemm_kernel {
 
 using conveyor::widen;
 
@@ -68,9 +69,9 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("int8_gemm", c10::DispatchKey::CPU, &int8_gemm);
 }
+
+}  // namespace conveyor::int8_gemm_kernel

@@ -38,7 +38,8 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::int8_vnni_gemm_kernel {
 
 using conveyor::kBlock;
 constexpr int64_t kGroupBlocks = 16;  // blocks per full group: one int32 lane each
@@ -296,11 +297,11 @@ at::Tensor int8_vnni_gemm(const at::Tensor& x, const at::Tensor& weight, const a
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("int8_vnni_available() -> bool");
   m.impl("int8_vnni_available", c10::DispatchKey::CatchAll, &int8_vnni_available);
   m.def("int8_vnni_gemm(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("int8_vnni_gemm", c10::DispatchKey::CPU, &int8_vnni_gemm);
 }
+
+}  // namespace conveyor::int8_vnni_gemm_kernel

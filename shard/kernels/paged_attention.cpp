@@ -25,7 +25,8 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::paged_attention_kernel {
 
 using conveyor::Avx2Loops;
 using conveyor::exp_nonpositive;
@@ -208,8 +209,6 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY(conveyor, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
@@ -225,3 +224,5 @@ TORCH_LIBRARY(conveyor, m) {
       "Tensor context_lens, float scale, int window, float softcap) -> Tensor");
   m.impl("paged_decode_attention_portable", c10::DispatchKey::CPU, &attend<Portable>);
 }
+
+}  // namespace conveyor::paged_attention_kernel

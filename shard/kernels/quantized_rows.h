@@ -17,8 +17,8 @@
 
 #include "float_types.h"
 
-// Where the integer kernels are compiled (-march=native decides): AVX-512 VNNI for vpdpbusd, BW and VL for the byte
-// and half-width masked loads. Elsewhere their ops exist but refuse, and `int8_vnni_available` says no.
+// Where the library's CPU kind has them (conveyor.cpu.KINDS): AVX-512 VNNI for vpdpbusd, BW and VL for the byte and
+// half-width masked loads. Elsewhere their ops exist but refuse, and `int8_vnni_available` says no.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define CONVEYOR_VNNI 1

@@ -19,7 +19,8 @@
 #include <cmath>
 #include <cstdint>
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::rms_norm_kernel {
 
 template <typename scalar_t, typename weight_t>
 void rows(const scalar_t* x, const weight_t* weight, scalar_t* out, int64_t size, double eps, bool gemma,
@@ -93,11 +94,11 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tenso
   return rms_norm(x, weight, eps, gemma);
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps, bool gemma) -> Tensor");
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
 }
+
+}  // namespace conveyor::rms_norm_kernel

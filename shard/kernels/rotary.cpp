@@ -16,7 +16,8 @@
 // float32 gives torch's bits exactly.
 #pragma GCC optimize("fp-contract=off")
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::rotary_kernel {
 
 template <typename scalar_t>
 inline float rounded(float value) {
@@ -107,8 +108,6 @@ void rotary_kv_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tens
   });
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.impl("rotary_", c10::DispatchKey::CPU, &rotary_);
@@ -117,3 +116,5 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
       "Tensor(c!) value_cache, Tensor slots) -> ()");
   m.impl("rotary_kv_", c10::DispatchKey::CPU, &rotary_kv_);
 }
+
+}  // namespace conveyor::rotary_kernel

@@ -18,7 +18,8 @@
 #include <cstdint>
 #include <vector>
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::silu_mul_kernel {
 
 // exp(-g) for a block of kLanes floats, by the function torch's own vectorized silu calls on this CPU (SLEEF's
 // expf to 1 ulp, exported by libtorch_cpu for its kernels, its header shipped with torch), so that silu is torch's
@@ -81,9 +82,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
 }
+
+}  // namespace conveyor::silu_mul_kernel

@@ -23,7 +23,8 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+// Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
+namespace conveyor::small_gemm_kernel {
 
 using conveyor::widen;
 
@@ -138,8 +139,6 @@ at::Tensor small_gemm_widening(const at::Tensor& x, const at::Tensor& weight, co
   return gemm(x, weight, bias, Path::kWidening);
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("small_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm", c10::DispatchKey::CPU, &small_gemm);
@@ -148,3 +147,5 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("small_gemm_widening(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm_widening", c10::DispatchKey::CPU, &small_gemm_widening);
 }
+
+}  // namespace conveyor::small_gemm_kernel

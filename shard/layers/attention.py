@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.shard.device import to_device
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 
 
 @dataclass

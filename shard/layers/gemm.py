@@ -90,9 +90,9 @@ def small_rows_kernel(weight: torch.Tensor) -> bool:
     """Whether a few rows go to the small-rows kernel: on CPU under `auto`, where the kernels build."""
     if weight.device.type != "cpu" or backend() != "auto" or weight.dim() != 2:
         return False
-    from conveyor.shard.kernels import build
+    from conveyor.shard.kernels import library
 
-    return build.load()
+    return library.load()
 
 
 def vnni() -> bool:
@@ -103,14 +103,15 @@ def vnni() -> bool:
     at many (int8 more than int4; `int8_vnni_gemm.cpp` says why), and bring int8's output much closer to float32's
     than a scale per row: `python -m conveyor.benchmarks.accuracy --quantize int8 int4` measures that, and
     `make bench ARGS="--quantized int8,int4"` the speed (the one-stream and saturated rows of each quantization)."""
-    from conveyor.shard.kernels import build
+    from conveyor.shard.kernels import library
 
-    return build.load() and torch.ops.conveyor.int8_vnni_available()
+    return library.load() and torch.ops.conveyor.int8_vnni_available()
 
 
 def small_rows(found: cpu.Cpu) -> int:
     """Rows up to which a layer takes the small-rows kernel on this kind of CPU (the kernel's AVX-512 loop needs
-    AVX512F, BW and VL, as its build does)."""
+    AVX512F, BW and VL, as the library of each AVX-512 kind is built with; `found` is what `cpu.probe` reports, so
+    CONVEYOR_CPU_VARIANT=avx2 gives the AVX2 library's answer)."""
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= found.flags
     return SMALL_ROWS_AVX512 if avx512 else SMALL_ROWS_PORTABLE
 
@@ -181,9 +182,9 @@ class Gemm:
             raise ValueError(f"unknown quantization {quantize!r}")
         if weight.device.type != "cpu":
             raise QuantizationUnavailable(f"--quantize {quantize} runs on CPU only (no CUDA kernel yet)")
-        from conveyor.shard.kernels import build
+        from conveyor.shard.kernels import library
 
-        if not build.load():
+        if not library.load():
             raise QuantizationUnavailable(f"--quantize {quantize} needs Conveyor's C++ kernels, which did not build")
         self.vnni = vnni()
         if quantize == "int8":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 
 
 class RMSNorm(torch.nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache, Metadatas, attend, paged_attention
 from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear

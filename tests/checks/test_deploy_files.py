@@ -166,6 +166,19 @@ def test_the_image_serves_what_its_command_says() -> None:
     assert "USER" in by_kind and by_kind["USER"][-1] not in ("root", "0"), "the image runs as a user, not root"
 
 
+def test_the_image_builds_the_kernels_with_the_package_and_runs_without_a_compiler() -> None:
+    """The builder stage compiles every CPU kind's library against the torch it installed; the stage that runs
+    has no compiler (and so could not build at start, nor needs to)."""
+    instructions = dockerfile_instructions()
+    last = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
+    builder, runtime = instructions[:last], instructions[last:]
+    runs = lambda stage: " ".join(rest for keyword, rest in stage if keyword == "RUN")  # noqa: E731
+    assert re.search(r"apt-get install [^&]*\bg\+\+", runs(builder))
+    assert re.search(r"pip install --no-build-isolation \.", runs(builder))
+    assert not re.search(r"\b(g\+\+|gcc|clang|build-essential|ninja)\b", runs(runtime)), runs(runtime)
+    assert any(keyword == "COPY" and "--from=builder /opt/venv" in rest for keyword, rest in runtime)
+
+
 # --- docker-compose.yml ----------------------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import Server, free_port, start_server
 
 from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers import gemm
 from conveyor.shard.layers.embedding import VocabParallelEmbedding
 from conveyor.shard.layers.gemm import Gemm

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.attention import AttentionMetadata, DecodeGroup, KVCache, paged_attention
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8

@@ -56,6 +56,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind) -> None:
     monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "cpuinfo")
     monkeypatch.setattr(cpu, "_torch_bf16", lambda: kind.onednn_bf16)
     monkeypatch.delenv(cpu.BF16_SWITCH, raising=False)
+    monkeypatch.delenv(cpu.VARIANT_SWITCH, raising=False)
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
 
 
@@ -79,6 +80,7 @@ def test_machine_probe_records_each_cpu_kind(
     assert (m["cpu"], m["cores"]) == (kind.model, cpu.usable_cores())
     assert (m["avx512"], m["avx512_bf16"], m["vnni"], m["amx"]) == (avx512, avx512_bf16, vnni, amx)
     assert m["native_bf16"] is kind.onednn_bf16
+    assert m["kernels"] == ("avx512_bf16" if avx512_bf16 else "avx2")  # every AVX-512 kind here has bf16
     assert compare_report.machine_line(m) == (
         f"machine: {kind.model}, {cpu.usable_cores()} cores, AVX-512 {avx512}, avx512_bf16 {avx512_bf16}, "
         f"VNNI {vnni}, AMX {amx}, oneDNN bf16 {kind.onednn_bf16}, torch {torch.__version__}"
@@ -101,6 +103,7 @@ def test_no_cpuinfo_means_unknown_model_and_no_flags(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "absent")
     monkeypatch.setattr(cpu, "_torch_bf16", lambda: False)
     monkeypatch.delenv(cpu.BF16_SWITCH, raising=False)
+    monkeypatch.delenv(cpu.VARIANT_SWITCH, raising=False)
     here = cpu.probe()
     assert (here.model, here.flags, here.avx512, here.amx, here.amd) == ("?", frozenset(), False, False, False)
 
@@ -240,3 +243,63 @@ def test_dtype_auto_on_each_cpu_kind(
     assert choose_dtype("bfloat16", "float32", here, device_bf16(here)) == "bfloat16"  # asked for: taken
     monkeypatch.setenv(cpu.BF16_SWITCH, "0")
     assert choose_dtype("auto", "bfloat16", here, device_bf16(here)) == "float32"
+
+
+# --- the kernels' variant -----------------------------------------------------------------------------------------
+
+SKYLAKE_SP = Kind(
+    "xeon-skylake-sp", "Intel(R) Xeon(R) Gold 6148 CPU", AVX512_FLAGS.replace(" avx512_vnni", ""), True, INTEL
+)
+CASCADE_LAKE = Kind("xeon-cascade-lake", "Intel(R) Xeon(R) Platinum 8259CL CPU", AVX512_FLAGS, True, INTEL)
+BELOW_AVX2 = Kind("below-avx2", "Intel(R) Xeon(R) CPU E5-2670 0", BASE_FLAGS + " avx", False, INTEL)
+
+
+@pytest.mark.parametrize(
+    "kind, variant",
+    [
+        pytest.param(AMD_EPYC, "avx2", id=AMD_EPYC.name),
+        pytest.param(AMD_ZEN4, "avx512_bf16", id=AMD_ZEN4.name),
+        pytest.param(SKYLAKE_SP, "avx512", id=SKYLAKE_SP.name),
+        pytest.param(CASCADE_LAKE, "avx512_vnni", id=CASCADE_LAKE.name),
+        pytest.param(XEON_BF16, "avx512_bf16", id=XEON_BF16.name),
+        pytest.param(XEON_AMX, "avx512_bf16", id=XEON_AMX.name),  # no kernel uses the tiles: oneDNN does
+        pytest.param(BELOW_AVX2, None, id=BELOW_AVX2.name),  # the torch path
+    ],
+)
+def test_each_cpu_kind_takes_the_most_capable_variant_it_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind, variant: str | None
+) -> None:
+    fake(monkeypatch, tmp_path, kind)
+    assert cpu.probe().kind == variant
+    if variant is not None:
+        assert {"-mavx2", "-mfma", "-mf16c"} <= set(cpu.compile_flags(variant))
+
+
+@pytest.mark.parametrize("cap", list(cpu.KINDS))
+def test_the_variant_switch_makes_a_zen4_look_like_each_lesser_kind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cap: str
+) -> None:
+    """Everything that asks `probe` sees that kind's flags: the variant, the AVX-512 small-rows loop, bf16."""
+    fake(monkeypatch, tmp_path, AMD_ZEN4)
+    monkeypatch.setenv(cpu.VARIANT_SWITCH, cap)
+    here = cpu.probe()
+    assert here.kind == cap
+    assert cpu.KINDS[cap] <= here.flags
+    assert not {f for f in here.flags if f.startswith("avx512")} - cpu.KINDS[cap]
+    assert {"sse4_2", "avx", "bmi2"} <= here.flags  # below the ladder: untouched
+    assert here.avx512 is (cap != "avx2") and here.avx512_bf16 is (cap == "avx512_bf16")
+    assert gemm.small_rows(here) == (gemm.SMALL_ROWS_PORTABLE if cap == "avx2" else gemm.SMALL_ROWS_AVX512)
+
+
+def test_the_variant_switch_refuses_a_kind_the_cpu_lacks_or_does_not_know(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake(monkeypatch, tmp_path, AMD_EPYC)
+    monkeypatch.setenv(cpu.VARIANT_SWITCH, "avx512")
+    with pytest.raises(ValueError, match="lacks avx512bw, avx512dq, avx512f, avx512vl"):
+        cpu.probe()
+    monkeypatch.setenv(cpu.VARIANT_SWITCH, "avx10")
+    with pytest.raises(ValueError, match="must be one of avx2, avx512, avx512_vnni, avx512_bf16"):
+        cpu.probe()
+    monkeypatch.setenv(cpu.VARIANT_SWITCH, "avx2")
+    assert cpu.probe().kind == "avx2"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import cpu
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.norm import RMSNorm
 from conveyor.shard.layers.rotary import apply_rotary, rotate
 from conveyor.shard.sampling import greedy

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.norm import GemmaRMSNorm, RMSNorm
 
 

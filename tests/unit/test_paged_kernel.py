@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.attention import AttentionMetadata, DecodeGroup, KVCache, paged_attention
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 6, 2, 64

@@ -18,7 +18,7 @@ import pytest
 
 from conveyor.benchmarks import accuracy, real_model
 from conveyor.benchmarks.accuracy import Scores
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 
 # Mean KL(p_float32 || p_quant) per scored token, nats, on this window: bounds with about a quarter to spare over
 # what the accuracy benchmark measures with and without VNNI, below what a scale per row for x and w (int8) or a

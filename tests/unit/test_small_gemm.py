@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from conveyor import cpu
 from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.kernels import build as kernels
+from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers import gemm
 from conveyor.shard.layers.gemm import Gemm, plain_copy_fits
 from conveyor.shard.weights import Weights
@@ -140,7 +140,8 @@ def test_bf16_steps_of_wide_rows_compute_in_float32(
 ) -> None:
     """A bf16 layer with a plain copy packs a float32 one where the CPU widens, and steps of WIDE_ROWS tokens or
     more go through it: their output is the float32 product of the same bf16 values, rounded once to bf16. Fewer
-    rows stay on the bf16 kernels, within their tolerance of it. Either branch runs on any machine."""
+    rows stay on the bf16 kernels, within their tolerance of it. Either branch runs on any machine, and on an AVX2
+    CPU too, where oneDNN packs no bf16 weight: the plain weight is then the only bf16 copy."""
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
     monkeypatch.setattr(gemm, "_machine_widens", lambda: widens)
     gen = torch.Generator().manual_seed(rows)
@@ -148,7 +149,9 @@ def test_bf16_steps_of_wide_rows_compute_in_float32(
     bias, x = torch.randn(96, generator=gen).bfloat16(), torch.randn(rows, 64, generator=gen).bfloat16()
     layer = Gemm(weight)
     assert (layer.wide is not None) == widens
-    assert layer.nbytes == weight.nbytes * (4 if widens else 2)
+    assert layer.packed is cpu.onednn_bf16()
+    bf16_copies = 2 if layer.packed else 1  # packed and plain, or the plain weight alone
+    assert layer.nbytes == weight.nbytes * (bf16_copies + (2 if widens else 0))  # the float32 copy: two bf16's worth
     assert torch.equal(layer.dense(), weight)
     calls = []
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", _counting(torch.ops.mkldnn._linear_pointwise, calls))
