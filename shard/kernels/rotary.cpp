@@ -13,7 +13,9 @@
 #include <vector>
 
 // Each product is rounded before the sum, as torch's two muls and an add are: no fused multiply-add here, so that
-// float32 gives torch's bits exactly.
+// float32 gives torch's bits exactly. Pushed and popped: kernels.cpp compiles every kernel in one translation unit,
+// and the kernels after this one (the small-rows GEMM: 1.6x longer at 4 rows) must keep their contractions.
+#pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
 // Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
@@ -118,3 +120,5 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
 }
 
 }  // namespace conveyor::rotary_kernel
+
+#pragma GCC pop_options
