@@ -67,10 +67,16 @@ class KeyRing:
         if self.open:
             return ANONYMOUS
         scheme, _, given = authorization.partition(" ")
+        try:
+            # aiohttp hands a header's bytes that are not UTF-8 over as lone surrogates: back to those bytes, which
+            # match no key (a key is text), rather than an encoding error and a 500 for a header anyone can send.
+            given_bytes = given.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            return None
         found = None
         for key in self.keys:
             assert key.secret is not None
-            if hmac.compare_digest(given.encode(), key.secret.encode()):
+            if hmac.compare_digest(given_bytes, key.secret.encode()):
                 found = key
         return found if scheme.lower() == "bearer" else None
 

@@ -9,8 +9,9 @@ import sys
 from collections.abc import Iterable
 
 # A credential in a header line that something quoted (aiohttp's parse errors quote the raw line): the word after
-# `Bearer`, whatever the case.
-_BEARER = re.compile(r"(?i)(bearer\s+)[^\s'\"\\]+")
+# `Bearer`, whatever the case, escapes included (a quoted NUL, `\x00`, once ended the match and left the rest of the
+# key in the log).
+_BEARER = re.compile(r"(?i)(bearer\s+)(?:\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}|.)|[^\s'\"\\])+")
 _SECRETS: set[str] = set()  # the API keys this process knows: never written out, wherever they turn up
 REDACTED = "<redacted>"
 

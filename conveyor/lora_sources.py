@@ -56,6 +56,8 @@ def resolve(source: str) -> Path:
     path = Path(source)
     if (path / CONFIG_FILE).exists():
         return path
-    if path.exists() or not hub.is_repo_id(source):
+    if not hub.is_repo_id(source):
         raise AdapterSourceError(f"adapter {source!r}: no {CONFIG_FILE} there, and not a Hub id (org/name)")
+    # Shaped like a Hub id and no adapter here: the Hub's, whether or not such a relative path exists (answering
+    # otherwise would tell a caller which paths exist on the server).
     return hub.download(source, patterns=[CONFIG_FILE, WEIGHTS_FILE], needs=CONFIG_FILE, what="a PEFT adapter")

@@ -28,7 +28,7 @@ from conveyor.shard.generations import Generations
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits, weight_copies
 from conveyor.shard.lora import Loras
-from conveyor.shard.lora_files import resolve_source
+from conveyor.shard.lora_files import AdapterFiles, resolve_source
 from conveyor.shard.masks import Masks
 from conveyor.shard.models import language_config, model_for, weight_names
 from conveyor.shard.requests import BadRequest, RequestState
@@ -159,10 +159,18 @@ class Engine:
 
     # --- LoRA adapters, between steps ----------------------------------------------------------------------
 
-    def load_adapter(self, name: str, source: str, folder: Path | None = None) -> pb.Adapter:
-        """Loads a LoRA adapter (AdapterError, a BadRequest, when it does not fit). `folder`: the source already
-        resolved, as a live load does off the torch thread (a Hub id may download); else it is resolved here."""
-        adapter = self.loras.load(name, source, folder if folder is not None else resolve_source(name, source))
+    def read_adapter(self, name: str, folder: Path) -> AdapterFiles:
+        """A LoRA adapter's files, read and checked off the torch thread by a live load (see Loras.read)."""
+        return self.loras.read(name, folder)
+
+    def load_adapter(
+        self, name: str, source: str, folder: Path | None = None, files: AdapterFiles | None = None
+    ) -> pb.Adapter:
+        """Loads a LoRA adapter (AdapterError, a BadRequest, when it does not fit). A live load resolves the source
+        and reads its files off the torch thread and hands over `files`; at start it is all done here."""
+        if files is None:
+            files = self.loras.read(name, folder if folder is not None else resolve_source(name, source))
+        adapter = self.loras.install(source, files)
         log.info(
             "adapter loaded",
             extra={"adapter": name, "source": source, "rank": adapter.rank, "bytes": adapter.weight_bytes},

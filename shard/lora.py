@@ -242,8 +242,18 @@ class Loras:
         return [r.describe() for r in self.resident]
 
     def load(self, name: str, source: str, folder: Path) -> pb.Adapter:
-        """Reads, checks and installs an adapter (a refused one leaves nothing behind). Loading the same name from
-        the same source again answers the one loaded: a rank that succeeded where another failed can be retried."""
+        """Reads, checks and installs an adapter (a refused one leaves nothing behind)."""
+        return self.install(source, self.read(name, folder))
+
+    def read(self, name: str, folder: Path) -> lora_files.AdapterFiles:
+        """The adapter's files, read and checked: file work only, which a live load does off the torch thread (a
+        file that blocks on read, a hung network filesystem, must not stall every tenant's steps)."""
+        return lora_files.read(name, folder, self.served_names)
+
+    def install(self, source: str, files: lora_files.AdapterFiles) -> pb.Adapter:
+        """Installs an adapter read by `read`, between steps. Loading the same name from the same source again
+        answers the one loaded: a rank that succeeded where another failed can be retried."""
+        name = files.name
         if (known := self._find(name)) is not None:
             if known.source == source:
                 return known.describe()
@@ -254,7 +264,6 @@ class Loras:
             )
         if not self.sites:
             raise AdapterError(f"adapter {name!r}: adapters are not served for model type {self.model_type!r}")
-        files = lora_files.read(name, folder, self.served_names)
         blocks, widths = self._blocks(files)
         for site, (a, b) in blocks.items():
             site.append(a, b)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,16 @@ def resolve_source(name: str, source: str) -> Path:
         return lora_sources.resolve(source)
     except (lora_sources.AdapterSourceError, hub.HubError) as exc:
         raise AdapterError(f"adapter {name!r}: {exc}") from None
+
+
+READ_TIMEOUT_SWITCH = "CONVEYOR_ADAPTER_READ_TIMEOUT"
+DEFAULT_READ_TIMEOUT_S = 120.0
+
+
+def read_timeout() -> float:
+    """Seconds a live load may spend reading an adapter's files (CONVEYOR_ADAPTER_READ_TIMEOUT, default 120):
+    bounded, since a file that blocks on read (a FIFO, a hung network filesystem) would hold the load for ever."""
+    return float(os.environ.get(READ_TIMEOUT_SWITCH) or DEFAULT_READ_TIMEOUT_S)
 
 
 def read(name: str, folder: Path, served_names: list[str]) -> AdapterFiles:
@@ -167,14 +178,24 @@ def _stray(key: str) -> str:
     return f"tensor {key} is no LoRA matrix of a decoder layer's projection"
 
 
+MAX_WEIGHTS_BYTES = 4 * 1024**3  # an adapter's weights file past this is refused, not read into memory
+
+
 def _tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The file is read by Python's own I/O, which lets go of the GIL while a read blocks (a FIFO, a hung network
+    filesystem), and parsed from memory: safetensors' own open holds the GIL, and a blocked read there stopped every
+    thread of the shard, the one running the steps included."""
+    from safetensors.torch import load
 
     if not path.exists():
         other = " (a .bin adapter: save it with safe_serialization)" if path.with_suffix(".bin").exists() else ""
         raise AdapterError(f"adapter {name!r}: no {path.name} in {path.parent}{other}")
+    with path.open("rb") as file:
+        data = file.read(MAX_WEIGHTS_BYTES + 1)
+    if len(data) > MAX_WEIGHTS_BYTES:
+        raise AdapterError(f"adapter {name!r}: {path.name} is over {MAX_WEIGHTS_BYTES} bytes")
     try:
-        return load_file(path)
+        return dict(sorted(load(data).items()))  # by name, as safetensors' load_file lists them
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a truncated or garbled file
         raise AdapterError(f"adapter {name!r}: {path} cannot be read: {_line(exc)}") from None
 

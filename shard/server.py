@@ -29,7 +29,7 @@ from opentelemetry.trace import SpanKind
 from conveyor import tracing
 from conveyor.shard.batch import Batch
 from conveyor.shard.engine import Engine, StepOutput
-from conveyor.shard.lora_files import resolve_source
+from conveyor.shard.lora_files import AdapterError, read_timeout, resolve_source
 from conveyor.shard.requests import BadRequest
 from conveyor.shard.torch_thread import TorchThread
 from conveyor.shard.watchdog import WATCH_SECONDS, StepWatch, step_timeout
@@ -306,10 +306,17 @@ class ShardService(pb_grpc.ShardServicer):
 
     @rpc
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
-        """Resolves the source off the torch thread (a Hub id downloads), then installs the adapter between steps;
-        a source or an adapter that does not fit is INVALID_ARGUMENT, with the line that says why."""
-        folder = await asyncio.to_thread(resolve_source, request.name, request.source)
-        adapter = await self.torch_thread.run(self.engine.load_adapter, request.name, request.source, folder)
+        """Resolves the source (a Hub id downloads) and reads the files off the torch thread, the read within
+        ADAPTER_READ_TIMEOUT_S, then installs the adapter between steps: a file that blocks on read stalls this load
+        alone, never the tenants' steps. A source or an adapter that does not fit is INVALID_ARGUMENT, with the line
+        that says why (a read that does not end leaves its thread blocked on the file, and the load refused)."""
+        name = request.name
+        folder = await asyncio.to_thread(resolve_source, name, request.source)
+        try:
+            files = await asyncio.wait_for(asyncio.to_thread(self.engine.read_adapter, name, folder), read_timeout())
+        except asyncio.TimeoutError:
+            raise AdapterError(f"adapter {name!r}: its files were not read within {read_timeout():g} s") from None
+        adapter = await self.torch_thread.run(self.engine.load_adapter, name, request.source, folder, files)
         return pb.LoadAdapterResponse(adapter=adapter)
 
     @rpc

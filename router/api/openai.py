@@ -85,8 +85,13 @@ class _Open(Part):
     model_config = ConfigDict(extra="allow")
 
 
+FunctionName = Annotated[
+    str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="OpenAI's rule: 1-64 letters, digits, _ . -")
+]
+
+
 class CalledFunction(_Open):
-    name: str
+    name: FunctionName  # a history's call names the function as the Responses API's items must
     arguments: Annotated[Any, Field(description="JSON text, as OpenAI sends it (or the arguments themselves)")] = "{}"
 
 
@@ -122,11 +127,6 @@ class Message(Part):
         if not self.tool_calls and self.content is None:
             raise ValueError("each message needs a string `content`")
         return self
-
-
-FunctionName = Annotated[
-    str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="OpenAI's rule: 1-64 letters, digits, _ . -")
-]
 
 
 class FunctionSpec(Part):

@@ -149,7 +149,10 @@ class ResponsesRequest(Serving):
     top_p: Probability = None  # type: ignore[assignment]
     stream: bool = False
     store: Annotated[bool, Field(description="Keep the response for previous_response_id and GET")] = True
-    metadata: Annotated[dict[str, str], Field(max_length=16)] = None  # type: ignore[assignment]
+    # OpenAI's bounds: 16 pairs, keys of 64 characters at most, values of 512.
+    metadata: Annotated[
+        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
+    ] = None  # type: ignore[assignment]
     user: str = None  # type: ignore[assignment]
     # The Responses API's features Conveyor does not implement.
     background: refused(False, why="Not supported: responses run in the foreground") = None

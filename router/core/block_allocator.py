@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from conveyor.router.core.prefix_cache import PrefixCache
@@ -87,7 +87,7 @@ class BlockAllocator:
             return None
         return [self._take() for _ in range(count)]
 
-    def match(self, tokens: Sequence[int], max_blocks: int | None = None, scope: str = "") -> list[int]:
+    def match(self, tokens: Sequence[int], max_blocks: int | None = None, scope: Hashable = "") -> list[int]:
         """Holds and returns the blocks of the longest prefix of `tokens` cached in `scope` (see PrefixCache);
         give them back with release().
 
@@ -103,7 +103,7 @@ class BlockAllocator:
         self._hits += len(blocks)
         return blocks
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], scope: str = "") -> int:
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], scope: Hashable = "") -> int:
         """Registers the computed full blocks of a sequence in `scope`; returns how many leading blocks are now
         cached there.
 

@@ -5,9 +5,9 @@ block's KV depends on every token before it, not only on its own: equal tokens a
 never alias. The key is only a shortcut to the child; each node keeps its tokens and a hit is confirmed
 against them, so a hash collision costs a miss, never another request's KV.
 
-Each scope (whose blocks may be shared: an API key, or a salt) has a tree of its own, so that a request never
-reuses, nor learns by its speed that there is, KV computed for another scope's prompt. A scope's root goes once
-its last block is evicted.
+Each scope (whose blocks may be shared: an API key, or a salt, under an adapter; the router's `CacheScope`, any
+hashable value here) has a tree of its own, so that a request never reuses, nor learns by its speed that there is,
+KV computed for another scope's prompt. A scope's root goes once its last block is evicted.
 
 Reference counts are the live requests reading a block. A request that holds a block holds all its ancestors,
 so a parent has at least as many readers as any child, and the unreferenced nodes form whole subtrees: evicting
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 ROOT_KEY = 0
@@ -51,7 +51,7 @@ HeapEntry = tuple[int, int, int, Node]
 class PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._roots: dict[str, Node] = {}  # by scope
+        self._roots: dict[Hashable, Node] = {}  # by scope
         self._nodes: dict[int, Node] = {}  # by block id
         self._unreferenced = 0
         self._clock = 0  # a counter, not time: LRU order stays exact and tests stay deterministic
@@ -73,13 +73,13 @@ class PrefixCache:
         node = self._nodes.get(block)
         return None if node is None else node.refcount
 
-    def _root(self, scope: str, create: bool = False) -> Node | None:
+    def _root(self, scope: Hashable, create: bool = False) -> Node | None:
         root = self._roots.get(scope)
         if root is None and create:
             root = self._roots[scope] = Node(block=-1, tokens=(scope,), key=ROOT_KEY, parent=None, depth=0)
         return root
 
-    def match(self, tokens: Sequence[int], max_blocks: int, scope: str = "") -> list[int]:
+    def match(self, tokens: Sequence[int], max_blocks: int, scope: Hashable = "") -> list[int]:
         """Acquires the longest chain of the first `max_blocks` full blocks of `tokens` cached in `scope`."""
         found: list[Node] = []
         node = self._root(scope)
@@ -99,7 +99,7 @@ class PrefixCache:
             node.last_used = now
         return [n.block for n in found]
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], scope: str = "") -> int:
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], scope: Hashable = "") -> int:
         """Registers the caller's blocks along the chain of `tokens` in `scope`; see BlockAllocator.insert for the
         rules."""
         count = min(len(tokens) // self.block_size, len(blocks))

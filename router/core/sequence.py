@@ -24,6 +24,17 @@ class SequenceStatus(Enum):
     FINISHED = "finished"  # its last event (final token or error) is sent
 
 
+@dataclass(frozen=True)
+class CacheScope:
+    """Whose cached KV blocks a request may share, as separate fields: compared field by field, so no salt or key
+    name, whatever characters it holds, can spell another scope (a scope joined into one string could: the salt
+    `s|adapter:sql` on the base model once read another key's adapter-`sql` blocks as its own)."""
+
+    owner: str  # "salt" (the request's cache_salt) or "key" (its API key's name)
+    name: str
+    adapter: str | None = None  # an adapter's KV is not the base model's, nor another adapter's
+
+
 @dataclass(eq=False)
 class Sequence:
     id: int
@@ -76,14 +87,13 @@ class Sequence:
         return (self.priority, self.id)
 
     @property
-    def cache_scope(self) -> str:
+    def cache_scope(self) -> CacheScope:
         """Whose cached prompt blocks it may reuse and offer: its salt's, else its key's, under its adapter. Sharing
         across keys would let one tenant confirm a guess of another's prompt by its time to first token or the
         cache-hit count; across adapters, a prefix's KV differs."""
         salt = self.request.parameters.cache_salt
-        scope = f"salt:{salt}" if salt is not None else f"key:{self.key.name}"
-        adapter = self.request.parameters.adapter  # an adapter's KV is not the base model's, nor another's
-        return scope if adapter is None else f"{scope}|adapter:{adapter}"
+        owner = ("salt", salt) if salt is not None else ("key", self.key.name)
+        return CacheScope(*owner, adapter=self.request.parameters.adapter)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,7 +9,9 @@ a time, or a body slower than its Content-Length, stayed open indefinitely (no k
   connection opens and closes it if no request has arrived; it is that timer, set from this limit.
 - `body_timeout`: a request's body must arrive within this many seconds of its headers (408 otherwise), read by
   `body_deadline_middleware` before any handler.
-- `Expect: 100-continue` is answered 413 when the announced Content-Length is over the payload limit.
+- `Expect: 100-continue` is answered 401 when the request needs a key it does not carry, and 413 when the announced
+  Content-Length is over the payload limit, before anything invites the body.
+- A body announced over the payload limit without `Expect` is answered 413 at once, not read until the body timeout.
 - `max_per_client`: connections one client address may hold open at once; past it a new one is closed at once.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import hdrs, web
@@ -44,20 +47,18 @@ class ConnectionLimits:
         return {"keepalive_timeout": self.idle_timeout}
 
 
-def expect_within(limit: int):
-    """An `Expect` handler that refuses, before the client sends it, a body over `limit` bytes (413) instead of
-    inviting it with `100 Continue`."""
+def expect_within(limit: int, refuse: Callable[[web.Request], web.StreamResponse | None]):
+    """An `Expect` handler that refuses, before the client sends it, a body `refuse` turns away (a request without
+    the key it needs) or one over `limit` bytes (413), instead of inviting it with `100 Continue`."""
 
     async def handler(request: web.Request) -> web.StreamResponse | None:
         expect = request.headers.get(hdrs.EXPECT, "").lower()
         if expect != "100-continue":
             return json_error(417, f"unknown Expect: {expect[:64]!r}", "bad_request")
-        if request.content_length is not None and request.content_length > limit:
-            response = json_error(
-                413, f"the body would be {request.content_length} bytes, over {limit}", "payload_too_large"
-            )
-            response.force_close()
-            return response
+        refused = refuse(request) or too_large(request, limit)
+        if refused is not None:
+            refused.force_close()  # the body it would have sent is not read
+            return refused
         if request.version >= (1, 1):
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0  # the answer's own bytes come after: it has not started yet
@@ -66,25 +67,43 @@ def expect_within(limit: int):
     return handler
 
 
-def refuse_large_expectations(app: web.Application, limit: int) -> None:
-    """Installs `expect_within(limit)` on every route of `app` (aiohttp runs a route's Expect handler before
-    any middleware, and has no application-wide setting for it)."""
-    handler = expect_within(limit)
+def too_large(request: web.Request, limit: int) -> web.Response | None:
+    """A 413 for a body announced over `limit` bytes."""
+    if request.content_length is None or request.content_length <= limit:
+        return None
+    return json_error(413, f"the body would be {request.content_length} bytes, over {limit}", "payload_too_large")
+
+
+def refuse_large_expectations(
+    app: web.Application, limit: int, refuse: Callable[[web.Request], web.StreamResponse | None]
+) -> None:
+    """Installs `expect_within(limit, refuse)` on every route of `app` (aiohttp runs a route's Expect handler
+    before any middleware, and has no application-wide setting for it)."""
+    handler = expect_within(limit, refuse)
     for route in app.router.routes():
         route._expect_handler = handler  # noqa: SLF001 - set per route at add_route, which the routes did not get
 
 
-def body_deadline_middleware(seconds: float):
+def body_deadline_middleware(seconds: float, limit: int):
     """Reads every request body within `seconds` of its headers (handlers then read it from memory): a body
-    slower than that is answered 408 and the connection closed."""
+    slower than that is answered 408 and the connection closed, one announced over `limit` bytes 413 at once."""
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        refused = too_large(request, limit)
+        if refused is not None:
+            refused.force_close()
+            return refused
         if request.body_exists:
             try:
                 await asyncio.wait_for(request.read(), seconds)
             except asyncio.TimeoutError:
                 response = json_error(408, f"the request body did not arrive within {seconds:g} s", "timeout")
+                response.force_close()
+                return response
+            except ConnectionResetError:  # the client went away mid-body: nobody to answer, nothing to log loudly
+                log.info("client reset the connection before its body arrived", extra={"path": request.path})
+                response = json_error(400, "the connection was reset before the body arrived", "bad_request")
                 response.force_close()
                 return response
         return await handler(request)

@@ -83,14 +83,23 @@ def key_middleware(keys: KeyRing) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         key = keys.identify(request.headers.get("Authorization", ""))
-        private = request.path in PRIVATE_GETS or request.path.startswith(PRIVATE_PREFIXES)
-        if key is None and (request.method in ("POST", "DELETE") or private):
-            message = "a valid API key is required: Authorization: Bearer <key>"
-            return json_error(UNAUTHORIZED.status, message, UNAUTHORIZED.error_type, openai=_openai(request))
+        if key is None and needs_key(request):
+            return key_required(request)
         request["key"] = key
         return await handler(request)
 
     return middleware
+
+
+def needs_key(request: web.Request) -> bool:
+    """POST and DELETE routes and `PRIVATE_GETS` take a key; other GETs are open."""
+    private = request.path in PRIVATE_GETS or request.path.startswith(PRIVATE_PREFIXES)
+    return request.method in ("POST", "DELETE") or private
+
+
+def key_required(request: web.Request) -> web.Response:
+    message = "a valid API key is required: Authorization: Bearer <key>"
+    return json_error(UNAUTHORIZED.status, message, UNAUTHORIZED.error_type, openai=_openai(request))
 
 
 def draining_middleware(draining: Callable[[], bool]) -> Middleware:

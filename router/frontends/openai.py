@@ -112,18 +112,20 @@ class OpenAIRoutes:
 
     def _render_chat(self, messages: list[dict], tools: ToolUse | None, kwargs: dict | None) -> ChatPrompt:
         validation = self.validation
-        extra = {"tools": tools.template_tools()} if tools is not None else {}
-        if kwargs:
-            trusted = validation.chat_special_tokens
-            extra = {**template_kwargs(kwargs, validation.tokenizer, validation.special_texts, trusted), **extra}
+        trusted = validation.chat_special_tokens
+        extra = template_kwargs(kwargs, validation.tokenizer, validation.special_texts, trusted) if kwargs else {}
 
-        def render(messages: list[dict]) -> str:
+        def render(messages: list[dict], tools: list[dict] | None) -> str:
+            with_tools = {"tools": tools} if tools is not None else {}
             return validation.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **extra
+                messages, add_generation_prompt=True, tokenize=False, **extra, **with_tools
             )
 
+        specs = tools.template_tools() if tools is not None else None
         try:
-            return render_chat(render, messages, validation.special_texts, validation.chat_special_tokens)
+            return render_chat(render, messages, validation.special_texts, trusted, specs)
+        except ValidationError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
             raise ValidationError(f"the chat template could not render the messages: {exc}") from None
 

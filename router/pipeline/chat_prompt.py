@@ -17,6 +17,7 @@ are held to the same rule, and may not replace what the router or the tokenizer 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -36,31 +37,77 @@ class ChatPrompt:
     plain_spans: tuple[Span, ...] = ()  # character spans of the caller's text, tokenized without special tokens
 
 
+Render = Callable[[list[dict], "list[dict] | None"], str]
+
+
 def render_chat(
-    render: Callable[[list[dict]], str], messages: list[dict], special_texts: Iterable[str], trusted: bool = False
+    render: Render,
+    messages: list[dict],
+    special_texts: Iterable[str],
+    trusted: bool = False,
+    tools: list[dict] | None = None,
 ) -> ChatPrompt:
-    """`render` is the template over messages; `special_texts` the tokenizer's special tokens as text. A trusted
-    deployment (`--chat-special-tokens`) keeps them as control tokens wherever they are written."""
-    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    """`render` is the template over messages and tools; `special_texts` the tokenizer's special tokens as text.
+    Besides messages' content, the caller writes the tools (names, descriptions, parameter schemas) and the
+    arguments of past tool calls: a string there holding a special token's text is text too, written where the
+    template writes it, raw or as JSON (`tojson`). A trusted deployment (`--chat-special-tokens`) keeps them as
+    control tokens wherever they are written."""
     specials = [s for s in special_texts if s]
-    if trusted or not any(s in text for text in texts for s in specials):
-        return ChatPrompt(render(messages))
-    marked, index = [], 0
-    for message in messages:
-        if isinstance(message.get("content"), str):
-            message = {**message, "content": f"\ue000{index}\ue001"}
-            index += 1
-        marked.append(message)
-    pieces = _PLACEHOLDER.split(render(marked))
+    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    calls = [c for m in messages for c in m.get("tool_calls") or ()]
+    written = [*texts, *_strings(tools or []), *_strings([c.get("function", {}).get("arguments") for c in calls])]
+    if trusted or not any(s in text for text in written for s in specials):
+        return ChatPrompt(render(messages, tools))
+    originals: list[tuple[str, bool]] = []  # each placeholder's text, and whether the template writes it raw
+    guarded = [*specials, "\ue000"]  # a string spelling a placeholder itself is put back as text too
+    marked = [_marked_message(m, originals, guarded) for m in messages]
+    rendered = render(marked, _marked(tools, originals, guarded) if tools is not None else None)
+    if "\\ue000" in rendered.lower():
+        raise ValidationError("the chat template escapes text it writes: a special token's text cannot be kept text")
+    pieces = _PLACEHOLDER.split(rendered)
     text, spans = "", []
     for position, piece in enumerate(pieces):
         if position % 2 == 0:  # the template's own text
             text += piece
-        else:
-            content = texts[int(piece)]
-            spans.append((len(text), len(text) + len(content)))
-            text += content
+            continue
+        original, raw = originals[int(piece)]
+        if not raw and piece_quoted(pieces, position):  # inside a JSON string: written as JSON writes it
+            original = json.dumps(original, ensure_ascii=False)[1:-1]
+        spans.append((len(text), len(text) + len(original)))
+        text += original
     return ChatPrompt(text, tuple(spans))
+
+
+def piece_quoted(pieces: list[str], position: int) -> bool:
+    """Whether the placeholder at `position` stands between double quotes, as `tojson` writes a string."""
+    return pieces[position - 1].endswith('"') and position + 1 < len(pieces) and pieces[position + 1].startswith('"')
+
+
+def _placeholder(original: str, originals: list[tuple[str, bool]], raw: bool) -> str:
+    originals.append((original, raw))
+    return f"\ue000{len(originals) - 1}\ue001"
+
+
+def _marked_message(message: dict, originals: list[tuple[str, bool]], specials: list[str]) -> dict:
+    """The message with its content (always) and any of its tool calls' argument strings holding a special
+    token's text as placeholders."""
+    if isinstance(message.get("content"), str):
+        message = {**message, "content": _placeholder(message["content"], originals, raw=True)}
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": _marked(message["tool_calls"], originals, specials)}
+    return message
+
+
+def _marked(value: Any, originals: list[tuple[str, bool]], specials: list[str]) -> Any:
+    """`value` (JSON) with each string and key that holds a special token's text as a placeholder; every other
+    string stays, so a template's tests on them (a type, a role) see what they always saw."""
+    if isinstance(value, str):
+        return _placeholder(value, originals, raw=False) if any(s in value for s in specials) else value
+    if isinstance(value, dict):
+        return {_marked(k, originals, specials): _marked(v, originals, specials) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_marked(item, originals, specials) for item in value]
+    return value
 
 
 # What a template gets from the tokenizer beside the caller's variables: its special tokens by name.

@@ -164,3 +164,27 @@ def test_a_bad_lora_adapter_flag_is_one_line(
     done = launch(str(tiny_model), hub_env(standin.url, tmp_path / "hf"), "--lora-adapters", flag)
     assert done.returncode == 1
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_adapter_source_shaped_like_a_hub_id_does_not_tell_whether_that_path_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative `org/name` with no adapter in it goes to the Hub whether or not the folder exists (before, an
+    existing one was refused as "not a Hub id", telling the caller the path was there)."""
+    from conveyor import lora_sources
+
+    asked: list[str] = []
+
+    def download(source: str, **_) -> Path:
+        asked.append(source)
+        raise hub.HubError(f"{source}: no local directory of that name, and no such model on the Hub")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "download", download)
+    (tmp_path / "exists" / "here").mkdir(parents=True)
+    answers = []
+    for source in ("exists/here", "absent/there"):
+        with pytest.raises(hub.HubError) as raised:
+            lora_sources.resolve(source)
+        answers.append(str(raised.value).replace(source, "SOURCE"))
+    assert asked == ["exists/here", "absent/there"] and answers[0] == answers[1]

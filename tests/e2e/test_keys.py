@@ -39,6 +39,9 @@ def test_a_file_and_the_single_key_together(tmp_path: Path) -> None:
     assert ring.identify("Basic chat-secret-1") is None
     assert ring.identify("") is None
     assert "chat-secret-1" not in repr(chat)  # logs and reprs never show the key itself
+    # Header bytes that are not UTF-8 (aiohttp's surrogates for them) or a lone surrogate: no key, no error.
+    invalid = b"Bearer chat-secret-1\xe9".decode("utf-8", "surrogateescape")
+    assert ring.identify(invalid) is None and ring.identify("Bearer \ud800") is None
 
 
 def test_an_open_server_lets_everyone_in_as_anonymous() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from conveyor.client import Client
 
 KEYS = {"ops": {"key": "sk-ops-0123456789", "admin": True}, "tenant": {"key": "sk-tenant-0123456789"}}
 PROMPTS = ORACLE_PROMPTS[:6]
+ADAPTER_READ_TIMEOUT = 10  # seconds a live load may read an adapter's files on the keyed server
 LONG_PROMPT = "def checksum(data):\n    total = 0\n    for byte in data:\n        total += byte\n" * 3
 
 
@@ -63,7 +65,16 @@ def servers(
     flag = ",".join(f"{name}={path}" for name, path in lora_adapters.items())
     common = ("--lora-adapters", flag, "--max-total-tokens", "512")
     one, two = start_servers(
-        functools.partial(start_server, tiny_model, *common, "--max-loras", "3", "--api-keys-file", str(keys)),
+        functools.partial(
+            start_server,
+            tiny_model,
+            *common,
+            "--max-loras",
+            "3",
+            "--api-keys-file",
+            str(keys),
+            env={"CONVEYOR_ADAPTER_READ_TIMEOUT": str(ADAPTER_READ_TIMEOUT)},
+        ),
         functools.partial(start_server, tiny_model, *common, "--num-shard", "2", "--master-port", str(free_port())),
     )
     yield one, two
@@ -243,6 +254,41 @@ def test_a_broken_adapter_is_refused_and_the_server_serves_on(
     assert token_ids(generate(keyed, prompt, n, None, auth("tenant"))) == greedy_reference(tiny_model, prompt, n)
     models = httpx.get(f"{keyed.url}/v1/models", headers=auth("tenant"), timeout=30).json()["data"]
     assert not {"broken", "nothing"} & {m["id"] for m in models}
+
+
+def blocked_opening_a_fifo(pid: int) -> bool:
+    """Some thread of the process waits in the kernel for a FIFO's writer."""
+    tasks = Path(f"/proc/{pid}/task")
+    return any((task / "wchan").read_text() == "wait_for_partner" for task in tasks.iterdir())
+
+
+def test_an_adapter_whose_file_blocks_stalls_its_load_alone(
+    keyed: Server, tiny_model: Path, lora_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The shard reads an adapter's files off the thread that runs the steps, within a time bound: while a file
+    blocks on read (a FIFO with no writer here, a hung network filesystem in life), another key is served, and the
+    load is refused when the bound passes (before, generation stopped for as long as the read blocked)."""
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    good = next(iter(lora_adapters.values()))
+    (stuck / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
+    fifo = stuck / "adapter_model.safetensors"
+    os.mkfifo(fifo)
+    with ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(load, keyed, "stuck", stuck)
+        (shard,) = keyed.shard_pids()
+        wait_for(lambda: blocked_opening_a_fifo(shard), 60, "the shard to block opening the adapter's file")
+        prompt, n = PROMPTS[1]
+        served = generate(keyed, prompt, n, None, auth("tenant"))
+        assert token_ids(served) == greedy_reference(tiny_model, prompt, n)
+        assert not loading.done()  # it was served while the read still blocked
+        refused = loading.result(timeout=300)
+    assert refused.status_code == 400, refused.text
+    assert f"not read within {ADAPTER_READ_TIMEOUT} s" in refused.json()["error"], refused.text
+    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # the blocked thread's open returns; it reads nothing
+    os.close(writer)
+    models = httpx.get(f"{keyed.url}/v1/models", headers=auth("tenant"), timeout=30).json()["data"]
+    assert "stuck" not in {m["id"] for m in models}
 
 
 def test_an_adapter_in_use_cannot_be_unloaded(keyed: Server, lora_adapters: dict[str, Path]) -> None:

@@ -162,3 +162,18 @@ def test_what_is_not_implemented_is_refused_by_name(server: Server, field: str, 
     assert response.status_code == 422, response.text
     body = response.json()
     assert body["error_type"] == "validation" and field in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [{f"k{n}": "v" for n in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}],
+    ids=["17-pairs", "65-character-key", "513-character-value"],
+)
+def test_metadata_is_bounded_as_openai_bounds_it(server: Server, metadata: dict) -> None:
+    """A stored response cannot carry megabytes of metadata (before, values were kept whole: 1.9 MB for one)."""
+    response = httpx.post(f"{server.url}/v1/responses", json={"input": "x", "metadata": metadata}, timeout=60)
+    assert response.status_code == 422, response.text
+    assert response.json()["error_type"] == "validation" and "metadata" in response.json()["error"]["message"]
+    fits = {f"k{n}": "v" * 512 for n in range(16)}
+    kept = httpx.post(f"{server.url}/v1/responses", json={"input": "x", "max_output_tokens": 1, "metadata": fits})
+    assert kept.status_code == 200 and kept.json()["metadata"] == fits

@@ -7,6 +7,7 @@ One deployment with two keys: `ops`, an admin, and `tenant`, an ordinary key wit
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +16,8 @@ import grpc
 import httpx
 import pytest
 from conftest import Server, StreamWatcher, read_until_closed, start_server, wait_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 KEYS = {
     "ops": {"key": "ops-secret-hunter2", "admin": True},
@@ -142,6 +145,7 @@ def malformed_auth_corpus() -> list[bytes]:
     length = b"Content-Length: %d\r\n\r\n" % len(body)
     return [
         post + b"Authorization: Bearer " + ops + b"\x00\r\n" + length + body,  # an invalid character after it
+        post + b"Authorization: Bearer " + ops[:3] + b"\x00" + ops[3:] + b"\r\n" + length + body,  # ...within it
         post + b"Authorization: Bearer " + ops + b"A" * 10_000 + b"\r\n" + length + body,  # a line too long
         post + b"Authorization: " + tenant + b"\x01\r\n" + length + body,  # no scheme, invalid character
         post + b"Auth\x00orization: Bearer " + tenant + b"\r\n" + length + body,  # an invalid header name
@@ -168,6 +172,7 @@ def test_keys_are_never_echoed_nor_logged(shared: Server, log_file: Path) -> Non
     logged = log_file.read_bytes()
     assert b"Error handling request" in logged and b"<redacted>" in logged  # aiohttp did log them, redacted
     assert not any(secret in logged for secret in secrets)
+    assert KEYS["ops"]["key"][3:].encode() not in logged  # nor the part after a NUL (its escape ended the match)
 
 
 # --- the prefix cache -------------------------------------------------------------------------------------------
@@ -241,6 +246,54 @@ def test_a_flood_of_huge_prompts_is_refused_before_tokenizing_and_others_are_ser
     for answer in answers:  # past the key's cap (429) or too long to hold the token limit (422), never tokenized
         assert answer.status_code in (422, 429), answer.text
         assert answer.status_code == 429 or "characters" in answer.json()["error"]
+
+
+# Every request header the router reads (middleware, connections, metrics), and the routes that read them.
+READ_HEADERS = [b"Authorization", b"X-Request-Id", b"Content-Type", b"Expect", b"traceparent", b"tracestate"]
+HEADER_ROUTES = [b"POST /generate", b"POST /v1/chat/completions", b"GET /v1/requests", b"GET /metrics"]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(
+    header=st.sampled_from(READ_HEADERS),
+    route=st.sampled_from(HEADER_ROUTES),
+    value=st.binary(max_size=48) | st.sampled_from([b"Bearer tenant-secret-42\xe9", b"Bearer \xed\xa0\x80"]),
+)
+def test_no_header_bytes_get_a_5xx(shared: Server, header: bytes, route: bytes, value: bytes) -> None:
+    """Whatever bytes a header holds (not UTF-8, NUL, a line break that ends it early): a 4xx at worst, or the
+    answer the route gives (before, a `\\xe9` in Authorization was a UnicodeEncodeError and a 500, with no key)."""
+    body = b'{"inputs": "x", "parameters": {"max_new_tokens": 1}}'
+    if route.endswith(b"completions"):
+        body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}'
+    request = (
+        route
+        + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        + header
+        + b": "
+        + value
+        + b"\r\n"
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+    answer = raw_exchange(shared, request)
+    status = re.match(rb"HTTP/1\.[01] (\d{3}) ", answer)  # aiohttp answers what it cannot parse in HTTP/1.0
+    assert status is not None and 200 <= int(status.group(1)) < 500, answer[:300]
+
+
+def test_expect_continue_without_a_key_gets_401_not_100(shared: Server) -> None:
+    """The body is not invited from a caller the route will refuse."""
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 15\r\n"
+    for authorization in (b"", b"Authorization: Bearer wrong-key\r\n"):
+        answer = raw_exchange(shared, head + authorization + b"Expect: 100-continue\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 401") and b"100 Continue" not in answer, answer[:300]
+    keyed = head + b"Authorization: Bearer " + KEYS["tenant"]["key"].encode() + b"\r\nExpect: 100-continue\r\n"
+    with shared.raw_connection(timeout=30) as connection:
+        connection.sendall(keyed + b"Connection: close\r\n\r\n")
+        assert connection.recv(25).startswith(b"HTTP/1.1 100 Continue")  # a keyed caller is invited
+        connection.sendall(b'{"inputs": "x"}')
+        assert read_until_closed(connection).lstrip(b"\r\n").startswith(b"HTTP/1.1 200"), "no answer"
 
 
 def test_metrics_need_the_metrics_key_or_an_admin_key(shared: Server) -> None:

@@ -927,3 +927,34 @@ def test_speculation_is_off_by_default_in_the_planner() -> None:
     decoding(sim, a)
     sim.planner.plan()
     assert a.step_drafts == 0
+
+
+def _scoped(n: int, prompt: list[int], salt: str | None, adapter: str | None) -> Sequence:
+    parameters = Parameters(max_new_tokens=2, cache_salt=salt, adapter=adapter)
+    return Sequence(
+        id=n, request=ValidRequest(inputs="x" * len(prompt), input_ids=tuple(prompt), parameters=parameters)
+    )
+
+
+@pytest.mark.parametrize(
+    "planter, victim",
+    [
+        (("victim-salt|adapter:sql", None), ("victim-salt", "sql")),  # a salt spelling the joined scope of old
+        (("s", "a|adapter:b"), ("s|adapter:a", "b")),
+        ((None, "sql"), ("key:default", "sql")),  # a salt spelling a key's scope
+    ],
+)
+def test_no_salt_or_adapter_name_reaches_another_scopes_blocks(planter: tuple, victim: tuple) -> None:
+    """What key B computes under one (salt, adapter) is never served to a request of another, whatever characters
+    the free-text salt holds: before scopes were fields, the first case read B's base-model KV as A's adapter's."""
+    sim = Sim(block_size=4)
+    prompt = list(range(100, 117))
+    planted = _scoped(1, prompt, *planter)
+    sim.submit(planted)
+    sim.run()
+    assert sim.allocator.cached_blocks == 4
+    target = _scoped(2, prompt, *victim)
+    assert target.cache_scope != planted.cache_scope
+    sim.submit(target)
+    sim.step()
+    assert sim.work_of(target).cache_len == 0  # nothing of B's was taken for A's
