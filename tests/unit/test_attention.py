@@ -66,3 +66,36 @@ def test_decode_rows_and_chunks_of_several_lengths_match_plain_attention(use_ker
         [reference(q, k, v, c - n).reshape(n, -1) for (c, n), q, k, v in zip(rows, queries, keys, values)]
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("rows", "window", "causal"),
+    [
+        ([(300, 300)], None, True),  # a whole prompt
+        ([(70, 70), (70, 70)], None, True),  # whole prompts of one length: no padding either
+        ([(70, 70), (60, 60)], None, False),  # padded: the mask hides the padding
+        ([(300, 100)], None, False),  # a chunk after cached tokens: the diagonal is not the square's
+        ([(300, 300)], 16, False),  # a sliding window
+    ],
+    ids=["whole-prompt", "two-whole-prompts", "unequal", "chunk-at-offset", "window"],
+)
+def test_whole_prompts_attend_causally_without_a_mask_with_the_same_bits(rows: list, window, causal: bool) -> None:
+    """SDPA told `is_causal` skips the blocks above the diagonal instead of computing and masking them: taken only
+    where the mask is exactly causal, and giving the masked path's bits there."""
+    torch.manual_seed(1)
+    cache = KVCache.allocate(1, 256, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    tables = [list(range(r * 100, r * 100 + -(-c // BLOCK))) for r, (c, _) in enumerate(rows)]
+    lens = [c for c, _ in rows], [n for _, n in rows]
+    meta = AttentionMetadata.build(tables, *lens, BLOCK, torch.device("cpu"), sliding_window=window, use_kernel=False)
+    (group,) = meta.groups
+    assert group.causal is causal
+    total = sum(n for _, n in rows)
+    for table, (c, n) in zip(tables, rows):  # the cached part of a chunk at an offset
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c - n)]
+        cache.keys[0].view(-1, KV_HEADS, DIM)[slots] = torch.randn(len(slots), KV_HEADS, DIM)
+        cache.values[0].view(-1, KV_HEADS, DIM)[slots] = torch.randn(len(slots), KV_HEADS, DIM)
+    q, k, v = torch.randn(total, HEADS, DIM), torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+    out = paged_attention(q, k, v, cache.keys[0], cache.values[0], meta, DIM**-0.5)
+    group.causal = False
+    masked = paged_attention(q, k, v, cache.keys[0], cache.values[0], meta, DIM**-0.5)
+    assert torch.equal(out, masked)
