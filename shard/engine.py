@@ -163,13 +163,11 @@ class Engine:
         """A LoRA adapter's files, read and checked off the torch thread by a live load (see Loras.read)."""
         return self.loras.read(name, folder)
 
-    def load_adapter(
-        self, name: str, source: str, folder: Path | None = None, files: AdapterFiles | None = None
-    ) -> pb.Adapter:
+    def load_adapter(self, name: str, source: str, files: AdapterFiles | None = None) -> pb.Adapter:
         """Loads a LoRA adapter (AdapterError, a BadRequest, when it does not fit). A live load resolves the source
-        and reads its files off the torch thread and hands over `files`; at start it is all done here."""
+        and reads its files off the torch thread and hands over `files`; at start they are read here."""
         if files is None:
-            files = self.loras.read(name, folder if folder is not None else resolve_source(name, source))
+            files = self.loras.read(name, resolve_source(name, source))
         adapter = self.loras.install(source, files)
         log.info(
             "adapter loaded",

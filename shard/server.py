@@ -307,16 +307,17 @@ class ShardService(pb_grpc.ShardServicer):
     @rpc
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
         """Resolves the source (a Hub id downloads) and reads the files off the torch thread, the read within
-        ADAPTER_READ_TIMEOUT_S, then installs the adapter between steps: a file that blocks on read stalls this load
-        alone, never the tenants' steps. A source or an adapter that does not fit is INVALID_ARGUMENT, with the line
-        that says why (a read that does not end leaves its thread blocked on the file, and the load refused)."""
+        `read_timeout()` (CONVEYOR_ADAPTER_READ_TIMEOUT), then installs the adapter between steps: a file that blocks
+        on read stalls this load alone, never the tenants' steps. A source or an adapter that does not fit is
+        INVALID_ARGUMENT, with the line that says why (a read that does not end leaves its thread blocked on the file,
+        and the load refused)."""
         name = request.name
         folder = await asyncio.to_thread(resolve_source, name, request.source)
         try:
             files = await asyncio.wait_for(asyncio.to_thread(self.engine.read_adapter, name, folder), read_timeout())
         except asyncio.TimeoutError:
             raise AdapterError(f"adapter {name!r}: its files were not read within {read_timeout():g} s") from None
-        adapter = await self.torch_thread.run(self.engine.load_adapter, name, request.source, folder, files)
+        adapter = await self.torch_thread.run(self.engine.load_adapter, name, request.source, files)
         return pb.LoadAdapterResponse(adapter=adapter)
 
     @rpc

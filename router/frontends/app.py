@@ -21,8 +21,7 @@ from conveyor.router.frontends.middleware import (
     json_errors_middleware,
     json_protocol_errors,
     key_middleware,
-    key_required,
-    needs_key,
+    refuse_without_key,
     send_request_id,
     trace_middleware,
 )
@@ -87,14 +86,8 @@ class HttpServer:
         RequestControl(self.infer).register(app)
         AdapterRoutes(self.infer).register(app)
         Dashboard(self.infer, self.info).register(app)
-        refuse_large_expectations(app, self.payload_limit, self._refuse_without_key)
+        refuse_large_expectations(app, self.payload_limit, refuse_without_key(self.keys))
         return app
-
-    def _refuse_without_key(self, request: web.Request) -> web.Response | None:
-        """The key check, for an `Expect: 100-continue` that comes before the middlewares run."""
-        if needs_key(request) and self.keys.identify(request.headers.get("Authorization", "")) is None:
-            return key_required(request)
-        return None
 
     @web.middleware
     async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:

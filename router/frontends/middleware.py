@@ -91,6 +91,16 @@ def key_middleware(keys: KeyRing) -> Middleware:
     return middleware
 
 
+def refuse_without_key(keys: KeyRing) -> Callable[[web.Request], web.Response | None]:
+    """`key_middleware`'s refusal alone, for the `Expect: 100-continue` handler, which runs before any middleware."""
+
+    def refuse(request: web.Request) -> web.Response | None:
+        missing = needs_key(request) and keys.identify(request.headers.get("Authorization", "")) is None
+        return key_required(request) if missing else None
+
+    return refuse
+
+
 def needs_key(request: web.Request) -> bool:
     """POST and DELETE routes and `PRIVATE_GETS` take a key; other GETs are open."""
     private = request.path in PRIVATE_GETS or request.path.startswith(PRIVATE_PREFIXES)

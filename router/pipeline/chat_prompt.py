@@ -71,14 +71,14 @@ def render_chat(
             text += piece
             continue
         original, raw = originals[int(piece)]
-        if not raw and piece_quoted(pieces, position):  # inside a JSON string: written as JSON writes it
+        if not raw and _quoted(pieces, position):  # inside a JSON string: written as JSON writes it
             original = json.dumps(original, ensure_ascii=False)[1:-1]
         spans.append((len(text), len(text) + len(original)))
         text += original
     return ChatPrompt(text, tuple(spans))
 
 
-def piece_quoted(pieces: list[str], position: int) -> bool:
+def _quoted(pieces: list[str], position: int) -> bool:
     """Whether the placeholder at `position` stands between double quotes, as `tojson` writes a string."""
     return pieces[position - 1].endswith('"') and position + 1 < len(pieces) and pieces[position + 1].startswith('"')
 
