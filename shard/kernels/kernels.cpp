@@ -7,6 +7,7 @@
 #include "int8_gemm.cpp"
 #include "int8_vnni_gemm.cpp"
 #include "paged_attention.cpp"
+#include "prefill_attention.cpp"
 #include "rms_norm.cpp"
 #include "rotary.cpp"
 #include "silu_mul.cpp"

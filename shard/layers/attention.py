@@ -8,8 +8,10 @@ that is causal within each sequence and hides the padding. Prefill rows (many ne
 go through the same code.
 
 Decode rows have a faster path on CPU: `shard/kernels/paged_attention.cpp` reads their K/V in place through the
-block tables, with no gathered copy and no mask (`DecodeGroup`). The gather + SDPA path stays the reference, and
-serves everything where the kernel is off or did not build.
+block tables, with no gathered copy and no mask (`DecodeGroup`). So do prompt chunks of `LONE_CHUNK_TOKENS` or more
+in float32: each is a group of its own, and `shard/kernels/prefill_attention.cpp` attends it causally at its offset
+in the context, tile by tile on oneDNN's brgemm, without a mask. The gather + SDPA path stays the reference, and
+serves everything where the kernels are off or did not build.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class AttentionGroup:
     # diagonal, which a mask makes it compute: at 2,300 tokens (SmolLM2's heads) 42 ms a layer instead of 80, with
     # the same bits (a masked block adds nothing to a row's sums).
     causal: bool = False
+    # One sequence's prompt chunk, for the prefill kernel (CPU, float32, no window, no soft cap).
+    kernel: bool = False
 
     def to(self, device: torch.device) -> AttentionGroup:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -95,6 +99,11 @@ class DecodeGroup:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         lens = torch.tensor(context_lens, dtype=torch.int32)
         return cls(tables, lens, torch.tensor(starts, dtype=torch.long), window or 0)
+
+
+# Prompt chunks this long attend alone (a group each) through the prefill kernel where it serves: a group of its
+# own costs a call per layer, which shorter chunks, grouped, share.
+LONE_CHUNK_TOKENS = 32
 
 
 def decode_kernel(device: torch.device) -> bool:
@@ -130,10 +139,12 @@ class AttentionMetadata:
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx))
         # Built on the host, then moved (from pinned memory on a GPU) in one go per tensor.
         host = torch.device("cpu")
-        partition = _partition(context_lens, query_lens)
+        kernel = decode_kernel(device) if use_kernel is None else use_kernel
+        lone = LONE_CHUNK_TOKENS if kernel and not sliding_window else None
+        partition = _partition(context_lens, query_lens, lone)
         groups: list[AttentionGroup | DecodeGroup] = []
         if partition and all(query_lens[r] == 1 for r in partition[0]):
-            if decode_kernel(device) if use_kernel is None else use_kernel:
+            if kernel:
                 rows = partition.pop(0)
                 tables, lens = [block_tables[r] for r in rows], [context_lens[r] for r in rows]
                 groups.append(DecodeGroup.build(tables, lens, [starts[r] for r in rows], sliding_window))
@@ -146,6 +157,7 @@ class AttentionMetadata:
                 block_size,
                 host,
                 sliding_window,
+                lone is not None and len(rows) == 1 and query_lens[rows[0]] >= lone,
             )
             for rows in partition
         ]
@@ -172,13 +184,19 @@ def _on(group: AttentionGroup | DecodeGroup, device: torch.device) -> AttentionG
     return group.to(device) if isinstance(group, AttentionGroup) else group  # the kernel runs on the CPU only
 
 
-def _partition(context_lens: list[int], query_lens: list[int]) -> list[list[int]]:
-    """Decode rows together; prompt chunks by context length, longest first, a new group when it halves."""
+def _partition(context_lens: list[int], query_lens: list[int], lone: int | None = None) -> list[list[int]]:
+    """Decode rows together; prompt chunks of `lone` tokens or more (if given) a group each; the other chunks by
+    context length, longest first, a new group when it halves."""
     decode = [r for r, q in enumerate(query_lens) if q == 1]
-    chunks = sorted((r for r, q in enumerate(query_lens) if q > 1), key=lambda r: -context_lens[r])
+    alone = [[r] for r, q in enumerate(query_lens) if lone is not None and q >= lone]
+    chunks = sorted(
+        (r for r, q in enumerate(query_lens) if 1 < q < (lone or 1 << 62)), key=lambda r: -context_lens[r]
+    )
     groups = [decode] if decode else []
+    groups += alone
+    first = len(groups)  # grouped chunks start here
     for r in chunks:
-        if len(groups) > (1 if decode else 0) and context_lens[r] * 2 > context_lens[groups[-1][0]]:
+        if len(groups) > first and context_lens[r] * 2 > context_lens[groups[-1][0]]:
             groups[-1].append(r)
         else:
             groups.append([r])
@@ -193,6 +211,7 @@ def _group(
     block_size: int,
     device: torch.device,
     sliding_window: int | None,
+    kernel: bool = False,
 ) -> AttentionGroup:
     ctx = torch.tensor(context_lens, dtype=torch.long, device=device)
     qlen = torch.tensor(query_lens, dtype=torch.long, device=device)
@@ -217,7 +236,8 @@ def _group(
     seen &= query_valid[:, :, None]
     seen[:, :, 0] |= ~query_valid  # padding queries look at one token rather than none (no NaN)
     causal = not sliding_window and len(set(query_lens)) == 1 and query_lens == context_lens
-    return AttentionGroup(context_slots, seen[:, None], query_index, query_valid, query_index[query_valid], causal)
+    token_index = query_index[query_valid]
+    return AttentionGroup(context_slots, seen[:, None], query_index, query_valid, token_index, causal, kernel)
 
 
 def paged_attention(
@@ -279,6 +299,10 @@ def _attend(
             group.window,
             softcap,
         )
+    if group.kernel and not softcap and q.dtype == torch.float32:
+        slots = group.context_slots[0]  # one sequence, unpadded: its context in order, the chunk's tokens last
+        keys, values = flat_keys.index_select(0, slots), flat_values.index_select(0, slots)
+        return torch.ops.conveyor.prefill_attention(q[group.token_index], keys, values, scale)
     # index_select on the flattened slots: the same rows as advanced indexing, faster on CPU (this path's decode
     # step: the bare forward, benchmarks/bare.py, with CONVEYOR_ATTENTION=torch).
     shape = (*group.context_slots.shape, *flat_keys.shape[1:])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.shard.kernels import library as kernels
-from conveyor.shard.layers.attention import AttentionMetadata, DecodeGroup, KVCache, paged_attention
+from conveyor.shard.layers.attention import AttentionGroup, AttentionMetadata, DecodeGroup, KVCache, paged_attention
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 
@@ -31,9 +31,10 @@ def test_decode_rows_and_chunks_of_several_lengths_match_plain_attention(use_ker
     if use_kernel and not kernel_built:
         pytest.skip("the C++ kernels did not build here (test_paged_kernel covers the fallback)")
     torch.manual_seed(0)
-    # (context after this forward, new tokens): decode rows, a long chunk, a whole short prompt, a mid chunk.
-    rows = [(40, 1), (100, 8), (5, 5), (9, 1), (30, 12), (2, 2)]
-    cache = KVCache.allocate(1, 64, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    # (context after this forward, new tokens): decode rows, a long chunk, a whole short prompt, a mid chunk, and
+    # chunks long enough to attend alone (the prefill kernel's groups): one at an offset, one a whole prompt.
+    rows = [(40, 1), (100, 8), (5, 5), (9, 1), (30, 12), (2, 2), (150, 40), (33, 33)]
+    cache = KVCache.allocate(1, 128, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
     cache.keys[0].fill_(float("nan"))  # what a slot nobody wrote may hold: it must never reach an output
     cache.values[0].fill_(float("nan"))
     tables, next_block = [], 1  # block 0 stays unused, so a stray padding slot would show
@@ -52,6 +53,8 @@ def test_decode_rows_and_chunks_of_several_lengths_match_plain_attention(use_ker
     meta = AttentionMetadata.build(tables, *lens, BLOCK, torch.device("cpu"), use_kernel=use_kernel)
     assert len(meta.groups) > 1  # decode rows apart from chunks, long contexts apart from short ones
     assert isinstance(meta.groups[0], DecodeGroup) == use_kernel
+    lone = [g for g in meta.groups if isinstance(g, AttentionGroup) and g.kernel]
+    assert [len(g.token_index) for g in lone] == ([40, 33] if use_kernel else [])
 
     out = paged_attention(
         torch.cat(queries),
