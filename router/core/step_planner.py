@@ -263,8 +263,12 @@ class StepPlanner:
         matched = [] if whole else self.allocator.match(tokens, (len(tokens) - 1) // size, sequence.cache_scope)
         cache_len = len(matched) * size
         chunk = min(len(tokens) - cache_len, budget)
-        if whole and chunk < len(tokens) and not first:
-            return False  # prompt logprobs need the whole prompt in one step: wait for a step of its own
+        if chunk < len(tokens) - cache_len and not first:
+            # Only a step's first prompt starts in part. A later one read in part would lengthen this step, and so
+            # the first token of every prompt the step ends, without giving its own first token any sooner: it waits
+            # for a step that reads it first (prompt logprobs, which need the whole prompt in one step, likewise).
+            self.allocator.release(matched)
+            return False
         if whole:
             chunk = len(tokens)
         needed = self.allocator.blocks_for(cache_len + chunk) - len(matched)

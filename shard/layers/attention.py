@@ -189,9 +189,7 @@ def _partition(context_lens: list[int], query_lens: list[int], lone: int | None 
     context length, longest first, a new group when it halves."""
     decode = [r for r, q in enumerate(query_lens) if q == 1]
     alone = [[r] for r, q in enumerate(query_lens) if lone is not None and q >= lone]
-    chunks = sorted(
-        (r for r, q in enumerate(query_lens) if 1 < q < (lone or 1 << 62)), key=lambda r: -context_lens[r]
-    )
+    chunks = sorted((r for r, q in enumerate(query_lens) if 1 < q < (lone or 1 << 62)), key=lambda r: -context_lens[r])
     groups = [decode] if decode else []
     groups += alone
     first = len(groups)  # grouped chunks start here

@@ -4,6 +4,7 @@ generator's parts (workload, stream reading, metrics) are checked on known input
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -432,3 +433,36 @@ def test_speculation_benchmark_measures_drafts_off_and_on(tiny_model: Path, tmp_
     for key, row in rows.items():
         assert row["failed"] == 0 and row["tok_s"] > 0, (key, row)
     assert rows["conveyor-off/chat/1"]["drafted"] == rows["conveyor-off/edit/1"]["drafted"] == 0
+
+
+def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: Path, tmp_path: Path) -> None:
+    """benchmarks/long_context.py on the tiny model, small: Conveyor serves every document and question, a peer
+    that is not installed is reported as skipped, and the targets are stated against what was measured."""
+    env = dict(
+        os.environ, CONVEYOR_VLLM_PYTHON=str(tmp_path / "no-vllm"), CONVEYOR_LLAMACPP_PYTHON=str(tmp_path / "no")
+    )
+    # fmt: off
+    flags = [
+        "--model-id", str(tiny_model), "--documents", "3", "--document-len", "120", "--document-output", "8",
+        "--in-flight", "2", "--prefix-len", "100", "--questions", "3", "--question-len", "6", "--prefix-output", "4",
+        "--out", str(tmp_path),
+    ]
+    # fmt: on
+    out = subprocess.run(
+        [sys.executable, "-m", "conveyor.benchmarks.long_context", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+        env=env,
+    ).stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    ours = summary["systems"]["conveyor"]
+    assert ours["documents"]["failed"] == 0 and ours["prefix"]["failed"] == 0
+    assert ours["documents"]["prefill_tok_s"] > 0 and ours["prefix"]["ttft_cold_ms"] > 0
+    assert "make bench" in summary["systems"]["vllm-cpu"]["skipped"]
+    assert "make bench" in summary["systems"]["llama.cpp"]["skipped"]
+    documents = json.loads((tmp_path / "conveyor-documents.json").read_text())
+    assert documents["runs"][0]["completed"] == 3
+    assert "prefix: cached TTFT / cold TTFT" in out
+    assert "documents wall time" not in out  # no peer measured: no ratio against one

@@ -36,9 +36,7 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 32), (6, 3, 8)]
-)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 32), (6, 3, 8)])
 @pytest.mark.parametrize(("context", "queries"), [(300, 300), (1000, 257), (129, 64), (5, 5), (40, 2), (1, 1)])
 def test_kernel_equals_masked_sdpa(op: str, heads: int, kv_heads: int, dim: int, context: int, queries: int) -> None:
     torch.manual_seed(context * 31 + queries + heads)

@@ -177,13 +177,29 @@ def test_the_prompt_budget_is_shared_in_arrival_order() -> None:
     a, b, c, d = make_sequence(0, 8), make_sequence(1, 8), make_sequence(2, 8), make_sequence(3, 8)
     sim.submit(a, b, c, d)
     plan = sim.step()
-    assert sim.work(plan.admitted) == [(a, 8), (b, 8), (c, 4)]  # c is chunked, d waits
-    assert len(sim.queue) == 1 and sim.queue.peek() is d
+    # c would fit only in part: read with a and b it would delay their first tokens and not bring its own.
+    assert sim.work(plan.admitted) == [(a, 8), (b, 8)]
+    assert len(sim.queue) == 2 and sim.queue.peek() is c
     plan = sim.step()
-    # The running prompt (older) takes its share first; the newcomer gets what is left.
-    assert sim.work(plan.running) == [(a, 1), (b, 1), (c, 4)]
-    assert sim.work(plan.admitted) == [(d, 8)]
+    assert sim.work(plan.running) == [(a, 1), (b, 1)]
+    assert sim.work(plan.admitted) == [(c, 8), (d, 8)]
     assert sampled(c) == 1 and sampled(d) == 1
+
+
+def test_a_steps_first_prompt_starts_in_part_and_later_ones_wait() -> None:
+    """Several long prompts arriving together are read one after another (FCFS), each in as few steps as the
+    budget allows, rather than side by side: the first one's first token comes after its own tokens only."""
+    sim = Sim(max_batch_prefill_tokens=30)
+    a, b = make_sequence(0, 20), make_sequence(1, 20)
+    sim.submit(a, b)
+    plan = sim.step()
+    assert sim.work(plan.admitted) == [(a, 20)] and sampled(a) == 1
+    plan = sim.step()
+    assert sim.work(plan.admitted) == [(b, 20)]
+    big = make_sequence(2, 50)  # longer than the budget: it starts in part, being the step's first
+    sim.submit(big)
+    sim.step()
+    assert sim.tokens_of(big) == 30
 
 
 def test_running_prompts_take_the_budget_before_newcomers() -> None:
