@@ -11,13 +11,15 @@
 //
 // One task is (KV head g, block of query positions): its M = rep * block rows are the rep query heads of g over
 // those positions (zero rows pad a short last block: brgemm then keeps one shape). For each key tile up to the
-// last position any of its queries sees: S = Q K^T (brgemm over a transposed copy of the tile), an online softmax
-// on S (running max and sum per row, the output rescaled when the max moves), O += P V (brgemm). Key tiles are
-// copied into zero-padded buffers, so the GEMM shapes never change and brgemm's JIT kernels are made once.
+// last position any of its queries sees: S = Q K^T (brgemm), an online softmax on S (running max and sum per row,
+// the output rescaled when the max moves), O += P V (brgemm). The keys are transposed and the values laid out by
+// head once per call, both zero-padded to whole tiles, so that every task reads its tiles in place and the GEMM
+// shapes never change within a call (brgemm's JIT kernels are made once per shape).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "attention_simd.h"
@@ -40,6 +42,7 @@ constexpr int64_t kRows = 192;     // a task's rows (query heads x positions): b
 
 struct Shape {
   int64_t queries, context, heads, kv_heads, dim;
+  int64_t padded() const { return (context + kKeyTile - 1) / kKeyTile * kKeyTile; }  // whole key tiles
   int64_t rep() const { return heads / kv_heads; }
   int64_t offset() const { return context - queries; }  // query i sits at position offset + i
 };
@@ -53,18 +56,17 @@ inline int64_t block_of(int64_t index, int64_t blocks) {
 template <typename V>
 struct Task {
   const Shape& s;
-  const float* q;  // [Q, Hq, D]
-  const float* k;  // [C, Hkv, D]
-  const float* v;
-  float* out;  // [Q, Hq, D]
+  const float* q;   // [Q, Hq, D]
+  const float* kt;  // [Hkv, D, padded]: the keys transposed
+  const float* v;   // [Hkv, padded, D]
+  float* out;       // [Q, Hq, D]
   float scale;
   int64_t positions;  // query positions per block
-  std::vector<float> a, kt, vt, scores, o, top, total;
+  std::vector<float> a, scores, o, top, total;
 
-  Task(const Shape& shape, const float* q_, const float* k_, const float* v_, float* out_, float scale_)
-      : s(shape), q(q_), k(k_), v(v_), out(out_), scale(scale_), positions(std::max<int64_t>(1, kRows / shape.rep())),
-        a(rows() * shape.dim), kt(shape.dim * kKeyTile), vt(kKeyTile * shape.dim), scores(rows() * kKeyTile),
-        o(rows() * shape.dim), top(rows()), total(rows()) {}
+  Task(const Shape& shape, const float* q_, const float* kt_, const float* v_, float* out_, float scale_)
+      : s(shape), q(q_), kt(kt_), v(v_), out(out_), scale(scale_), positions(std::max<int64_t>(1, kRows / shape.rep())),
+        a(rows() * shape.dim), scores(rows() * kKeyTile), o(rows() * shape.dim), top(rows()), total(rows()) {}
 
   int64_t rows() const { return s.rep() * positions; }
 
@@ -77,14 +79,15 @@ struct Task {
     const int64_t last_key = s.offset() + first + count - 1;  // the last position this block's queries see
     for (int64_t key0 = 0; key0 <= last_key; key0 += kKeyTile) {
       const int64_t keys = std::min(kKeyTile, s.context - key0);
-      load_keys(g, key0, keys);
-      at::native::cpublas::brgemm(rows(), kKeyTile, s.dim, s.dim, kKeyTile, kKeyTile, false, a.data(), kt.data(),
+      const float* tile_keys = kt + g * s.dim * s.padded() + key0;  // [D, tile] with rows `padded` apart
+      at::native::cpublas::brgemm(rows(), kKeyTile, s.dim, s.dim, s.padded(), kKeyTile, false, a.data(), tile_keys,
                                   scores.data(), false);
       for (int64_t r = 0; r < rows(); ++r) {
         const int64_t position = s.offset() + first + r % positions;
         softmax_row(r, std::min(keys, position - key0 + 1));
       }
-      at::native::cpublas::brgemm(rows(), s.dim, kKeyTile, kKeyTile, s.dim, s.dim, true, scores.data(), vt.data(),
+      const float* tile_values = v + (g * s.padded() + key0) * s.dim;
+      at::native::cpublas::brgemm(rows(), s.dim, kKeyTile, kKeyTile, s.dim, s.dim, true, scores.data(), tile_values,
                                   o.data(), false);
     }
     store(g, first, count);
@@ -99,19 +102,6 @@ struct Task {
         float* dst = a.data() + (h * positions + i) * s.dim;
         for (int64_t d = 0; d < s.dim; ++d) dst[d] = src[d] * scale;
       }
-  }
-
-  // kt [D, tile] = the tile's keys transposed; vt [tile, D] its values; zeros past the context's end.
-  void load_keys(int64_t g, int64_t key0, int64_t keys) {
-    if (keys < kKeyTile) {
-      std::fill(kt.begin(), kt.end(), 0.f);
-      std::fill(vt.begin(), vt.end(), 0.f);
-    }
-    for (int64_t j = 0; j < keys; ++j) {
-      const int64_t row = ((key0 + j) * s.kv_heads + g) * s.dim;
-      for (int64_t d = 0; d < s.dim; ++d) kt[d * kKeyTile + j] = k[row + d];
-      std::memcpy(vt.data() + j * s.dim, v + row, s.dim * sizeof(float));
-    }
   }
 
   // The row's scores over the tile's first `seen` keys become their weights against the running max; the rest 0.
@@ -165,10 +155,15 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& keys, co
   const Shape shape{query.size(0), keys.size(0), query.size(1), keys.size(1), query.size(2)};
   auto q = query.contiguous(), k = keys.contiguous(), v = values.contiguous();
   auto out = at::empty(query.sizes(), query.options());
+  const int64_t padded = shape.padded();
+  auto kt = at::zeros({shape.kv_heads, shape.dim, padded}, query.options());  // zeros: the last tile's padding
+  auto vh = at::zeros({shape.kv_heads, padded, shape.dim}, query.options());
+  kt.narrow(2, 0, shape.context).copy_(k.permute({1, 2, 0}));
+  vh.narrow(1, 0, shape.context).copy_(v.permute({1, 0, 2}));
   const int64_t positions = std::max<int64_t>(1, kRows / shape.rep());
   const int64_t blocks = (shape.queries + positions - 1) / positions, tasks = blocks * shape.kv_heads;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Task<V> task(shape, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+    Task<V> task(shape, q.data_ptr<float>(), kt.data_ptr<float>(), vh.data_ptr<float>(), out.data_ptr<float>(),
                  static_cast<float>(scale));
     for (int64_t t = begin; t < end; ++t) task.run(t % shape.kv_heads, block_of(t / shape.kv_heads, blocks));
     at::native::cpublas::brgemm_release(false);
