@@ -458,18 +458,17 @@ def files_folder(folder: str, runs: list[Run]) -> list[str]:
 # --- README's table: the real model, the newest sitting on each kind of CPU --------------------------------------
 
 
-def newest_real_sittings() -> list[tuple[Run, Json]]:
-    """(run, summary) of the newest compare sitting on the real model for each CPU kind (RUNS lists the newest
-    first), in that order."""
+def newest_real_sittings(benchmark: str | None = None) -> list[tuple[Run, Json]]:
+    """(run, summary) of the newest sitting on the real model for each CPU kind (RUNS lists the newest first), in
+    that order: of `compare` by default, of the benchmark summary.json names otherwise (LONG_CONTEXT)."""
     found: dict[str, tuple[Run, Json]] = {}
     for run in RUNS:
         summary_path = RESULTS / run.path / "summary.json"
         if run.path.endswith(".json") or not summary_path.exists():
             continue
         summary = load(summary_path)
-        if (
-            summary.get("model") == REAL_MODEL and summary.get("benchmark") != LONG_CONTEXT
-        ):  # older sittings did not record it: the demo model
+        # Older compare sittings recorded no model (they ran the demo model) and no benchmark.
+        if summary.get("model") == REAL_MODEL and summary.get("benchmark") == benchmark:
             found.setdefault(heading(summary["machine"]), (run, summary))
     return list(found.values())
 
@@ -529,6 +528,40 @@ def glance() -> list[str]:
     ]
 
 
+def long_glance() -> list[str]:
+    """README's long-context table: documents' wall time and median TTFT per system, the cached prefix's ratio."""
+    systems = ("conveyor", "vllm-cpu", "llama.cpp")
+
+    def figure(summary: Json, system: str, key: str, scale: float = 1.0) -> str:
+        documents = summary["systems"].get(system, {}).get("documents")
+        return cell(documents[key] / scale, 1) if documents else "-"
+
+    def row(run: Run, summary: Json) -> tuple[str, ...]:
+        prefix = summary["systems"]["conveyor"].get("prefix")
+        return (
+            heading(summary["machine"]),
+            summary["dtype"],
+            " / ".join(figure(summary, s, "wall_s") for s in systems),
+            " / ".join(figure(summary, s, "ttft_p50_ms", 1000) for s in systems),
+            cell(prefix["ratio"], 3) if prefix else "-",
+            f"[{folder_of(run)}]({results_path(run.path)})",
+        )
+
+    sittings = newest_real_sittings(LONG_CONTEXT)
+    if not sittings:
+        return []
+    head = ("CPU", "dtype", "16 documents: wall (s)", "TTFT p50 (s)", "cached prefix TTFT / cold", "sitting")
+    return [
+        "",
+        "Long prompts (`make bench-long`): 16 distinct ~2,300-token documents, 4 in flight, 64 tokens out: "
+        "Conveyor / vLLM-CPU / llama.cpp; a 2,000-token system prompt cached: Conveyor's TTFT over its cold one.",
+        "",
+        *table(head, (row(run, summary) for run, summary in sittings)),
+        "",
+        *(f"- {folder_of(run)}: `{run.command}`" for run, _ in sittings),
+    ]
+
+
 # --- the whole generated part ------------------------------------------------------------------------------------
 
 
@@ -573,7 +606,7 @@ def generated_part(document: str) -> str:
 
 def render_readme() -> str:
     """README's generated part: the real model's table, markers included."""
-    return "\n".join([BEGIN, "", *glance(), "", END])
+    return "\n".join([BEGIN, "", *glance(), *long_glance(), "", END])
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 SCHEDULING = ("continuous", "static", "sequential")
-DEMO_SIZES = ("tiny", "small")
+DEMO_SIZES = ("tiny", "small", "1b")
 # vLLM's names (router/pipeline/tool_parsers/registry.py and reasoning.py hold the parsers; a unit test holds these
 # lists to them).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json")
