@@ -63,13 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     model_dir = resolve_model(args.model_id, args.demo_size)
     bandwidth = read_bandwidth()
-    floors = roofline(model_dir, bandwidth)
-    print(f"model: {model_dir.name}, {streamed_weights(model_dir) / 1e9:.3f}B weights read per step")
+    floors, weights = roofline(model_dir, bandwidth), streamed_weights(model_dir)
+    print(f"model: {model_dir.name}, {weights / 1e9:.3f}B weights read per step")
     print(f"plain read: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
     for dtype, ms in floors.items():
         print(f"  {dtype:<9} {ms:7.1f} ms/token  ({1000 / ms:5.1f} tok/s at most for one stream)")
     if args.json:
-        record = {"model": model_dir.name, "weights": streamed_weights(model_dir), "bandwidth_gb_s": bandwidth / 1e9}
+        record = {"model": model_dir.name, "weights": weights, "bandwidth_gb_s": bandwidth / 1e9}
         args.json.write_text(json.dumps({**record, "ms_per_token": floors}, indent=2) + "\n")
 
 

@@ -44,6 +44,8 @@ struct Shape {
   int64_t queries, context, heads, kv_heads, dim;
   int64_t padded() const { return (context + kKeyTile - 1) / kKeyTile * kKeyTile; }  // whole key tiles
   int64_t rep() const { return heads / kv_heads; }
+  int64_t positions() const { return std::max<int64_t>(1, kRows / rep()); }  // query positions per task
+  int64_t blocks() const { return (queries + positions() - 1) / positions(); }
   int64_t offset() const { return context - queries; }  // query i sits at position offset + i
 };
 
@@ -61,11 +63,11 @@ struct Task {
   const float* v;   // [Hkv, padded, D]
   float* out;       // [Q, Hq, D]
   float scale;
-  int64_t positions;  // query positions per block
+  int64_t positions;
   std::vector<float> a, scores, o, top, total;
 
   Task(const Shape& shape, const float* q_, const float* kt_, const float* v_, float* out_, float scale_)
-      : s(shape), q(q_), kt(kt_), v(v_), out(out_), scale(scale_), positions(std::max<int64_t>(1, kRows / shape.rep())),
+      : s(shape), q(q_), kt(kt_), v(v_), out(out_), scale(scale_), positions(shape.positions()),
         a(rows() * shape.dim), scores(rows() * kKeyTile), o(rows() * shape.dim), top(rows()), total(rows()) {}
 
   int64_t rows() const { return s.rep() * positions; }
@@ -160,8 +162,7 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& keys, co
   auto vh = at::zeros({shape.kv_heads, padded, shape.dim}, query.options());
   kt.narrow(2, 0, shape.context).copy_(k.permute({1, 2, 0}));
   vh.narrow(1, 0, shape.context).copy_(v.permute({1, 0, 2}));
-  const int64_t positions = std::max<int64_t>(1, kRows / shape.rep());
-  const int64_t blocks = (shape.queries + positions - 1) / positions, tasks = blocks * shape.kv_heads;
+  const int64_t blocks = shape.blocks(), tasks = blocks * shape.kv_heads;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Task<V> task(shape, q.data_ptr<float>(), kt.data_ptr<float>(), vh.data_ptr<float>(), out.data_ptr<float>(),
                  static_cast<float>(scale));

@@ -157,7 +157,7 @@ class AttentionMetadata:
                 block_size,
                 host,
                 sliding_window,
-                lone is not None and len(rows) == 1 and query_lens[rows[0]] >= lone,
+                len(rows) == 1 and _alone(query_lens[rows[0]], lone),
             )
             for rows in partition
         ]
@@ -188,8 +188,10 @@ def _partition(context_lens: list[int], query_lens: list[int], lone: int | None 
     """Decode rows together; prompt chunks of `lone` tokens or more (if given) a group each; the other chunks by
     context length, longest first, a new group when it halves."""
     decode = [r for r, q in enumerate(query_lens) if q == 1]
-    alone = [[r] for r, q in enumerate(query_lens) if lone is not None and q >= lone]
-    chunks = sorted((r for r, q in enumerate(query_lens) if 1 < q < (lone or 1 << 62)), key=lambda r: -context_lens[r])
+    alone = [[r] for r, q in enumerate(query_lens) if _alone(q, lone)]
+    chunks = sorted(
+        (r for r, q in enumerate(query_lens) if q > 1 and not _alone(q, lone)), key=lambda r: -context_lens[r]
+    )
     groups = [decode] if decode else []
     groups += alone
     first = len(groups)  # grouped chunks start here
@@ -199,6 +201,11 @@ def _partition(context_lens: list[int], query_lens: list[int], lone: int | None 
         else:
             groups.append([r])
     return [sorted(g) for g in groups]  # rows in flat order: one group's outputs are then the tokens' order
+
+
+def _alone(query_len: int, lone: int | None) -> bool:
+    """Whether a prompt chunk of `query_len` tokens is a group of its own (`lone`: the least such, None: none is)."""
+    return lone is not None and query_len >= lone
 
 
 def _group(
