@@ -23,7 +23,7 @@ import asyncio
 import json
 import random
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,15 +111,15 @@ def prefix_figures(result: BenchmarkResult) -> dict[str, float]:
     return {"ttft_cold_ms": cold, "ttft_cached_ms": warm, "ratio": warm / cold, "failed": run_.failed}
 
 
-def serve(args: argparse.Namespace, system: str, work: Workloads) -> Callable[[], AbstractContextManager[str]]:
+def serve(args: argparse.Namespace, system: str, work: Workloads) -> AbstractContextManager[str]:
+    """The system's server, started on entering (each holds the longest request of both workloads)."""
     context = work.longest + 64
     if system == "conveyor":
         flags = ["--dtype", args.dtype, *args.launcher_arg]
-        spec = deploy.ConveyorSpec(system, args.model_dir, flags)
-        return lambda: deploy.conveyor(spec, args.startup_timeout)
+        return deploy.conveyor(deploy.ConveyorSpec(system, args.model_dir, flags), args.startup_timeout)
     if system == "vllm-cpu":
-        return lambda: deploy.vllm_serve(args.model_dir, args.dtype, "all", args.startup_timeout, context)
-    return lambda: deploy.llamacpp_serve(args.model_dir, args.dtype, args.in_flight, context, args.startup_timeout)
+        return deploy.vllm_serve(args.model_dir, args.dtype, "all", args.startup_timeout, context)
+    return deploy.llamacpp_serve(args.model_dir, args.dtype, args.in_flight, context, args.startup_timeout)
 
 
 def problem(system: str) -> str | None:
@@ -132,7 +132,7 @@ def run_system(args: argparse.Namespace, system: str, work: Workloads) -> dict[s
         return {"skipped": missing}
     model = None if system == "conveyor" else str(args.model_dir)
     try:
-        with serve(args, system, work)() as url:
+        with serve(args, system, work) as url:
             results = measure(args, system, url, model, work)
     except Exception as exc:  # noqa: BLE001 - one system's failure is reported; the others still run
         note(f"FAILED: {system}: {exc}")
