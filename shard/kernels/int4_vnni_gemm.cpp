@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
@@ -88,7 +89,7 @@ inline void dot_rows(const ArrangedRows& x, int64_t m, const uint8_t* const pack
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kWeights; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t stride = x.chunks * kChunk;
-  for (int64_t c = 0; c < x.chunks; ++c) {
+  const auto chunk = [&](int64_t c, auto whole) {
     const int64_t left = bytes - c * kChunkBytes, groups_left = groups - c * 4;
     const __mmask64 mask = left >= kChunkBytes ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
     const __mmask8 scale_mask = groups_left >= 4 ? 0x0F : static_cast<__mmask8>((1u << groups_left) - 1);
@@ -96,10 +97,17 @@ inline void dot_rows(const ArrangedRows& x, int64_t m, const uint8_t* const pack
     __m512 s[kWeights];
     for (int j = 0; j < kWeights; ++j) {
       conveyor::prefetch_weight(packed[j] + c * kChunkBytes);
-      const __m512i w = _mm512_maskz_loadu_epi8(mask, packed[j] + c * kChunkBytes);
+      __m512i w;
+      __m128 s4;
+      if constexpr (decltype(whole)::value) {
+        w = _mm512_loadu_si512(packed[j] + c * kChunkBytes);
+        s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales[j] + c * 4)));
+      } else {
+        w = _mm512_maskz_loadu_epi8(mask, packed[j] + c * kChunkBytes);
+        s4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(scale_mask, scales[j] + c * 4));
+      }
       low[j] = _mm512_and_si512(w, nibble);
       high[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-      const __m128 s4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(scale_mask, scales[j] + c * 4));
       s[j] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
     }
     for (int r = 0; r < kRows; ++r) {
@@ -112,7 +120,11 @@ inline void dot_rows(const ArrangedRows& x, int64_t m, const uint8_t* const pack
         acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(s[j], x_scales), acc[r][j]);
       }
     }
-  }
+  };
+  // Whole chunks with plain loads, then a part chunk with masked ones (as the float rows do, row_dots_avx512.h).
+  const int64_t whole = bytes / kChunkBytes;
+  for (int64_t c = 0; c < whole; ++c) chunk(c, std::true_type{});
+  for (int64_t c = whole; c < x.chunks; ++c) chunk(c, std::false_type{});
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kWeights; ++j) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 }

@@ -108,6 +108,13 @@ GroupedRows group_rows(const at::Tensor& x, int64_t blocks) {
   return g;
 }
 
+// 64 bytes at p, or the bytes of `mask` alone where the vector is not whole.
+template <bool kWhole>
+inline __m512i load_bytes(const void* p, __mmask64 mask) {
+  if constexpr (kWhole) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi8(mask, p);
+}
+
 // A group's `size` per-block values spread over the 16 lanes, lane l taking block l % size's.
 inline __m512 spread(__m512 values, int64_t size) {
   if (size == kGroupBlocks) return values;
@@ -117,8 +124,10 @@ inline __m512 spread(__m512 values, int64_t size) {
 
 // acc[r][j] += the group's share of x row m + r . dequant(weight row j): its blocks' integer sums, lane by lane
 // (each block's offset in its first lane), times both blocks' scales. kVectors: the group's 64-byte vectors (a
-// constant, so that the loop unrolls and its sums stay in registers).
-template <int kRows, int kWeights, int kVectors>
+// constant, so that the loop unrolls and its sums stay in registers). kWhole: every vector is whole (all but a lone
+// last block), read with plain loads: masked loads throughout left a decode step's int8 layers further from the
+// memory bandwidth (AMD EPYC Zen 5).
+template <int kRows, int kWeights, int kVectors, bool kWhole = true>
 inline void dot_group(const GroupedRows& x, int64_t m, const uint8_t* const w[kWeights],
                       const c10::Half* const scales[kWeights], const Group& g, __m512 acc[kRows][kWeights]) {
   const int64_t blocks = x.blocks, stride = blocks * kBlock, base = g.first * kBlock;
@@ -137,10 +146,10 @@ inline void dot_group(const GroupedRows& x, int64_t m, const uint8_t* const w[kW
     __m512i wv[kWeights];
     for (int j = 0; j < kWeights; ++j) {
       conveyor::prefetch_weight(w[j] + base + v * 64);
-      wv[j] = _mm512_maskz_loadu_epi8(bytes, w[j] + base + v * 64);
+      wv[j] = load_bytes<kWhole>(w[j] + base + v * 64, bytes);
     }
     for (int r = 0; r < kRows; ++r) {
-      const __m512i xv = _mm512_maskz_loadu_epi8(bytes, x.values.data() + (m + r) * stride + base + v * 64);
+      const __m512i xv = load_bytes<kWhole>(x.values.data() + (m + r) * stride + base + v * 64, bytes);
       for (int j = 0; j < kWeights; ++j) dots[r][j] = _mm512_dpbusd_epi32(dots[r][j], wv[j], xv);
     }
   }
@@ -179,7 +188,8 @@ inline void dot_groups(const GroupedRows& x, int64_t m, const uint8_t* const w[k
       case 16: dot_group<kRows, kWeights, 8>(x, m, w, scales, g, acc); break;
       case 8: dot_group<kRows, kWeights, 4>(x, m, w, scales, g, acc); break;
       case 4: dot_group<kRows, kWeights, 2>(x, m, w, scales, g, acc); break;
-      default: dot_group<kRows, kWeights, 1>(x, m, w, scales, g, acc); break;  // 2 blocks, or 1 (half a vector)
+      case 2: dot_group<kRows, kWeights, 1>(x, m, w, scales, g, acc); break;
+      default: dot_group<kRows, kWeights, 1, false>(x, m, w, scales, g, acc); break;  // 1 block: half a vector
     }
     b += g.size;
   }
