@@ -1,4 +1,5 @@
-"""What `--quantize` costs in accuracy on a real model: perplexity and KL divergence from float32, per token.
+"""What `--quantize` and an 8-bit KV cache cost in accuracy on a real model: perplexity and KL divergence from
+float32, per token.
 
 Random-weight models have no outlier activations, so they cannot tell how much a quantization moves a real
 model's answers; a real checkpoint over real text can. A fixed English text (`data/accuracy.txt`, written for this
@@ -13,7 +14,11 @@ float32 model on the same tokens:
   percentile and maximum (the rare tokens where a quantization goes wrong);
 - same top-1: the share of tokens where both models' most likely next token is the same.
 
-    python -m conveyor.benchmarks.accuracy --model-id DIR --quantize int8 int4
+    python -m conveyor.benchmarks.accuracy --model-id DIR --quantize int8 int4 --kv-cache-dtype int8
+
+`--kv-cache-dtype int8` adds the mode `kv-int8`: float32 weights over an int8 KV cache (shard/layers/kv_quant.py).
+Each window is one prompt, so its tokens attend to the cache's 8-bit rows of the tokens before them, as a served
+prompt does once it is cached (llama.cpp's `-ctk q8_0 -ctv q8_0` reads its cache the same way).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from conveyor.benchmarks.progress import note
 TEXT = Path(__file__).with_name("data") / "accuracy.txt"
 WINDOW = 512
 QUANTIZATIONS = ("int8", "int4")
+KV_MODE = "kv-int8"  # float32 weights, --kv-cache-dtype int8
 
 
 @dataclass
@@ -50,11 +56,14 @@ class Scorer:
     """One model loaded as a shard loads it (float32, or quantized), running one window at a time from an empty
     cache: full-vocabulary log-probabilities at every position."""
 
-    def __init__(self, model_dir: Path, quantize: str | None, window: int, dtype: str = "float32") -> None:
+    def __init__(
+        self, model_dir: Path, quantize: str | None, window: int, dtype: str = "float32", kv_cache_dtype: str = "auto"
+    ) -> None:
         from conveyor.shard.distributed import ProcessGroup
         from conveyor.shard.engine import Engine
 
-        self.engine = Engine(model_dir, dtype, torch.device("cpu"), ProcessGroup(0, 1), quantize)
+        group = ProcessGroup(0, 1)
+        self.engine = Engine(model_dir, dtype, torch.device("cpu"), group, quantize, kv_cache_dtype=kv_cache_dtype)
         self.model, self.block_size = self.engine.model, self.engine.block_size
         self.blocks = math.ceil(window / self.block_size)
         self.cache = self.engine.allocate(self.blocks)
@@ -115,12 +124,15 @@ def _score_window(
     tally.same.append(reference.argmax(dim=-1) == quantized.argmax(dim=-1))
 
 
-def load(model_dir: Path, quantizations: list[str], window: int = WINDOW) -> dict[str, Scorer]:
-    """float32's scorer, then one per quantization, by mode name."""
+def load(model_dir: Path, quantizations: list[str], window: int = WINDOW, kv_int8: bool = False) -> dict[str, Scorer]:
+    """float32's scorer, then one per quantization, and `kv-int8`'s (float32 weights, an int8 KV cache), by mode."""
     scorers = {"float32": Scorer(model_dir, None, window)}
     for q in quantizations:
         note(f"accuracy: loading {model_dir} with --quantize {q}")
         scorers[q] = Scorer(model_dir, q, window)
+    if kv_int8:
+        note(f"accuracy: loading {model_dir} with --kv-cache-dtype int8")
+        scorers[KV_MODE] = Scorer(model_dir, None, window, kv_cache_dtype="int8")
     return scorers
 
 
@@ -149,9 +161,10 @@ def compare(
     text: str | None = None,
     window: int = WINDOW,
     max_windows: int | None = None,
+    kv_int8: bool = False,
 ) -> list[Scores]:
     """Loads float32 and each quantization of the model, and scores them over `text` (see `score`)."""
-    return score(load(model_dir, quantizations, window), text, window, max_windows)
+    return score(load(model_dir, quantizations, window, kv_int8), text, window, max_windows)
 
 
 def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
@@ -173,9 +186,12 @@ def table(scores: list[Scores]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Perplexity and KL divergence from float32 of --quantize modes.")
+    parser = argparse.ArgumentParser(description="Perplexity and KL divergence from float32 of quantized modes.")
     parser.add_argument("--model-id", type=Path, default=None, help="a local model directory (default: the real model)")
-    parser.add_argument("--quantize", nargs="+", choices=QUANTIZATIONS, default=list(QUANTIZATIONS))
+    parser.add_argument("--quantize", nargs="*", choices=QUANTIZATIONS, default=list(QUANTIZATIONS))
+    parser.add_argument(
+        "--kv-cache-dtype", choices=["auto", "int8"], default="auto", help=f"int8 adds the mode {KV_MODE}"
+    )
     parser.add_argument("--text", type=Path, default=TEXT, help="the text to score (default: the fixed one)")
     parser.add_argument("--window", type=int, default=WINDOW, help="tokens per window; the second half is scored")
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
@@ -185,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         from conveyor.benchmarks.real_model import prepare
 
         args.model_id = prepare()
-    scores = compare(args.model_id, args.quantize, args.text.read_text(), args.window, args.max_windows)
+    kv_int8 = args.kv_cache_dtype == "int8"
+    scores = compare(args.model_id, args.quantize, args.text.read_text(), args.window, args.max_windows, kv_int8)
     print(json.dumps([asdict(s) for s in scores], indent=2) if args.json else table(scores))
 
 

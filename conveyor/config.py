@@ -15,6 +15,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")  # shard/layers/kv_quant.py's CHOICES (a unit test holds them equal)
 SCHEDULING = ("continuous", "static", "sequential")
 DEMO_SIZES = ("tiny", "small", "1b")
 # vLLM's names (router/pipeline/tool_parsers/registry.py and reasoning.py hold the parsers; a unit test holds these
@@ -58,6 +59,13 @@ class Config:
         "int8 per row); with AVX-512 VNNI each layer's input is rounded to int8 too, a scale per 32, and the products "
         "are integer (else int8 weights keep a scale per row and are widened to float); CPU, needs the C++ kernels",
         choices=QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "the KV cache's element type: auto, the model's dtype; int8, each token's K and V per head as int8 with a "
+        "float16 scale per 16 values (absmax / 127, as llama.cpp's q8_0 per 32), which holds ~3.6x the tokens of a "
+        "float32 cache in the same memory (~1.8x bf16's) and is what decode attention reads",
+        choices=KV_CACHE_DTYPES,
     )
     device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)
     shard_uds_path: str | None = flag(

@@ -88,6 +88,7 @@ async def run(args: Config) -> None:
             generation_defaults=validation.defaults.to_json(),
             weight_bytes=shard_info.weight_bytes,
             quantize=shard_info.quantize or None,
+            kv_cache_dtype=shard_info.kv_cache_dtype or shard_info.dtype,
             device=shard_info.device_type,
         ),
         keys=keys,

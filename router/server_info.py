@@ -29,6 +29,7 @@ class ServerInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     weight_bytes: int = 0  # rank 0's
     quantize: str | None = None
+    kv_cache_dtype: str = ""  # the shards' KV cache element type (int8 under --kv-cache-dtype int8)
     device: str = "cpu"  # the shards' device type (the dashboard shows it)
 
     def to_json(self) -> api.Info:
@@ -48,6 +49,7 @@ class ServerInfo:
             "generation_defaults": self.generation_defaults,
             "weight_bytes": self.weight_bytes,
             "quantize": self.quantize,
+            "kv_cache_dtype": self.kv_cache_dtype or self.model_dtype,
             "router": "conveyor",
             "version": __version__,
         }

@@ -25,6 +25,7 @@ from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, t
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.draft_model import DraftModel
 from conveyor.shard.generations import Generations
+from conveyor.shard.layers import kv_quant
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits, weight_copies
 from conveyor.shard.lora import Loras
@@ -66,10 +67,11 @@ class Engine:
         adapters: Sequence[tuple[str, str]] = (),
         max_loras: int = 4,
         model_name: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`adapters`: LoRA adapters to load now, (name, source) each; `max_loras`: how many may be resident;
         `model_name`: the served model's id as given (a Hub id's folder is a snapshot hash), which an adapter's
-        base model must name."""
+        base model must name; `kv_cache_dtype`: auto (the model's dtype) or int8 (layers/kv_quant.py)."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 
@@ -81,6 +83,7 @@ class Engine:
         self.config = language_config(checkpoint_config)
         self.dtype_name = _resolve_dtype(dtype, self.config, device)
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
+        self.kv_dtype = kv_quant.cache_dtype(kv_cache_dtype, self.dtype)
         log.info("dtype", extra={"asked": dtype, "dtype": self.dtype_name})
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config, self.tokenizer, GenerationConfig)
@@ -101,6 +104,7 @@ class Engine:
         )
         shape = self.model.shape
         self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
+        kv_quant.check_head_dim(shape.head_dim, self.kv_dtype)
         self.cache: KVCache | None = None
         self.drafter = None if draft is None else self._load_draft(model_dir, draft)
         served = [model_name or "", str(model_dir), getattr(checkpoint_config, "_name_or_path", "") or ""]
@@ -143,6 +147,7 @@ class Engine:
             block_size=self.block_size,
             weight_bytes=self.weight_bytes,
             quantize=self.quantize or "",
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             adapters=self.loras.describe(),
             max_loras=self.loras.max_loras,
         )
@@ -183,10 +188,10 @@ class Engine:
     # --- KV pool ------------------------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> KVCache:
-        """A KV pool of `num_blocks` blocks in the model's shape and dtype: the warmup's scratch pool and the real
-        one, and the pools of the benchmarks' in-process loops."""
+        """A KV pool of `num_blocks` blocks in the model's shape and the cache's dtype: the warmup's scratch pool and
+        the real one, and the pools of the benchmarks' in-process loops."""
         layers, kv_heads, head_dim = self._cache_shape
-        return KVCache.allocate(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device)
+        return KVCache.allocate(layers, num_blocks, self.block_size, kv_heads, head_dim, self.kv_dtype, self.device)
 
     def warmup(self, request: pb.WarmupRequest) -> int:
         """Runs the largest prefill on a scratch pool, then sizes the real pool from the memory left (or from
@@ -215,7 +220,7 @@ class Engine:
         if requested_tokens:
             return math.ceil(requested_tokens / self.block_size)
         layers, kv_heads, head_dim = self._cache_shape
-        per_block = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
+        per_block = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.kv_dtype)
         if self.drafter is not None:
             per_block += self.drafter.bytes_per_block()  # one block id holds the draft's KV too
         return max(1, int(_free_memory(self.device) // per_block))

@@ -23,6 +23,7 @@ from conveyor.model_source import resolve_model
 from conveyor.shard.device import choose_device
 from conveyor.shard.distributed import ProcessGroup, initialize
 from conveyor.shard.engine import Draft, Engine
+from conveyor.shard.layers.kv_quant import KVCacheUnavailable
 from conveyor.shard.layers.quantize import QuantizationUnavailable
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
 from conveyor.shard.lora_files import AdapterError
@@ -74,8 +75,9 @@ def load(args: Config, served_name: str | None = None) -> Engine:
             adapters=adapters,
             max_loras=args.max_loras,
             model_name=served_name,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
-    except (QuantizationUnavailable, AdapterError, lora_sources.AdapterSourceError) as exc:
+    except (QuantizationUnavailable, KVCacheUnavailable, AdapterError, lora_sources.AdapterSourceError) as exc:
         raise SystemExit(f"conveyor-shard: {exc}") from None
 
 

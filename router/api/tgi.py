@@ -246,6 +246,9 @@ class Info(TypedDict):
     ]
     weight_bytes: Annotated[int, Field(description="Rank 0's weights in memory, as loaded")]
     quantize: Annotated[str | None, Field(description="Weight quantization (--quantize), or null")]
+    kv_cache_dtype: Annotated[
+        str, Field(description="The KV cache's element type: the model's dtype, or int8 (--kv-cache-dtype int8)")
+    ]
     router: str
     version: str
     kv_blocks_free: NotRequired[int]

@@ -14,6 +14,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#include <c10/util/Half.h>
 
 #include "row_dots_avx512.h"
 
@@ -43,6 +46,15 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
+}
+
+// An 8-bit KV row (shard/layers/kv_quant.py): `head_dim` int8 values, then a float16 scale for each group of
+// kKvGroup of them. The scale of the group holding value i of a row:
+constexpr int64_t kKvGroup = 16;
+inline float kv_scale(const int8_t* row, int64_t head_dim, int64_t i) {
+  c10::Half scale;
+  std::memcpy(&scale, row + head_dim + i / kKvGroup * 2, sizeof scale);
+  return static_cast<float>(scale);
 }
 
 }  // namespace conveyor
@@ -125,6 +137,9 @@ struct Avx2 {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
   }
+  static R load(const int8_t* p) {  // an 8-bit KV row's values
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static __m256i first(int64_t n) {  // all ones in the lanes below n
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -190,11 +205,23 @@ inline void softmax(float* s, int64_t count) {
 // cold caches: 4 sequences of 2,300 tokens read 20-22 GB/s without these, 29-35 with 32 rows ahead (16: 32-33).
 constexpr int64_t kRowsAhead = 32;
 
-// Asks for the row of kDim elements at `row` (into L1: it is read within the next few dozen tokens).
+// Asks for the row of kDim elements at `row` (into L1: it is read within the next few dozen tokens), with an 8-bit
+// row's scales after it.
 template <typename scalar_t, int kDim>
 inline void prefetch_row(const scalar_t* row) {
-  constexpr int64_t kBytes = kDim * static_cast<int64_t>(sizeof(scalar_t));
+  constexpr int64_t kBytes = kDim * static_cast<int64_t>(sizeof(scalar_t)) + (sizeof(scalar_t) == 1 ? kDim / 8 : 0);
   for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
+// L values of a K or V row from `offset` as floats: as they are, or an 8-bit row's widened and times their group's
+// scale (a vector never straddles two groups: L is 8 or 16).
+template <typename V, typename scalar_t, int kDim>
+inline typename V::R load_row(const scalar_t* row, int offset) {
+  if constexpr (std::is_same_v<scalar_t, int8_t>) {
+    return V::mul(V::load(row + offset), V::set1(conveyor::kv_scale(row, kDim, offset)));
+  } else {
+    return V::load(row + offset);
+  }
 }
 
 // scores[g * count + t] = q_g . k_t for the `group` query rows q (float, scaled, [group, kDim]) and the rows
@@ -214,7 +241,7 @@ inline void score(const float* q, int64_t group, const scalar_t* keys, const int
         acc[i] = V::zero();
         if (i >= n) continue;
         const scalar_t* k = keys + slots[t0 + i] * stride;
-        for (int j = 0; j < kVecs; ++j) acc[i] = V::fma(qv[j], V::load(k + L * j), acc[i]);
+        for (int j = 0; j < kVecs; ++j) acc[i] = V::fma(qv[j], load_row<V, scalar_t, kDim>(k, L * j), acc[i]);
       }
       V::store_first(scores + g * count + t0, V::sum_lanes(acc), n);
     }
@@ -236,7 +263,7 @@ inline void weigh(const float* weights, int64_t group, const scalar_t* values, c
       if (g0 == 0 && t + kRowsAhead < count) prefetch_row<scalar_t, kDim>(values + slots[t + kRowsAhead] * stride);
       const scalar_t* v = values + slots[t] * stride;
       typename V::R vv[kVecs];
-      for (int j = 0; j < kVecs; ++j) vv[j] = V::load(v + L * j);
+      for (int j = 0; j < kVecs; ++j) vv[j] = load_row<V, scalar_t, kDim>(v, L * j);
       for (int r = 0; r < kRows; ++r) {
         if (r >= rows) break;
         const auto w = V::set1(weights[(g0 + r) * count + t]);

@@ -6,6 +6,7 @@
 #include "int4_vnni_gemm.cpp"
 #include "int8_gemm.cpp"
 #include "int8_vnni_gemm.cpp"
+#include "kv_quant.cpp"
 #include "paged_attention.cpp"
 #include "prefill_attention.cpp"
 #include "rms_norm.cpp"

@@ -16,6 +16,7 @@
 
 #include "attention_simd.h"
 #include "float_types.h"
+#include "row_dots.h"
 
 #include <algorithm>
 #include <cmath>
@@ -43,11 +44,31 @@ inline float dot(const float* q, const scalar_t* row, int64_t n) {
   return sum;
 }
 
+// The same for an 8-bit row (shard/layers/kv_quant.py): each group of kKvGroup values' sum times its scale.
+inline float dot(const float* q, const int8_t* row, int64_t n) {
+  float sum = 0.f;
+  for (int64_t g = 0; g < n; g += conveyor::kKvGroup) {
+    float part = 0.f;
+#pragma omp simd reduction(+ : part)
+    for (int64_t i = g; i < g + conveyor::kKvGroup; ++i) part += q[i] * widen(row[i]);
+    sum += part * conveyor::kv_scale(row, n, g);
+  }
+  return sum;
+}
+
 // acc += w * row, widened likewise.
 template <typename scalar_t>
 inline void add_scaled(float* acc, float w, const scalar_t* row, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) acc[i] += w * widen(row[i]);
+}
+
+inline void add_scaled(float* acc, float w, const int8_t* row, int64_t n) {
+  for (int64_t g = 0; g < n; g += conveyor::kKvGroup) {
+    const float step = w * conveyor::kv_scale(row, n, g);
+#pragma omp simd
+    for (int64_t i = g; i < g + conveyor::kKvGroup; ++i) acc[i] += step * widen(row[i]);
+  }
 }
 
 // Calls visit(t, slot) for the context's positions first..length-1 (t counted from 0), a block at a time.
@@ -102,21 +123,22 @@ void weigh_portable(const float* weights, int64_t group, int64_t head_dim, const
 // kDim: the head size when the compiler knows it (64, 128: its loops unroll, and a dot product's reduction is
 // no longer a loop with a remainder), 0 for any other size, read at run time. Loops: `Portable`, or a SIMD
 // width of attention_simd.h (which needs kDim).
-template <typename scalar_t, int64_t kDim, typename Loops>
+// cache_t: the pool's element type, the query's (scalar_t) or int8_t for 8-bit rows with their scales.
+template <typename scalar_t, typename cache_t, int64_t kDim, typename Loops>
 void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
             double softcap, at::Tensor& out) {
   constexpr bool kPortable = std::is_same_v<Loops, Portable>;
   const int64_t batch = query.size(0), q_heads = query.size(1), head_dim = kDim ? kDim : query.size(2);
-  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
+  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2), row = key_cache.size(3);
   const int64_t group = q_heads / kv_heads, table_width = block_tables.size(1);
   const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* keys = key_cache.data_ptr<scalar_t>();
-  const scalar_t* values = value_cache.data_ptr<scalar_t>();
+  const cache_t* keys = key_cache.data_ptr<cache_t>();
+  const cache_t* values = value_cache.data_ptr<cache_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lengths = context_lens.data_ptr<int32_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t token_stride = kv_heads * head_dim;  // between neighbouring slots of the pool
+  const int64_t token_stride = kv_heads * row;  // between neighbouring slots of the pool
   const float scale_f = static_cast<float>(scale);
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -135,13 +157,13 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       const int32_t* table = tables + b * table_width;
       for_each_slot(table, block_size, first, length, [&](int64_t t, int64_t slot) { slots[t] = slot; });
       scores.resize(group * count);
-      const scalar_t *k_head = keys + h * head_dim, *v_head = values + h * head_dim;
+      const cache_t *k_head = keys + h * row, *v_head = values + h * row;
       if constexpr (kPortable)
         score_portable(qf.data(), group, head_dim, k_head, slots.data(), token_stride, count, scores.data());
 #ifdef CONVEYOR_SIMD_ATTENTION
       else
-        conveyor::simd::score<Loops, scalar_t, kDim>(qf.data(), group, k_head, slots.data(), token_stride, count,
-                                                     scores.data());
+        conveyor::simd::score<Loops, cache_t, kDim>(qf.data(), group, k_head, slots.data(), token_stride, count,
+                                                    scores.data());
 #endif
       if (softcap > 0) {  // Gemma 2: scores squashed into (-cap, cap) before the softmax
         const float cap = static_cast<float>(softcap);
@@ -149,13 +171,19 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       }
       if constexpr (kPortable) {
         softmax(scores.data(), group, count);
-        weigh_portable(scores.data(), group, head_dim, v_head, slots.data(), token_stride, count, acc.data());
       }
 #ifdef CONVEYOR_SIMD_ATTENTION
       else {
         for (int64_t g = 0; g < group; ++g) conveyor::simd::softmax<Loops>(scores.data() + g * count, count);
-        conveyor::simd::weigh<Loops, scalar_t, kDim>(scores.data(), group, v_head, slots.data(), token_stride, count,
-                                                     acc.data());
+      }
+#endif
+      if constexpr (kPortable) {
+        weigh_portable(scores.data(), group, head_dim, v_head, slots.data(), token_stride, count, acc.data());
+      }
+#ifdef CONVEYOR_SIMD_ATTENTION
+      else {
+        conveyor::simd::weigh<Loops, cache_t, kDim>(scores.data(), group, v_head, slots.data(), token_stride, count,
+                                                    acc.data());
       }
 #endif
       for (int64_t g = 0; g < group; ++g) {
@@ -166,26 +194,27 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   });
 }
 
-template <typename scalar_t, typename Loops>
+template <typename scalar_t, typename cache_t, typename Loops>
 void by_head_size(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
                   double softcap, at::Tensor& out) {
-  // The SIMD loops read float32 and bfloat16; float16 takes the portable ones.
-  using Chosen = std::conditional_t<std::is_same_v<scalar_t, c10::Half>, Portable, Loops>;
+  // The SIMD loops read float32, bfloat16 and int8 rows; a float16 cache takes the portable ones.
+  using Chosen = std::conditional_t<std::is_same_v<cache_t, c10::Half>, Portable, Loops>;
   switch (query.size(2)) {
     case 64:
-      return decode<scalar_t, 64, Chosen>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
-                                          softcap, out);
+      return decode<scalar_t, cache_t, 64, Chosen>(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                                   window, softcap, out);
     case 128:
-      return decode<scalar_t, 128, Chosen>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
-                                           softcap, out);
+      return decode<scalar_t, cache_t, 128, Chosen>(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                                    window, softcap, out);
     default:
-      return decode<scalar_t, 0, Portable>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
-                                           softcap, out);
+      return decode<scalar_t, cache_t, 0, Portable>(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                                    window, softcap, out);
   }
 }
 
-// query [B, Hq, D]; key_cache/value_cache [blocks, block_size, Hkv, D]; block_tables [B, W] int32;
+// query [B, Hq, D]; key_cache/value_cache [blocks, block_size, Hkv, D] in the query's dtype, or int8
+// [blocks, block_size, Hkv, D * 9 / 8] (8-bit rows, shard/layers/kv_quant.py); block_tables [B, W] int32;
 // context_lens [B] int32 (tokens in the cache, the new one included); window 0 for none; softcap 0 for none.
 // Returns [B, Hq, D].
 template <typename Loops>
@@ -197,14 +226,23 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous tables");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache share a dtype");
+  const bool int8 = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || query.scalar_type() == key_cache.scalar_type(), "the cache is int8 or the query's dtype");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "keys and values share a dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads are a multiple of KV heads");
-  TORCH_CHECK(query.size(2) == key_cache.size(3), "query and cache share a head size");
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(!int8 || head_dim % conveyor::kKvGroup == 0, "an 8-bit cache needs whole groups of ", conveyor::kKvGroup);
+  const int64_t row = int8 ? head_dim + head_dim / conveyor::kKvGroup * 2 : head_dim;
+  TORCH_CHECK(key_cache.size(3) == row, "query and cache share a head size");
   auto out = at::empty_like(query);
   conveyor::for_float_dtype(query.scalar_type(), "paged_decode_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    by_head_size<scalar_t, Loops>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
-                                       softcap, out);
+    if (int8)
+      by_head_size<scalar_t, int8_t, Loops>(query, key_cache, value_cache, block_tables, context_lens, scale, window,
+                                            softcap, out);
+    else
+      by_head_size<scalar_t, scalar_t, Loops>(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                              window, softcap, out);
   });
   return out;
 }

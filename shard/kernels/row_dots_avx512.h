@@ -17,6 +17,9 @@ namespace conveyor::avx512 {
 // 16 weights from `w` as floats; `mask` keeps the first lanes only (the row's tail).
 inline __m512 load16(const float* w, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, w); }
 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const int8_t* w, __mmask16 mask) {  // an 8-bit KV row's values (decode attention)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+}
 inline __m512 load16(const c10::BFloat16* w, __mmask16 mask) {
   const __m256i half = _mm256_maskz_loadu_epi16(mask, w);  // bfloat16 is the top half of a float
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));

