@@ -44,6 +44,7 @@ class KvBlocks(TypedDict):
     used: Annotated[int, Field(description="Held by requests queued or running")]
     cached: Annotated[int, Field(description="Held by no request, kept for prefix-cache hits; reclaimed when needed")]
     free: Annotated[int, Field(description="Empty; used + cached + free = total")]
+    dtype: Annotated[str, Field(description="What a block's K and V are stored as: the model's dtype, or int8")]
 
 
 class Caller(TypedDict):

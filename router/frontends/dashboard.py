@@ -85,7 +85,14 @@ class Dashboard:
         """The pool in three parts that add up: held by requests, cached for prefix hits only, empty."""
         stats = self.infer.scheduler.allocator.stats
         used = stats.num_blocks - stats.free_list - stats.evictable
-        return {"total": stats.num_blocks, "used": used, "cached": stats.evictable, "free": stats.free_list}
+        dtype = self.info.kv_cache_dtype or self.info.model_dtype
+        return {
+            "total": stats.num_blocks,
+            "used": used,
+            "cached": stats.evictable,
+            "free": stats.free_list,
+            "dtype": dtype,
+        }
 
 
 def _counter(counter) -> float:

@@ -18,6 +18,10 @@
 
 #include <c10/util/Half.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "row_dots_avx512.h"
 
 namespace conveyor {
@@ -52,9 +56,15 @@ inline float exp_nonpositive(float x) {
 // kKvGroup of them. The scale of the group holding value i of a row:
 constexpr int64_t kKvGroup = 16;
 inline float kv_scale(const int8_t* row, int64_t head_dim, int64_t i) {
+#if defined(__F16C__)
+  uint16_t bits;  // the CPU's own conversion where the build has it (every x86 kind here): one instruction
+  std::memcpy(&bits, row + head_dim + i / kKvGroup * 2, sizeof bits);
+  return _cvtsh_ss(bits);
+#else
   c10::Half scale;
   std::memcpy(&scale, row + head_dim + i / kKvGroup * 2, sizeof scale);
   return static_cast<float>(scale);
+#endif
 }
 
 }  // namespace conveyor

@@ -1,5 +1,6 @@
-// Writes a step's new K or V rows into an 8-bit KV pool (shard/layers/kv_quant.py holds the format and the torch
-// reference, `quantize`): each group of kKvGroup values rounded against its own float16 scale, absmax / 127.
+// Writes a step's new K or V rows into an 8-bit KV pool, and gathers a context back as floats (shard/layers/
+// kv_quant.py holds the format and the torch references, `quantize` and `dequantize`): each group of kKvGroup values
+// rounded against its own float16 scale, absmax / 127.
 //
 // The torch reference is eight small ops a side and a layer; a decode step at short contexts paid more for them than
 // the 8-bit cache saved its attention (SmolLM2-135M f32, 4 rows of 300 tokens, AMD EPYC Zen 5: 17.7 ms a step with a
@@ -69,6 +70,42 @@ void write(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
   });
 }
 
+// The rows of `slots` from a flattened int8 pool [S_pool, Hkv, D * 9 / 8], widened to `like`'s dtype as
+// [S, Hkv, D]: a prompt chunk's context for the prefill paths, in one pass (the torch reference, kv_quant.gather,
+// is eight ops over the whole context for every chunk and layer).
+template <typename scalar_t>
+void widen_rows(const int8_t* pool, const int64_t* slot, int64_t count, int64_t heads, int64_t head_dim,
+                scalar_t* out) {
+  const int64_t width = head_dim + head_dim / kKvGroup * 2;
+  at::parallel_for(0, count * heads, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int8_t* row = pool + (slot[r / heads] * heads + r % heads) * width;
+      scalar_t* dst = out + r * head_dim;
+      for (int64_t g = 0; g < head_dim; g += kKvGroup) {
+        const float scale = conveyor::kv_scale(row, head_dim, g);
+        for (int64_t i = g; i < g + kKvGroup; ++i) dst[i] = static_cast<scalar_t>(static_cast<float>(row[i]) * scale);
+      }
+    }
+  });
+}
+
+at::Tensor gather(const at::Tensor& flat, const at::Tensor& slots, const at::Tensor& like) {
+  TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kChar && flat.dim() == 3, "a flat int8 pool");
+  TORCH_CHECK(flat.is_contiguous() && slots.scalar_type() == at::kLong && slots.dim() == 1, "slots [S] int64");
+  const int64_t heads = flat.size(1), width = flat.size(2), head_dim = width * kKvGroup / (kKvGroup + 2);
+  TORCH_CHECK(head_dim % kKvGroup == 0 && head_dim + head_dim / kKvGroup * 2 == width, "8-bit rows");
+  const at::Tensor where = slots.contiguous();
+  const int64_t count = where.size(0), capacity = flat.size(0);
+  const int64_t* slot = where.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot out of the pool");
+  auto out = at::empty({count, heads, head_dim}, like.options());
+  conveyor::for_float_dtype(like.scalar_type(), "kv_quant_gather", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    widen_rows(flat.data_ptr<int8_t>(), slot, count, heads, head_dim, out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
 at::Tensor write_(at::Tensor cache, const at::Tensor& slots, const at::Tensor& rows) {
   write(cache, slots, rows);
   return cache;
@@ -77,6 +114,8 @@ at::Tensor write_(at::Tensor cache, const at::Tensor& slots, const at::Tensor& r
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("kv_quant_write_(Tensor(a!) cache, Tensor slots, Tensor rows) -> Tensor(a!)");
   m.impl("kv_quant_write_", c10::DispatchKey::CPU, &write_);
+  m.def("kv_quant_gather(Tensor flat, Tensor slots, Tensor like) -> Tensor");
+  m.impl("kv_quant_gather", c10::DispatchKey::CPU, &gather);
 }
 
 }  // namespace conveyor::kv_quant_kernel

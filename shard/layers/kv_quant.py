@@ -78,6 +78,10 @@ def write(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 def gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The rows of `slots` from a flattened pool [slots, Hkv, width], as [S, Hkv, D] in `dtype`."""
-    rows = flat.index_select(0, slots)
-    return dequantize(rows, dtype) if quantized(flat) else rows
+    """The rows of `slots` from a flattened pool [slots, Hkv, width], as [S, Hkv, D] in `dtype` (an int8 pool's
+    widened in one C++ pass where the kernels serve)."""
+    if not quantized(flat):
+        return flat.index_select(0, slots)
+    if kernels.serves(flat.device):
+        return torch.ops.conveyor.kv_quant_gather(flat, slots, torch.empty(0, dtype=dtype))
+    return dequantize(flat.index_select(0, slots), dtype)

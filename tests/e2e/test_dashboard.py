@@ -113,6 +113,7 @@ def test_the_page_is_open_and_its_figures_need_a_key(deployment: Server) -> None
     state = httpx.get(f"{deployment.url}/dashboard/state", headers=bearer(ALICE)).json()
     assert state["caller"] == {"name": "alice", "admin": False}
     assert state["device"] == "cpu" and state["dtype"] == deployment.info()["model_dtype"]
+    assert state["kv"]["dtype"] == deployment.info()["kv_cache_dtype"] == state["dtype"]  # no --kv-cache-dtype
     check_schema(deployment, state)
 
 

@@ -104,3 +104,17 @@ def test_the_kernel_writes_the_bits_the_reference_writes(model_dtype: torch.dtyp
     want = torch.full_like(written, -5).view(-1, 3, 72)
     want[slots] = kv_quant.quantize(rows)
     assert torch.equal(written.view(-1, 3, 72), want)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_kernel_gathers_the_values_the_reference_gathers(model_dtype: torch.dtype) -> None:
+    """The C++ gather (a prompt chunk's context, widened) against `dequantize` of the same rows: the same bits."""
+    if not kernels.load():
+        pytest.skip("the C++ kernels did not build here")
+    pool = KVCache.allocate(1, 4, 16, 3, 64, torch.int8, torch.device("cpu")).values[0]
+    generator = torch.Generator().manual_seed(11)
+    pool.copy_(kv_quant.quantize(torch.randn(4, 16, 3, 64, generator=generator) * 3))
+    flat, slots = pool.view(-1, 3, 72), torch.tensor([5, 63, 0, 5, 17, 40])
+    got = torch.ops.conveyor.kv_quant_gather(flat, slots, torch.empty(0, dtype=model_dtype))
+    assert got.dtype == model_dtype and torch.equal(got, kv_quant.dequantize(flat[slots], model_dtype))
+    assert torch.equal(kv_quant.gather(flat, slots, model_dtype), got)
