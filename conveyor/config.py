@@ -67,6 +67,13 @@ class Config:
         "float32 cache in the same memory (~1.8x bf16's) and is what decode attention reads",
         choices=KV_CACHE_DTYPES,
     )
+    kv_offload_dir: str | None = flag(
+        None,
+        "a folder for the prefix cache's disk tier: every full prompt block is written there too, keyed by the "
+        "model, the cache scope and its tokens, so that a restarted shard (or a replica on the same volume) reads a "
+        "known prefix instead of prefilling it (each rank keeps its own files)",
+    )
+    kv_offload_max_gb: float = flag(10.0, "the disk tier's cap in GiB: the least recently used files go first")
     device: str = flag("auto", "auto takes one GPU per rank when GPUs are visible, else the CPU", choices=DEVICES)
     shard_uds_path: str | None = flag(
         None, "socket prefix for the shards; rank r listens on PREFIX-r (default: a private temp path)"

@@ -34,6 +34,25 @@ class Metrics:
         self.prefix_cache_hits = Counter(
             "conveyor_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
         )
+        self.prefix_cache_disk_hits = Counter(
+            "conveyor_prefix_cache_disk_hits",
+            "Prompt tokens the shards read from the KV offload folder (--kv-offload-dir) instead of computing them",
+            registry=r,
+        )
+        self.prefix_cache_disk_load = Histogram(
+            "conveyor_prefix_cache_disk_load_seconds",
+            "Time a step spent reading prompt blocks from the KV offload folder",
+            buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.kv_offload_bytes = Gauge(
+            "conveyor_kv_offload_bytes", "Bytes in the KV offload folder (a rank's, as of the last step)", registry=r
+        )
+        self.kv_offload_skipped = Gauge(
+            "conveyor_kv_offload_skipped_files",
+            "Block files a shard skipped as damaged or foreign since it started (a rank's)",
+            registry=r,
+        )
         self.preemptions = Counter(
             "conveyor_preemptions", "Running requests preempted for lack of KV blocks", registry=r
         )

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from conveyor.grammar import GrammarCache
-from conveyor.shard import draft_model, drafts
+from conveyor.shard import draft_model, drafts, kv_offload
 from conveyor.shard.batch import Batch
 from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
 from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.draft_model import DraftModel
 from conveyor.shard.generations import Generations
+from conveyor.shard.kv_offload import PrefixOffload
 from conveyor.shard.layers import kv_quant
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits, weight_copies
@@ -68,10 +69,12 @@ class Engine:
         max_loras: int = 4,
         model_name: str | None = None,
         kv_cache_dtype: str = "auto",
+        kv_offload: tuple[Path, int] | None = None,
     ) -> None:
         """`adapters`: LoRA adapters to load now, (name, source) each; `max_loras`: how many may be resident;
         `model_name`: the served model's id as given (a Hub id's folder is a snapshot hash), which an adapter's
-        base model must name; `kv_cache_dtype`: auto (the model's dtype) or int8 (layers/kv_quant.py)."""
+        base model must name; `kv_cache_dtype`: auto (the model's dtype) or int8 (layers/kv_quant.py);
+        `kv_offload`: the folder and byte cap of the prefix cache's disk tier (kv_offload.py), or none."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 
@@ -105,6 +108,7 @@ class Engine:
         shape = self.model.shape
         self._cache_shape = (self.config.num_hidden_layers, shape.kv_heads_per_rank, shape.head_dim)
         kv_quant.check_head_dim(shape.head_dim, self.kv_dtype)
+        self.offload = None if kv_offload is None else self._offload(Path(model_dir), *kv_offload, quantize)
         self.cache: KVCache | None = None
         self.drafter = None if draft is None else self._load_draft(model_dir, draft)
         served = [model_name or "", str(model_dir), getattr(checkpoint_config, "_name_or_path", "") or ""]
@@ -134,6 +138,23 @@ class Engine:
             extra={"model": str(source), "quantize": draft.quantize or "none", "bytes": model_bytes(model)},
         )
         return DraftModel(model, self.forward, cache_shape, self.block_size, self.dtype, self.device)
+
+    def _offload(self, model_dir: Path, folder: Path, max_bytes: int, quantize: str | None) -> PrefixOffload:
+        """The disk tier for this rank: its files' fingerprint says everything their KV depends on but tokens."""
+        layers, kv_heads, head_dim = self._cache_shape
+        facts = {
+            "dtype": self.dtype_name,
+            "kv_dtype": str(self.kv_dtype),
+            "block_size": self.block_size,
+            "rank": self.group.rank,
+            "world_size": self.group.world_size,
+            "quantize": quantize or "",
+            "format": kv_offload.MAGIC.hex(),
+        }
+        block_bytes = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.kv_dtype)
+        tier = kv_offload.DiskTier(folder, kv_offload.fingerprint(model_dir, facts), max_bytes, block_bytes)
+        log.info("kv offload", extra={"folder": str(folder), "files_bytes": tier.stats.bytes_on_disk})
+        return PrefixOffload(tier, self.block_size, self.group)
 
     def info(self) -> pb.InfoResponse:
         return pb.InfoResponse(
@@ -237,9 +258,13 @@ class Engine:
         self._mask_ns = 0
         decoding = batch.decoding
         self._propose(decoding)
-        rows = decoding + [r for r in batch.prefilling if r.chunk_len]
+        prefilling = [r for r in batch.prefilling if r.chunk_len]
+        rows = decoding + prefilling
         if not rows:
             raise BadRequest(f"batch {batch.id} has nothing to compute at this step")
+        if self.offload is not None:
+            self.offload.load(prefilling, self.cache)
+        before = [r.num_computed_tokens for r in prefilling]
         new_tokens = [r.step_tokens() for r in rows]
         ending = [
             r
@@ -251,9 +276,15 @@ class Engine:
         logits = self._forward(rows, new_tokens, self._logit_counts(rows, new_tokens, ending))
         for state, tokens in zip(rows, new_tokens):
             state.num_computed_tokens += len(tokens)
+        if self.offload is not None:
+            self.offload.save(prefilling, before, self.cache)
         generations = self._sample(batch, decoding, ending, logits)
         finished = all(g.HasField("finished") for g in generations) and len(generations) == batch.size
         timings = pb.Timings(total_ns=time.perf_counter_ns() - start, mask_ns=self._mask_ns)
+        if self.offload is not None:
+            stats = self.offload.tier.stats
+            timings.disk_bytes, timings.disk_skipped_files = stats.bytes_on_disk, stats.skipped_files
+            timings.disk_loaded_tokens, timings.disk_load_ns = self.offload.loaded_tokens, self.offload.load_ns
         return generations, None if finished else batch, timings
 
     def _propose(self, decoding: list[RequestState]) -> None:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -76,9 +77,17 @@ def load(args: Config, served_name: str | None = None) -> Engine:
             max_loras=args.max_loras,
             model_name=served_name,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_offload=_offload(args),
         )
     except (QuantizationUnavailable, KVCacheUnavailable, AdapterError, lora_sources.AdapterSourceError) as exc:
         raise SystemExit(f"conveyor-shard: {exc}") from None
+
+
+def _offload(args: Config) -> tuple[Path, int] | None:
+    """--kv-offload-dir and its cap in bytes, or None without the flag."""
+    if not args.kv_offload_dir:
+        return None
+    return Path(args.kv_offload_dir), int(args.kv_offload_max_gb * 2**30)
 
 
 def _local_world_size(group: ProcessGroup) -> int:
@@ -105,6 +114,8 @@ async def run(args: Config, security: Security, served_name: str | None = None) 
         os.unlink(path)
     urls = await asyncio.to_thread(engine.group.gather, address.url)  # every rank's, for ServiceDiscovery
     await serve(engine, torch_thread, address.bind, urls, security, stop)
+    if engine.offload is not None:  # a clean stop writes the blocks still queued for the disk tier
+        await asyncio.to_thread(engine.offload.tier.close)
 
 
 def main(argv: list[str] | None = None) -> None:

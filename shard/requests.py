@@ -43,6 +43,8 @@ class RequestState:
     drafts: list[int] = field(default_factory=list)  # decoding: this step's draft tokens, fed after next_token
     draft_len: int = 0  # tokens whose KV the draft model has (shard/draft_model.py)
     adapter: str = ""  # the LoRA adapter its tokens go through ("": the base model)
+    cache_scope: str = ""  # whose blocks it may share, as the router's digest (kv_offload.py keys disk blocks by it)
+    offload_keys: list[bytes] = field(default_factory=list)  # its full blocks' disk keys, computed as needed
 
     @property
     def is_decoding(self) -> bool:
@@ -78,6 +80,7 @@ class RequestState:
             block_table=list(request.blocks),
             resumed_tokens=resumed,
             adapter=request.adapter,
+            cache_scope=request.cache_scope,
         )
         if request.grammar:
             try:

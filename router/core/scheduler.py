@@ -228,6 +228,12 @@ class Scheduler:
         self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
         if result.timings.mask_ns:
             self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
+        if result.timings.disk_loaded_tokens:
+            self.metrics.prefix_cache_disk_hits.inc(result.timings.disk_loaded_tokens)
+            self.metrics.prefix_cache_disk_load.observe(result.timings.disk_load_ns / 1e9)
+        if result.timings.HasField("disk_bytes"):
+            self.metrics.kv_offload_bytes.set(result.timings.disk_bytes)
+            self.metrics.kv_offload_skipped.set(result.timings.disk_skipped_files)
 
     async def _post(self, plan: StepPlan, metadata: Metadata) -> StepResult:
         updates = _updates(plan)
@@ -415,6 +421,7 @@ def request_pb(sequence: Sequence) -> pb.Request:
         chunk_len=sequence.step_tokens,
         grammar=p.grammar.grammar if p.grammar is not None else "",
         adapter=p.adapter or "",
+        cache_scope=sequence.cache_scope.digest(),
     )
 
 

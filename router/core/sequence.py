@@ -7,6 +7,7 @@ the loop streams its tokens to `events`; nothing else keeps per-request state.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -33,6 +34,15 @@ class CacheScope:
     owner: str  # "salt" (the request's cache_salt) or "key" (its API key's name)
     name: str
     adapter: str | None = None  # an adapter's KV is not the base model's, nor another adapter's
+
+    def digest(self) -> str:
+        """The scope as the shards get it (kv_offload.py keys disk blocks by it): one-way, so that no key name or
+        salt travels or lands in a file name, and field by field, as the comparison is."""
+        h = hashlib.sha256()
+        for part in (self.owner, self.name, self.adapter or ""):
+            data = part.encode()
+            h.update(len(data).to_bytes(8, "little") + data)
+        return h.hexdigest()
 
 
 @dataclass(eq=False)

@@ -153,7 +153,7 @@ class StoppingParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "resumed_tokens", "grammar", "adapter")
+    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "resumed_tokens", "grammar", "adapter", "cache_scope")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class Request(_message.Message):
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     parameters: SamplingParameters
@@ -178,7 +179,8 @@ class Request(_message.Message):
     resumed_tokens: int
     grammar: str
     adapter: str
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., adapter: _Optional[str] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
     __slots__ = ("request_id", "new_blocks", "chunk_len", "speculate")
@@ -253,12 +255,20 @@ class Generation(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("total_ns", "mask_ns")
+    __slots__ = ("total_ns", "mask_ns", "disk_loaded_tokens", "disk_load_ns", "disk_bytes", "disk_skipped_files")
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     MASK_NS_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOAD_NS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_SKIPPED_FILES_FIELD_NUMBER: _ClassVar[int]
     total_ns: int
     mask_ns: int
-    def __init__(self, total_ns: _Optional[int] = ..., mask_ns: _Optional[int] = ...) -> None: ...
+    disk_loaded_tokens: int
+    disk_load_ns: int
+    disk_bytes: int
+    disk_skipped_files: int
+    def __init__(self, total_ns: _Optional[int] = ..., mask_ns: _Optional[int] = ..., disk_loaded_tokens: _Optional[int] = ..., disk_load_ns: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_skipped_files: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("batch", "cached_batch", "updates")

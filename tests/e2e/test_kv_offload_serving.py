@@ -1,0 +1,102 @@
+"""`--kv-offload-dir`: a prefix cached on disk outlives the shard. The shard is SIGKILLed with a stream in flight,
+then stopped cleanly; after each restart a request sharing the cached prefix reads it from the disk tier (counted in
+/metrics) and every request yields exactly transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from conftest import Server, free_port, greedy_reference, start_server, wait_for
+
+PREFIX = "# A shared system prompt that every request of this test starts with, long enough for many blocks. " * 6
+DISK_HITS = "conveyor_prefix_cache_disk_hits_total"
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-shard", "2-shards"])
+def offloading(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Path]]:
+    """With two ranks each keeps its own files, and they agree on how many blocks a request takes from disk."""
+    folder = tmp_path_factory.mktemp("kv-offload")
+    flags = ["--num-shard", str(request.param), "--kv-offload-dir", str(folder)]
+    server = start_server(tiny_model, "--master-port", str(free_port()), *flags)
+    yield server, folder
+    assert server.stop() == 0
+
+
+def generate_ids(server: Server, prompt: str, tokens: int) -> list[int]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": tokens, "details": True}}
+    response = httpx.post(f"{server.url}/generate", json=body, timeout=180)
+    assert response.status_code == 200, response.text
+    return [t["id"] for t in response.json()["details"]["tokens"]]
+
+
+def files(folder: Path) -> list[Path]:
+    return list(folder.glob("*/*.kv"))  # one folder per rank (its fingerprint)
+
+
+def restart(server: Server, sig: signal.Signals) -> None:
+    """Kills or stops the shard; returns once the launcher's new one serves."""
+    ranks, old = len(server.shard_pids()), server.shard_pid(0)
+    os.kill(old, sig)
+
+    def back() -> bool:
+        try:
+            pids = server.shard_pids()
+        except psutil.Error:  # the old one, not yet reaped
+            return False
+        return len(pids) == ranks and old not in pids and server.health() == 200
+
+    wait_for(back, 240, "the shard's restart")
+
+
+def test_a_cached_prefix_outlives_a_killed_and_a_stopped_shard(tiny_model: Path, offloading) -> None:
+    server, folder = offloading
+    first = PREFIX + "question one:"
+    want = greedy_reference(tiny_model, first, 12)
+    assert generate_ids(server, first, 12) == want
+    wait_for(lambda: len(files(folder)) >= 5, 60, "the prefix's blocks on disk")
+    assert server.metric(DISK_HITS) == 0  # so far everything came from memory or was computed
+
+    # SIGKILL with a stream in flight: it is replayed exactly, and the prefix comes back from disk.
+    second = PREFIX + "question two:"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate_ids, server, second, 120)
+        wait_for(lambda: server.metric("conveyor_generated_tokens_total") > 12, 120, "the stream to start")
+        restart(server, signal.SIGKILL)
+        assert running.result() == greedy_reference(tiny_model, second, 120)
+    assert generate_ids(server, first, 12) == want
+    hits = server.metric(DISK_HITS)
+    assert hits > 0  # the restarted shard's memory held nothing: the prefix came from disk
+
+    # A clean stop: the files are the same folder's, so the next prefix read is from disk again.
+    restart(server, signal.SIGTERM)
+    third = PREFIX + "question three:"
+    assert generate_ids(server, third, 12) == greedy_reference(tiny_model, third, 12)
+    assert server.metric(DISK_HITS) > hits
+
+
+def test_a_damaged_file_is_never_served(tiny_model: Path, offloading) -> None:
+    """Every block file on disk damaged, then the shard restarted: the prefix is computed again, exactly."""
+    server, folder = offloading
+    for path in files(folder):
+        data = bytearray(path.read_bytes())
+        data[-7] ^= 0xFF
+        path.write_bytes(bytes(data))
+    restart(server, signal.SIGKILL)
+    hits = server.metric(DISK_HITS)
+    fourth = PREFIX + "question four:"
+    assert generate_ids(server, fourth, 12) == greedy_reference(tiny_model, fourth, 12)
+    assert server.metric(DISK_HITS) == hits  # nothing read from the damaged files
+    assert server.metric("conveyor_kv_offload_skipped_files") >= 1
+    wait_for(lambda: len(files(folder)) >= 5, 60, "the prefix's blocks written again")
+    on_disk = sum(p.stat().st_size for p in files(folder))
+    generate_ids(server, fourth, 1)  # a step after the writes: its timings carry the folder's size
+    assert server.metric("conveyor_kv_offload_bytes") == on_disk / len(server.shard_pids())  # each rank as much
