@@ -314,7 +314,7 @@ def greedy_ids(server: Server, prompt: str, tokens: int) -> list[int]:
     return [t["id"] for t in response.json()["details"]["tokens"]]
 
 
-def test_an_int8_kv_cache_serves_within_its_bound(built, servers: dict[str, Server]) -> None:
+def test_int8_kv_cache_serving_stays_within_its_bound(built, servers: dict[str, Server]) -> None:
     """The same weights over an 8-bit cache: /info says so, prompt log-probabilities stay within a bound of the
     float cache's, and greedy generations keep float32's tokens (up to their first difference) at a stated rate."""
     full, kv = servers["float32"], servers["kv-int8"]
