@@ -71,6 +71,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
 	$(BIN)/python -m conveyor.benchmarks.long_context
 	$(BIN)/python -m conveyor.benchmarks.prefix_restart
+	$(BIN)/python -m conveyor.benchmarks.accuracy --quantize int8 int4 --kv-cache-dtype int8 --llamacpp-kv
 	$(BIN)/python -m conveyor.benchmarks.speculation
 	$(BIN)/python -m conveyor.benchmarks.lora
 

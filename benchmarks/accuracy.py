@@ -167,6 +167,56 @@ def compare(
     return score(load(model_dir, quantizations, window, kv_int8), text, window, max_windows)
 
 
+LLAMACPP_KV_MODE = "llama.cpp q8_0 KV"
+_LLAMACPP_FIGURES = {  # llama-perplexity's summary lines: the Scores field each gives
+    "Mean PPL(Q)": "perplexity",
+    "Mean    KLD": "mean_kl",
+    "99.0%   KLD": "kl_p99",
+    "Maximum KLD": "kl_max",
+    "Same top p": "same_top1",
+}
+
+
+def parse_llamacpp(output: str, tokens: int) -> Scores:
+    """llama-perplexity --kl-divergence's summary as Scores (its "Same top p" is a percentage)."""
+    found: dict[str, float] = {}
+    for line in output.splitlines():
+        label, _, value = line.partition(":")
+        if (name := _LLAMACPP_FIGURES.get(label.rstrip())) is not None and value.split():
+            found[name] = float(value.split()[0])
+    missing = set(_LLAMACPP_FIGURES.values()) - set(found)
+    if missing:
+        raise ValueError(f"llama-perplexity printed no {', '.join(sorted(missing))}")
+    found["same_top1"] /= 100
+    return Scores(LLAMACPP_KV_MODE, tokens, **found)
+
+
+def llamacpp_kv(model_dir: Path, text: Path, window: int, windows: int) -> Scores | None:
+    """llama.cpp's q8_0 KV cache against its float one on the same text and windows (its f32 GGUF, flash
+    attention on both runs, as a quantized V cache needs), or None where llama.cpp is not installed (make bench
+    builds it)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from conveyor.benchmarks import deploy
+
+    server = deploy.llamacpp_server()
+    if not isinstance(server, Path):
+        note(f"accuracy: no llama.cpp to compare with ({server})")
+        return None
+    command = [str(server.with_name("llama-perplexity")), "-m", str(deploy.gguf(model_dir, "float32"))]
+    command += ["-f", str(text), "-c", str(window), "-t", str(os.cpu_count() or 1), "-fa", "on"]
+    with tempfile.TemporaryDirectory() as folder:
+        base = ["--kl-divergence-base", str(Path(folder) / "base.kld")]
+        note("accuracy: llama.cpp's float KV cache (the base)")
+        subprocess.run([*command, *base], check=True, capture_output=True)
+        note("accuracy: llama.cpp's q8_0 KV cache")
+        quantized = [*command, *base, "--kl-divergence", "-ctk", "q8_0", "-ctv", "q8_0"]
+        done = subprocess.run(quantized, check=True, capture_output=True, text=True)
+    return parse_llamacpp(done.stdout + done.stderr, windows * (window // 2 - 1))
+
+
 def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, fmt) + suffix
 
@@ -174,12 +224,12 @@ def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
 def table(scores: list[Scores]) -> str:
     """The scores as a fixed-width table, one mode a line."""
     lines = [
-        f"{'mode':<8} {'tokens':>6} {'perplexity':>10} {'mean KL':>9} {'KL p99':>8} {'KL max':>8} {'same top-1':>10}"
+        f"{'mode':<18} {'tokens':>6} {'perplexity':>10} {'mean KL':>9} {'KL p99':>8} {'KL max':>8} {'same top-1':>10}"
     ]
     for s in scores:
         top1 = None if s.same_top1 is None else 100 * s.same_top1
         lines.append(
-            f"{s.mode:<8} {s.tokens:>6} {s.perplexity:>10.4f} {_cell(s.mean_kl, '.5f'):>9} "
+            f"{s.mode:<18} {s.tokens:>6} {s.perplexity:>10.4f} {_cell(s.mean_kl, '.5f'):>9} "
             f"{_cell(s.kl_p99, '.4f'):>8} {_cell(s.kl_max, '.4f'):>8} {_cell(top1, '.2f', '%'):>10}"
         )
     return "\n".join(lines)
@@ -196,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=WINDOW, help="tokens per window; the second half is scored")
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
     parser.add_argument("--json", action="store_true", help="print the scores as JSON instead of a table")
+    parser.add_argument(
+        "--llamacpp-kv",
+        action="store_true",
+        help=f"add llama.cpp's q8_0 KV cache against its float one on the same text ({LLAMACPP_KV_MODE!r})",
+    )
     args = parser.parse_args(argv)
     if args.model_id is None:
         from conveyor.benchmarks.real_model import prepare
@@ -203,6 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         args.model_id = prepare()
     kv_int8 = args.kv_cache_dtype == "int8"
     scores = compare(args.model_id, args.quantize, args.text.read_text(), args.window, args.max_windows, kv_int8)
+    if args.llamacpp_kv and args.max_windows is None:
+        windows = len(scores) and scores[0].tokens // (args.window // 2 - 1)
+        if (theirs := llamacpp_kv(args.model_id, args.text, args.window, windows)) is not None:
+            scores.append(theirs)
     print(json.dumps([asdict(s) for s in scores], indent=2) if args.json else table(scores))
 
 
