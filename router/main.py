@@ -89,6 +89,7 @@ async def run(args: Config) -> None:
             weight_bytes=shard_info.weight_bytes,
             quantize=shard_info.quantize or None,
             kv_cache_dtype=shard_info.kv_cache_dtype or shard_info.dtype,
+            kv_offload_max_bytes=shard_info.kv_offload_max_bytes,
             device=shard_info.device_type,
         ),
         keys=keys,

@@ -30,6 +30,7 @@ class ServerInfo:
     weight_bytes: int = 0  # rank 0's
     quantize: str | None = None
     kv_cache_dtype: str = ""  # the shards' KV cache element type (int8 under --kv-cache-dtype int8)
+    kv_offload_max_bytes: int = 0  # the prefix cache's disk tier's cap (--kv-offload-max-gb), 0 without one
     device: str = "cpu"  # the shards' device type (the dashboard shows it)
 
     def to_json(self) -> api.Info:
@@ -50,6 +51,7 @@ class ServerInfo:
             "weight_bytes": self.weight_bytes,
             "quantize": self.quantize,
             "kv_cache_dtype": self.kv_cache_dtype or self.model_dtype,
+            "kv_offload_max_bytes": self.kv_offload_max_bytes,
             "router": "conveyor",
             "version": __version__,
         }

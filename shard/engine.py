@@ -169,6 +169,7 @@ class Engine:
             weight_bytes=self.weight_bytes,
             quantize=self.quantize or "",
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_offload_max_bytes=0 if self.offload is None else self.offload.tier.max_bytes,
             adapters=self.loras.describe(),
             max_loras=self.loras.max_loras,
         )

@@ -45,6 +45,7 @@ class KvBlocks(TypedDict):
     cached: Annotated[int, Field(description="Held by no request, kept for prefix-cache hits; reclaimed when needed")]
     free: Annotated[int, Field(description="Empty; used + cached + free = total")]
     dtype: Annotated[str, Field(description="What a block's K and V are stored as: the model's dtype, or int8")]
+    disk_bytes: Annotated[int, Field(description="The prefix cache's disk tier (--kv-offload-dir): bytes in it")]
 
 
 class Caller(TypedDict):

@@ -249,6 +249,9 @@ class Info(TypedDict):
     kv_cache_dtype: Annotated[
         str, Field(description="The KV cache's element type: the model's dtype, or int8 (--kv-cache-dtype int8)")
     ]
+    kv_offload_max_bytes: Annotated[
+        int, Field(description="The prefix cache's disk tier (--kv-offload-dir): its cap in bytes, 0 without one")
+    ]
     router: str
     version: str
     kv_blocks_free: NotRequired[int]

@@ -86,13 +86,14 @@ class Dashboard:
         stats = self.infer.scheduler.allocator.stats
         used = stats.num_blocks - stats.free_list - stats.evictable
         dtype = self.info.kv_cache_dtype or self.info.model_dtype
-        return {
-            "total": stats.num_blocks,
-            "used": used,
-            "cached": stats.evictable,
-            "free": stats.free_list,
-            "dtype": dtype,
-        }
+        disk = int(_gauge(self.infer.metrics.kv_offload_bytes))
+        counts = {"total": stats.num_blocks, "used": used, "cached": stats.evictable, "free": stats.free_list}
+        return {**counts, "dtype": dtype, "disk_bytes": disk}
+
+
+def _gauge(gauge) -> float:
+    """A label-less prometheus Gauge's value, through its public `collect()`."""
+    return next(s.value for s in gauge.collect()[0].samples)
 
 
 def _counter(counter) -> float:

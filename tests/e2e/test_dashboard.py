@@ -114,6 +114,7 @@ def test_the_page_is_open_and_its_figures_need_a_key(deployment: Server) -> None
     assert state["caller"] == {"name": "alice", "admin": False}
     assert state["device"] == "cpu" and state["dtype"] == deployment.info()["model_dtype"]
     assert state["kv"]["dtype"] == deployment.info()["kv_cache_dtype"] == state["dtype"]  # no --kv-cache-dtype
+    assert state["kv"]["disk_bytes"] == deployment.info()["kv_offload_max_bytes"] == 0  # no --kv-offload-dir
     check_schema(deployment, state)
 
 

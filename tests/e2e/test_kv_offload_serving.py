@@ -100,3 +100,28 @@ def test_a_damaged_file_is_never_served(tiny_model: Path, offloading) -> None:
     on_disk = sum(p.stat().st_size for p in files(folder))
     generate_ids(server, fourth, 1)  # a step after the writes: its timings carry the folder's size
     assert server.metric("conveyor_kv_offload_bytes") == on_disk / len(server.shard_pids())  # each rank as much
+    assert server.info()["kv_offload_max_bytes"] == 10 * 2**30  # --kv-offload-max-gb's default
+
+
+def salted_ids(server: Server, prompt: str, salt: str) -> list[int]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "details": True, "cache_salt": salt}}
+    response = httpx.post(f"{server.url}/generate", json=body, timeout=180)
+    assert response.status_code == 200, response.text
+    return [t["id"] for t in response.json()["details"]["tokens"]]
+
+
+def test_one_scope_never_reads_another_scopes_blocks_from_disk(tiny_model: Path, offloading) -> None:
+    """Salt a's prefix goes to disk; after a restart salt b's identical prompt reads nothing from it (no memory
+    cache either: the restart emptied it), and salt a's reads it."""
+    server, folder = offloading
+    prompt = "# Another shared prompt, this one for salted users only, of many blocks too. " * 5 + "Go:"
+    want = greedy_reference(tiny_model, prompt, 8)
+    before = len(files(folder))
+    assert salted_ids(server, prompt, "user-a") == want
+    wait_for(lambda: len(files(folder)) >= before + 5, 60, "salt a's blocks on disk")
+    restart(server, signal.SIGKILL)
+    hits = server.metric(DISK_HITS)
+    assert salted_ids(server, prompt, "user-b") == want
+    assert server.metric(DISK_HITS) == hits  # another scope's blocks are not its own
+    assert salted_ids(server, prompt, "user-a") == want
+    assert server.metric(DISK_HITS) > hits

@@ -21,7 +21,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("dtype", "device_type", "block_size", "engine", "model_type", "max_position_embeddings", "world_size", "pid", "rank", "instance", "weight_bytes", "quantize", "adapters", "max_loras", "kv_cache_dtype")
+    __slots__ = ("dtype", "device_type", "block_size", "engine", "model_type", "max_position_embeddings", "world_size", "pid", "rank", "instance", "weight_bytes", "quantize", "adapters", "max_loras", "kv_cache_dtype", "kv_offload_max_bytes")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class InfoResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     device_type: str
     block_size: int
@@ -52,7 +53,8 @@ class InfoResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     max_loras: int
     kv_cache_dtype: str
-    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ..., instance: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantize: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    kv_offload_max_bytes: int
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., engine: _Optional[str] = ..., model_type: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ..., instance: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantize: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_offload_max_bytes: _Optional[int] = ...) -> None: ...
 
 class Adapter(_message.Message):
     __slots__ = ("name", "source", "rank", "weight_bytes")
