@@ -182,10 +182,10 @@ class DiskTier:
             self.stats.write_errors += 1
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Waits until every queued block is written (tests, and a clean stop)."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        """Waits until every queued block is written, or `timeout` (a clean stop, and the tests)."""
+        waiter = threading.Thread(target=self._queue.join, name="kv-offload-flush", daemon=True)
+        waiter.start()
+        waiter.join(timeout)
 
     def close(self) -> None:
         self.flush()
@@ -296,6 +296,7 @@ class PrefixOffload:
                 continue
             first = state.num_computed_tokens // self.block_size
             last = (state.num_computed_tokens + state.chunk_len - 1) // self.block_size  # blocks before the last token
+            last = min(last, len(state.block_table))  # the router's table covers the chunk; never read past it
             if last <= first:
                 continue
             keys = self.keys(state, last)
