@@ -1,6 +1,6 @@
-"""`--kv-offload-dir`: a prefix cached on disk outlives the shard. The shard is SIGKILLed with a stream in flight,
-then stopped cleanly; after each restart a request sharing the cached prefix reads it from the disk tier (counted in
-/metrics) and every request yields exactly transformers' greedy tokens."""
+"""`--kv-offload-dir`: a prefix cached on disk outlives the shard. The shard is SIGKILLed with three streams in
+flight, then stopped cleanly; after each restart a request sharing the cached prefix reads it from the disk tier
+(counted in /metrics) and every request yields exactly transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -65,13 +65,14 @@ def test_a_cached_prefix_outlives_a_killed_and_a_stopped_shard(tiny_model: Path,
     wait_for(lambda: len(files(folder)) >= 5, 60, "the prefix's blocks on disk")
     assert server.metric(DISK_HITS) == 0  # so far everything came from memory or was computed
 
-    # SIGKILL with a stream in flight: it is replayed exactly, and the prefix comes back from disk.
-    second = PREFIX + "question two:"
-    with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(generate_ids, server, second, 120)
-        wait_for(lambda: server.metric("conveyor_generated_tokens_total") > 12, 120, "the stream to start")
+    # SIGKILL under load, three requests of the prefix in flight: each is replayed exactly.
+    others = [PREFIX + f"question two, part {i}:" for i in range(3)]
+    with ThreadPoolExecutor(len(others)) as pool:
+        running = [pool.submit(generate_ids, server, prompt, 120) for prompt in others]
+        wait_for(lambda: server.metric("conveyor_generated_tokens_total") > 12, 120, "the streams to start")
         restart(server, signal.SIGKILL)
-        assert running.result() == greedy_reference(tiny_model, second, 120)
+        for prompt, result in zip(others, running):
+            assert result.result() == greedy_reference(tiny_model, prompt, 120)
     assert generate_ids(server, first, 12) == want
     hits = server.metric(DISK_HITS)
     assert hits > 0  # the restarted shard's memory held nothing: the prefix came from disk
