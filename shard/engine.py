@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from conveyor.grammar import GrammarCache
-from conveyor.shard import draft_model, drafts, kv_offload
+from conveyor.shard import draft_model, drafts, kv_files, kv_offload
 from conveyor.shard.batch import Batch
 from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
 from conveyor.shard.distributed import ProcessGroup
@@ -149,10 +149,10 @@ class Engine:
             "rank": self.group.rank,
             "world_size": self.group.world_size,
             "quantize": quantize or "",
-            "format": kv_offload.MAGIC.hex(),
+            "format": kv_files.MAGIC.hex(),
         }
         block_bytes = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.kv_dtype)
-        tier = kv_offload.DiskTier(folder, kv_offload.fingerprint(model_dir, facts), max_bytes, block_bytes)
+        tier = kv_files.DiskTier(folder, kv_offload.fingerprint(model_dir, facts), max_bytes, block_bytes)
         log.info("kv offload", extra={"folder": str(folder), "files_bytes": tier.stats.bytes_on_disk})
         return PrefixOffload(tier, self.block_size, self.group)
 
