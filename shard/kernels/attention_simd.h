@@ -53,16 +53,22 @@ inline float exp_nonpositive(float x) {
 }
 
 // An 8-bit KV row (shard/layers/kv_quant.py): `head_dim` int8 values, then a float16 scale for each group of
-// kKvGroup of them. The scale of the group holding value i of a row:
+// kKvGroup of them.
 constexpr int64_t kKvGroup = 16;
+
+// A row's bytes, and the offset in it of the scale of the group holding value i.
+constexpr int64_t kv_row_bytes(int64_t head_dim) { return head_dim + head_dim / kKvGroup * 2; }
+constexpr int64_t kv_scale_offset(int64_t head_dim, int64_t i) { return head_dim + i / kKvGroup * 2; }
+
+// The scale of the group holding value i of a row.
 inline float kv_scale(const int8_t* row, int64_t head_dim, int64_t i) {
 #if defined(__F16C__)
   uint16_t bits;  // the CPU's own conversion where the build has it (every x86 kind here): one instruction
-  std::memcpy(&bits, row + head_dim + i / kKvGroup * 2, sizeof bits);
+  std::memcpy(&bits, row + kv_scale_offset(head_dim, i), sizeof bits);
   return _cvtsh_ss(bits);
 #else
   c10::Half scale;
-  std::memcpy(&scale, row + head_dim + i / kKvGroup * 2, sizeof scale);
+  std::memcpy(&scale, row + kv_scale_offset(head_dim, i), sizeof scale);
   return static_cast<float>(scale);
 #endif
 }

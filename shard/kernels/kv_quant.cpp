@@ -23,6 +23,7 @@
 namespace conveyor::kv_quant_kernel {
 
 using conveyor::kKvGroup;
+using conveyor::kv_row_bytes;
 using conveyor::widen;
 
 constexpr float kSmallestScale = 5.9604644775390625e-08f;  // 2^-24: float16's smallest subnormal
@@ -40,23 +41,29 @@ void quantize_row(const scalar_t* row, int64_t head_dim, int8_t* out) {
       const float q = std::nearbyint(widen(row[i]) / step);
       out[i] = static_cast<int8_t>(std::clamp(q, -127.f, 127.f));
     }
-    std::memcpy(out + head_dim + g / kKvGroup * 2, &scale, sizeof scale);
+    std::memcpy(out + conveyor::kv_scale_offset(head_dim, g), &scale, sizeof scale);
   }
+}
+
+// `slots` as a contiguous int64 tensor [count], each checked to lie in a pool of `capacity` slots.
+at::Tensor checked_slots(const at::Tensor& slots, int64_t count, int64_t capacity) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == count, "slots [", count, "]");
+  at::Tensor where = slots.contiguous();
+  const int64_t* slot = where.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot out of the pool");
+  return where;
 }
 
 // rows [T, Hkv, D] (float32, bf16 or fp16) into cache [N, block, Hkv, D * 9 / 8] int8 at slots [T] (int64).
 void write(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
   TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kChar && cache.dim() == 4, "an int8 pool");
   TORCH_CHECK(rows.dim() == 3 && rows.is_contiguous() && cache.is_contiguous(), "rows [T, Hkv, D], contiguous");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == rows.size(0), "slots [T]");
   const int64_t tokens = rows.size(0), heads = rows.size(1), head_dim = rows.size(2);
   TORCH_CHECK(head_dim % kKvGroup == 0, "whole groups of ", kKvGroup);
-  const int64_t width = head_dim + head_dim / kKvGroup * 2;
+  const int64_t width = kv_row_bytes(head_dim);
   TORCH_CHECK(cache.size(2) == heads && cache.size(3) == width, "the pool's rows fit these");
-  const int64_t capacity = cache.size(0) * cache.size(1);
-  const at::Tensor where = slots.contiguous();
+  const at::Tensor where = checked_slots(slots, tokens, cache.size(0) * cache.size(1));
   const int64_t* slot = where.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot out of the pool");
   int8_t* pool = cache.data_ptr<int8_t>();
   conveyor::for_float_dtype(rows.scalar_type(), "kv_quant_write_", [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -70,13 +77,13 @@ void write(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
   });
 }
 
-// The rows of `slots` from a flattened int8 pool [S_pool, Hkv, D * 9 / 8], widened to `like`'s dtype as
+// The rows of `slots` from a flattened int8 pool [S_pool, Hkv, D * 9 / 8], widened to `dtype` as
 // [S, Hkv, D]: a prompt chunk's context for the prefill paths, in one pass (the torch reference, kv_quant.gather,
 // is eight ops over the whole context for every chunk and layer).
 template <typename scalar_t>
 void widen_rows(const int8_t* pool, const int64_t* slot, int64_t count, int64_t heads, int64_t head_dim,
                 scalar_t* out) {
-  const int64_t width = head_dim + head_dim / kKvGroup * 2;
+  const int64_t width = kv_row_bytes(head_dim);
   at::parallel_for(0, count * heads, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int8_t* row = pool + (slot[r / heads] * heads + r % heads) * width;
@@ -89,17 +96,16 @@ void widen_rows(const int8_t* pool, const int64_t* slot, int64_t count, int64_t 
   });
 }
 
-at::Tensor gather(const at::Tensor& flat, const at::Tensor& slots, const at::Tensor& like) {
+at::Tensor gather(const at::Tensor& flat, const at::Tensor& slots, at::ScalarType dtype) {
   TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kChar && flat.dim() == 3, "a flat int8 pool");
-  TORCH_CHECK(flat.is_contiguous() && slots.scalar_type() == at::kLong && slots.dim() == 1, "slots [S] int64");
+  TORCH_CHECK(flat.is_contiguous() && slots.dim() == 1, "a contiguous pool, slots [S]");
   const int64_t heads = flat.size(1), width = flat.size(2), head_dim = width * kKvGroup / (kKvGroup + 2);
-  TORCH_CHECK(head_dim % kKvGroup == 0 && head_dim + head_dim / kKvGroup * 2 == width, "8-bit rows");
-  const at::Tensor where = slots.contiguous();
-  const int64_t count = where.size(0), capacity = flat.size(0);
+  TORCH_CHECK(head_dim % kKvGroup == 0 && kv_row_bytes(head_dim) == width, "8-bit rows");
+  const int64_t count = slots.size(0);
+  const at::Tensor where = checked_slots(slots, count, flat.size(0));
   const int64_t* slot = where.data_ptr<int64_t>();
-  for (int64_t t = 0; t < count; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot out of the pool");
-  auto out = at::empty({count, heads, head_dim}, like.options());
-  conveyor::for_float_dtype(like.scalar_type(), "kv_quant_gather", [&](auto tag) {
+  auto out = at::empty({count, heads, head_dim}, flat.options().dtype(dtype));
+  conveyor::for_float_dtype(dtype, "kv_quant_gather", [&](auto tag) {
     using scalar_t = decltype(tag);
     widen_rows(flat.data_ptr<int8_t>(), slot, count, heads, head_dim, out.data_ptr<scalar_t>());
   });
@@ -114,7 +120,7 @@ at::Tensor write_(at::Tensor cache, const at::Tensor& slots, const at::Tensor& r
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("kv_quant_write_(Tensor(a!) cache, Tensor slots, Tensor rows) -> Tensor(a!)");
   m.impl("kv_quant_write_", c10::DispatchKey::CPU, &write_);
-  m.def("kv_quant_gather(Tensor flat, Tensor slots, Tensor like) -> Tensor");
+  m.def("kv_quant_gather(Tensor flat, Tensor slots, ScalarType dtype) -> Tensor");
   m.impl("kv_quant_gather", c10::DispatchKey::CPU, &gather);
 }
 

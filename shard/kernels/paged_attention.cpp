@@ -232,7 +232,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads are a multiple of KV heads");
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(!int8 || head_dim % conveyor::kKvGroup == 0, "an 8-bit cache needs whole groups of ", conveyor::kKvGroup);
-  const int64_t row = int8 ? head_dim + head_dim / conveyor::kKvGroup * 2 : head_dim;
+  const int64_t row = int8 ? conveyor::kv_row_bytes(head_dim) : head_dim;
   TORCH_CHECK(key_cache.size(3) == row, "query and cache share a head size");
   auto out = at::empty_like(query);
   conveyor::for_float_dtype(query.scalar_type(), "paged_decode_attention", [&](auto tag) {

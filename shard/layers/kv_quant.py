@@ -83,5 +83,5 @@ def gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch
     if not quantized(flat):
         return flat.index_select(0, slots)
     if kernels.serves(flat.device):
-        return torch.ops.conveyor.kv_quant_gather(flat, slots, torch.empty(0, dtype=dtype))
+        return torch.ops.conveyor.kv_quant_gather(flat, slots, dtype)
     return dequantize(flat.index_select(0, slots), dtype)

@@ -115,6 +115,6 @@ def test_the_kernel_gathers_the_values_the_reference_gathers(model_dtype: torch.
     generator = torch.Generator().manual_seed(11)
     pool.copy_(kv_quant.quantize(torch.randn(4, 16, 3, 64, generator=generator) * 3))
     flat, slots = pool.view(-1, 3, 72), torch.tensor([5, 63, 0, 5, 17, 40])
-    got = torch.ops.conveyor.kv_quant_gather(flat, slots, torch.empty(0, dtype=model_dtype))
+    got = torch.ops.conveyor.kv_quant_gather(flat, slots, model_dtype)
     assert got.dtype == model_dtype and torch.equal(got, kv_quant.dequantize(flat[slots], model_dtype))
     assert torch.equal(kv_quant.gather(flat, slots, model_dtype), got)
