@@ -26,6 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -195,11 +198,7 @@ def llamacpp_kv(model_dir: Path, text: Path, window: int, windows: int) -> Score
     """llama.cpp's q8_0 KV cache against its float one on the same text and windows (its f32 GGUF, flash
     attention on both runs, as a quantized V cache needs), or None where llama.cpp is not installed (make bench
     builds it)."""
-    import os
-    import subprocess
-    import tempfile
-
-    from conveyor.benchmarks import deploy
+    from conveyor.benchmarks import deploy  # the peers' tools: only this comparison needs them
 
     server = deploy.llamacpp_server()
     if not isinstance(server, Path):
@@ -259,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_int8 = args.kv_cache_dtype == "int8"
     scores = compare(args.model_id, args.quantize, args.text.read_text(), args.window, args.max_windows, kv_int8)
     if args.llamacpp_kv and args.max_windows is None:
-        windows = len(scores) and scores[0].tokens // (args.window // 2 - 1)
+        windows = scores[0].tokens // (args.window // 2 - 1)  # float32's: every window's scored tokens
         if (theirs := llamacpp_kv(args.model_id, args.text, args.window, windows)) is not None:
             scores.append(theirs)
     print(json.dumps([asdict(s) for s in scores], indent=2) if args.json else table(scores))

@@ -11,6 +11,7 @@ serves from memory alone meanwhile. What the keys cover, and when blocks are wri
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -41,9 +42,9 @@ def digest(*parts: bytes) -> bytes:
 
 @dataclass
 class Stats:
-    """Counted since the start; the router reads them from each step's timings (and /metrics shows them)."""
+    """Counted since the start. Each step's timings carry `bytes_on_disk` and `skipped_files` to the router's
+    /metrics; the others are the log's and the tests'."""
 
-    loaded_blocks: int = 0
     saved_blocks: int = 0
     skipped_files: int = 0  # truncated, corrupt or foreign: removed, never served
     write_errors: int = 0  # a full or read-only folder, and the like
@@ -74,15 +75,13 @@ class DiskTier:
         self._last_error = 0.0
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            found = [(p.stat().st_mtime, p) for p in self.root.glob(f"*{SUFFIX}")]
+            found = [(p.stat(), p) for p in self.root.glob(f"*{SUFFIX}")]
         except OSError as exc:
             self._error("cannot open the KV offload folder", exc)
             found = []
-        for _, path in sorted(found):
-            try:
-                self._files[bytes.fromhex(path.stem)] = path.stat().st_size
-            except (ValueError, OSError):
-                continue
+        for status, path in sorted(found, key=lambda f: f[0].st_mtime):  # least recently used first
+            with contextlib.suppress(ValueError):  # a name that is no key: not ours
+                self._files[bytes.fromhex(path.stem)] = status.st_size
         self.stats.bytes_on_disk = sum(self._files.values())
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload", daemon=True)
         self._writer.start()
@@ -114,20 +113,16 @@ class DiskTier:
         log.warning("kv offload: a block file failed its checks and was skipped", extra={"file": path.name})
         self.stats.skipped_files += 1
         self._forget(key)
-        try:
+        with contextlib.suppress(OSError):
             path.unlink()
-        except OSError:
-            pass
         return None
 
     def _touch(self, key: bytes, path: Path) -> None:
         with self._lock:
             if key in self._files:
                 self._files.move_to_end(key)
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)
-        except OSError:
-            pass
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -176,10 +171,8 @@ class DiskTier:
         except OSError as exc:
             self.stats.write_errors += 1
             self._error("cannot write to the KV offload folder: serving from memory alone", exc)
-            try:
+            with contextlib.suppress(OSError):
                 partial.unlink()
-            except OSError:
-                pass
             return
         with self._lock:
             self._files[item.key] = len(data)
@@ -195,10 +188,8 @@ class DiskTier:
                     return
                 key, size = self._files.popitem(last=False)
                 self.stats.bytes_on_disk -= size
-            try:
+            with contextlib.suppress(OSError):
                 self.path(key).unlink()
-            except OSError:
-                pass
 
     def _error(self, message: str, exc: OSError) -> None:
         """Logged at most once a minute: a full disk fails every write."""

@@ -116,13 +116,12 @@ class PrefixOffload:
                     break
                 restore_block(cache.keys, cache.values, state.block_table[b], payload)
                 count += 1
-            count = self.group.min(count) if self.group.world_size > 1 else count
+            count = self.group.min(count)
             if count:
                 tokens = count * self.block_size
                 state.num_computed_tokens += tokens
                 state.chunk_len -= tokens
                 self.loaded_tokens += tokens
-                self.tier.stats.loaded_blocks += count
         self.load_ns = time.perf_counter_ns() - start_ns
 
     def save(self, prefilling: list, before: list[int], cache) -> None:

@@ -259,6 +259,19 @@ def servers(tiny_model: Path) -> Iterator[dict[str, Server]]:
     assert [s.stop() for s in started.values()] == [0] * len(deployments)
 
 
+PROMPTS = ["def add(a, b):\n    return a + b\n", "class Queue:\n    def __init__(self):\n        self.items = []"]
+
+
+def mean_logprob_difference(full: Server, other: Server) -> tuple[float, int]:
+    """Mean |difference| of PROMPTS' prompt-token log-probabilities between two deployments, and how many tokens."""
+    differences = []
+    for prompt in PROMPTS:
+        a, b = prompt_logprobs(full, prompt), prompt_logprobs(other, prompt)
+        assert len(a) == len(b) > 10
+        differences += [abs(x - y) for x, y in zip(a, b)]
+    return sum(differences) / len(differences), len(differences)
+
+
 def prompt_logprobs(server: Server, prompt: str) -> list[float]:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": 1, "decoder_input_details": True, "details": True}}
     response = httpx.post(f"{server.url}/generate", json=body, timeout=120)
@@ -276,16 +289,10 @@ def test_quantized_serving_stays_within_its_bound(
     info = quantized.info()
     assert info["quantize"] == quantize and full.info()["quantize"] is None
     assert info["weight_bytes"] <= share * full.info()["weight_bytes"]
-    prompts = ["def add(a, b):\n    return a + b\n", "class Queue:\n    def __init__(self):\n        self.items = []"]
-    differences = []
-    for prompt in prompts:
-        a, b = prompt_logprobs(full, prompt), prompt_logprobs(quantized, prompt)
-        assert len(a) == len(b) > 10
-        differences += [abs(x - y) for x, y in zip(a, b)]
-    mean = sum(differences) / len(differences)
-    print(f"{quantize}: mean |logprob difference| {mean:.4f} nats over {len(differences)} tokens")
+    mean, tokens = mean_logprob_difference(full, quantized)
+    print(f"{quantize}: mean |logprob difference| {mean:.4f} nats over {tokens} tokens")
     assert 0 < mean <= LOGPROB_BOUND[quantize], mean
-    body = {"inputs": prompts[0], "parameters": {"max_new_tokens": 8}}
+    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 8}}
     assert httpx.post(f"{quantized.url}/generate", json=body, timeout=120).json()["generated_text"]
 
 
@@ -319,13 +326,7 @@ def test_int8_kv_cache_serving_stays_within_its_bound(built, servers: dict[str, 
     float cache's, and greedy generations keep float32's tokens (up to their first difference) at a stated rate."""
     full, kv = servers["float32"], servers["kv-int8"]
     assert kv.info()["kv_cache_dtype"] == "int8" and full.info()["kv_cache_dtype"] == "float32"
-    prompts = ["def add(a, b):\n    return a + b\n", "class Queue:\n    def __init__(self):\n        self.items = []"]
-    differences = []
-    for prompt in prompts:
-        a, b = prompt_logprobs(full, prompt), prompt_logprobs(kv, prompt)
-        assert len(a) == len(b) > 10
-        differences += [abs(x - y) for x, y in zip(a, b)]
-    mean = sum(differences) / len(differences)
+    mean, _ = mean_logprob_difference(full, kv)
     matched = total = 0
     for prompt, tokens in ORACLE_PROMPTS:
         want, got = greedy_ids(full, prompt, tokens), greedy_ids(kv, prompt, tokens)
