@@ -101,8 +101,8 @@ struct Avx512 {
   static R floor(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
   static R times_pow2(R y, R n) { return _mm512_scalef_ps(y, n); }  // y * 2^n, n a whole number
   template <typename scalar_t>
-  static R load(const scalar_t* p) {  // sixteen floats, or bfloat16s widened (the small-rows GEMM's load)
-    return conveyor::avx512::load16(p, 0xFFFF);
+  static R load(const scalar_t* p) {  // sixteen floats, or bfloat16s or int8s widened (row_dots_avx512.h)
+    return conveyor::avx512::load16(p);
   }
   static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
   static __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "float_types.h"
+#include "row_dots_avx512.h"
 
 // Where the library's CPU kind has them (conveyor.cpu.KINDS): AVX-512 VNNI for vpdpbusd, BW and VL for the byte and
 // half-width masked loads. Elsewhere their ops exist but refuse, and `int8_vnni_available` says no.
@@ -47,15 +48,7 @@ inline float quantize_block(const scalar_t* x, int64_t n, int8_t q[kBlock]) {
 }
 
 #ifdef CONVEYOR_VNNI
-// 16 values of x widened to float.
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::Half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-inline __m512 load16(const c10::BFloat16* x) {  // the top half of a float
-  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
+using avx512::load16;  // 16 values of x widened to float (row_dots_avx512.h: a VNNI kind has AVX-512 F/BW/VL)
 
 // A whole block: the same rounding in a few vector instructions (vcvtps2dq rounds to nearest even, as nearbyint).
 template <typename scalar_t>

@@ -14,26 +14,24 @@
 
 namespace conveyor::avx512 {
 
-// 16 weights from `w` as floats; `mask` keeps the first lanes only (the row's tail).
-inline __m512 load16(const float* w, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, w); }
-inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 load16(const int8_t* w, __mmask16 mask) {  // an 8-bit KV row's values (decode attention)
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+// 16 values from `p` as floats: a whole vector (the kernels' loads; quantized_rows.h's integer kernels and the
+// decode attention, attention_simd.h, read through these too), or with `mask` the first lanes only (a row's tail:
+// masked loads cost whole vectors a fifth of the bandwidth, see dot_block).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 load16(const c10::BFloat16* w, __mmask16 mask) {
-  const __m256i half = _mm256_maskz_loadu_epi16(mask, w);  // bfloat16 is the top half of a float
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
-inline __m512 load16(const c10::BFloat16* w) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+inline __m512 load16(const int8_t* p) {  // an 8-bit KV row's values
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-
-// 16 floats of x, whole (`kWhole`) or the first lanes of `mask`.
-template <bool kWhole>
-inline __m512 load_x(const float* x, __mmask16 mask) {
-  if constexpr (kWhole) return _mm512_loadu_ps(x);
-  return _mm512_maskz_loadu_ps(mask, x);
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i half = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
 // sums[j * kOut + r] = x_j . w_r for the kRows rows x_j of x (float, [kRows, in]) and the kOut weight rows
@@ -45,17 +43,20 @@ inline void dot_block(const float* x, int64_t in, const weight_t* w, float* sums
   for (int j = 0; j < kRows; ++j)
     for (int r = 0; r < kOut; ++r) acc[j][r] = _mm512_setzero_ps();
   const auto step = [&](int64_t k, auto whole, __mmask16 mask) {
+    const auto load = [&](const auto* p) {
+      if constexpr (decltype(whole)::value) {
+        return load16(p);
+      } else {
+        return load16(p, mask);
+      }
+    };
     __m512 wv[kOut];
     for (int r = 0; r < kOut; ++r) {
       conveyor::prefetch_weight(w + r * in + k);
-      if constexpr (decltype(whole)::value) {
-        wv[r] = load16(w + r * in + k);
-      } else {
-        wv[r] = load16(w + r * in + k, mask);
-      }
+      wv[r] = load(w + r * in + k);
     }
     for (int j = 0; j < kRows; ++j) {
-      const __m512 xv = load_x<decltype(whole)::value>(x + j * in + k, mask);
+      const __m512 xv = load(x + j * in + k);
       for (int r = 0; r < kOut; ++r) acc[j][r] = _mm512_fmadd_ps(xv, wv[r], acc[j][r]);
     }
   };
