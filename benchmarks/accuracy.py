@@ -14,7 +14,7 @@ float32 model on the same tokens:
   percentile and maximum (the rare tokens where a quantization goes wrong);
 - same top-1: the share of tokens where both models' most likely next token is the same.
 
-    python -m conveyor.benchmarks.accuracy --model-id DIR --quantize int8 int4 --kv-cache-dtype int8
+    python -m benchmarks.accuracy --model-id DIR --quantize int8 int4 --kv-cache-dtype int8
 
 `--kv-cache-dtype int8` adds the mode `kv-int8`: float32 weights over an int8 KV cache (shard/layers/kv_quant.py).
 Each window is one prompt, so its tokens attend to the cache's 8-bit rows of the tokens before them, as a served
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.benchmarks.progress import note
+from benchmarks.progress import note
 
 TEXT = Path(__file__).with_name("data") / "accuracy.txt"
 WINDOW = 512
@@ -62,26 +62,20 @@ class Scorer:
     def __init__(
         self, model_dir: Path, quantize: str | None, window: int, dtype: str = "float32", kv_cache_dtype: str = "auto"
     ) -> None:
-        from conveyor.shard.distributed import ProcessGroup
-        from conveyor.shard.engine import Engine
+        from conveyor.shard import offline
 
-        group = ProcessGroup(0, 1)
-        self.engine = Engine(model_dir, dtype, torch.device("cpu"), group, quantize, kv_cache_dtype=kv_cache_dtype)
-        self.model, self.block_size = self.engine.model, self.engine.block_size
+        self.engine = offline.load(model_dir, dtype, quantize, kv_cache_dtype)
+        self.block_size = self.engine.block_size
         self.blocks = math.ceil(window / self.block_size)
         self.cache = self.engine.allocate(self.blocks)
 
     @torch.inference_mode()
     def log_probs(self, ids: list[int]) -> torch.Tensor:
         """[len(ids), vocab] float32: log p(next token | ids[:i + 1]) for every i, one prompt from position 0."""
-        from conveyor.shard.layers.attention import build_per_window
+        from conveyor.shard import offline
 
-        n = len(ids)
-        metas = build_per_window(
-            self.model.windows, [list(range(self.blocks))], [n], [n], self.block_size, torch.device("cpu")
-        )
-        positions = torch.arange(n)
-        logits = self.model(torch.tensor(ids, dtype=torch.long), positions, self.cache, metas, positions)
+        every = torch.arange(len(ids))
+        logits = offline.forward(self.engine, self.cache, [(ids, list(range(self.blocks)), 0)], every)
         return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -198,7 +192,7 @@ def llamacpp_kv(model_dir: Path, text: Path, window: int, windows: int) -> Score
     """llama.cpp's q8_0 KV cache against its float one on the same text and windows (its f32 GGUF, flash
     attention on both runs, as a quantized V cache needs), or None where llama.cpp is not installed (make bench
     builds it)."""
-    from conveyor.benchmarks import deploy  # the peers' tools: only this comparison needs them
+    from benchmarks import deploy  # the peers' tools: only this comparison needs them
 
     server = deploy.llamacpp_server()
     if not isinstance(server, Path):
@@ -252,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.model_id is None:
-        from conveyor.benchmarks.real_model import prepare
+        from benchmarks.real_model import prepare
 
         args.model_id = prepare()
     kv_int8 = args.kv_cache_dtype == "int8"

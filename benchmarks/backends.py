@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.benchmarks.workload import Prompt
+from benchmarks.workload import Prompt
 
 BACKENDS = ("openai-completions", "openai-chat", "tgi")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from conveyor.benchmarks.progress import note
+from benchmarks.progress import note
 
 
 @dataclass
@@ -71,11 +71,10 @@ class _Row:
 
 class BareLoop:
     def __init__(self, model_dir: Path, batch: int, dtype: str = "float32", quantize: str | None = None) -> None:
-        from conveyor.shard.distributed import ProcessGroup
-        from conveyor.shard.engine import Engine
+        from conveyor.shard import offline
 
-        self.engine = Engine(model_dir, dtype, torch.device("cpu"), ProcessGroup(0, 1), quantize=quantize)
-        self.model, self.block_size, self.batch = self.engine.model, self.engine.block_size, batch
+        self.engine = offline.load(model_dir, dtype, quantize)
+        self.block_size, self.batch = self.engine.block_size, batch
         self.blocks_per_slot = 0
         self.cache = None
 
@@ -93,22 +92,11 @@ class BareLoop:
     @torch.inference_mode()
     def forward(self, rows: list[_Row]) -> list[int]:
         """One flat forward over every row's fed tokens; returns each row's greedy next token."""
-        from conveyor.shard.layers.attention import build_per_window
-        from conveyor.shard.sampling import greedy
+        from conveyor.shard import offline
 
-        ids = torch.tensor([t for r in rows for t in r.feed], dtype=torch.long)
-        positions = torch.cat([torch.arange(r.length, r.length + len(r.feed)) for r in rows])
-        query_lens = [len(r.feed) for r in rows]
-        metas = build_per_window(
-            self.model.windows,
-            [self.table(r.slot) for r in rows],
-            [r.length + len(r.feed) for r in rows],
-            query_lens,
-            self.block_size,
-            torch.device("cpu"),
-        )
-        last = torch.cumsum(torch.tensor(query_lens), 0) - 1
-        return greedy(self.model(ids, positions, self.cache, metas, last))[0].tolist()
+        last = torch.cumsum(torch.tensor([len(r.feed) for r in rows]), 0) - 1
+        flat = [(r.feed, self.table(r.slot), r.length) for r in rows]
+        return offline.greedy(offline.forward(self.engine, self.cache, flat, last))[0].tolist()
 
     def run(self, requests: list[tuple[list[int], int]], prefill_budget: int) -> BareResult:
         """`requests` are (prompt ids, output length), admitted in order, at most `batch` at once."""

@@ -18,8 +18,8 @@ from typing import Any
 
 import aiohttp
 
-from conveyor.benchmarks.backends import Backend, RequestOptions
-from conveyor.benchmarks.workload import Prompt
+from benchmarks.backends import Backend, RequestOptions
+from benchmarks.workload import Prompt
 
 ERROR_BODY_CHARS = 300
 

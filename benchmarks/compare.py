@@ -2,7 +2,7 @@
 the same models and the same workloads, in one run.
 
     make bench                                                   # the real model, then the demo `small` model
-    .venv/bin/python -m conveyor.benchmarks.compare --quick --model-id real --skip-transformers   # a smoke run
+    .venv/bin/python -m benchmarks.compare --quick --model-id real --skip-transformers   # a smoke run
 
 Each model is compared in turn (--model-id, default `real,demo`): `real` is SmolLM2-135M-Instruct as
 benchmarks/real_model.py prepares it (a float32 directory: real text, activations, tokenizer and chat template,
@@ -54,9 +54,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from conveyor import cpu
-from conveyor.benchmarks import bare, deploy, real_model
-from conveyor.benchmarks.compare_report import (
+from benchmarks import bare, deploy, real_model
+from benchmarks.compare_report import (
     BARE,
     BARE_ONE,
     BARE_TORCH_GEMM,
@@ -71,11 +70,12 @@ from conveyor.benchmarks.compare_report import (
     print_report,
     summary_dict,
 )
-from conveyor.benchmarks.metrics import BenchmarkResult
-from conveyor.benchmarks.plot import plot_results
-from conveyor.benchmarks.progress import note
-from conveyor.benchmarks.serve import BenchmarkConfig, length_range, load_tokenizer, run
-from conveyor.benchmarks.workload import LengthSpec, Prompt, Workload, build_prompts
+from benchmarks.metrics import BenchmarkResult
+from benchmarks.plot import plot_results
+from benchmarks.progress import note
+from benchmarks.serve import BenchmarkConfig, length_range, load_tokenizer, run
+from benchmarks.workload import LengthSpec, Prompt, Workload, build_prompts
+from conveyor import cpu
 
 MODES = ("continuous", "static", "sequential")
 DTYPE_SUFFIX = {"float32": "", "bfloat16": BF16}

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.bare import BareResult
+from benchmarks.metrics import BenchmarkResult, RateResult, Summary
+from benchmarks.report import number
+from benchmarks.workload import Workload
 from conveyor import cpu
-from conveyor.benchmarks.bare import BareResult
-from conveyor.benchmarks.metrics import BenchmarkResult, RateResult, Summary
-from conveyor.benchmarks.report import number
-from conveyor.benchmarks.workload import Workload
 
 CONTINUOUS, STATIC, SEQUENTIAL, TRANSFORMERS, VLLM, LLAMACPP = (
     "conveyor-continuous",

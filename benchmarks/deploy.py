@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from conveyor.benchmarks import shards
-from conveyor.benchmarks.shards import DeploymentFailed  # noqa: F401 - callers catch it from here
+from benchmarks import shards
+from benchmarks.shards import DeploymentFailed  # noqa: F401 - callers catch it from here
 from conveyor.paths import cache_root
 
 # The peers serve local directories and send nothing off this machine (benchmarks, like tests, send traffic to

@@ -1,7 +1,7 @@
 """Structured output's cost: the token mask inside Conveyor's decode step, and the grammar engines side by side.
 
     make bench-grammar                                  # the demo `small` model, minutes on an idle 2-core CPU
-    .venv/bin/python -m conveyor.benchmarks.grammar --model-id DIR --batch-sizes 1,8 --steps 16
+    .venv/bin/python -m benchmarks.grammar --model-id DIR --batch-sizes 1,8 --steps 16
 
 Run it on an otherwise idle machine: torch's threads wait for one another at every operation, so another busy
 process on a 2-core CPU made the same steps several times slower in trials (and the engines' thread pools suffer
@@ -51,9 +51,9 @@ from typing import Any, Protocol
 
 import torch
 
-from conveyor.benchmarks.bare import BareLoop
-from conveyor.benchmarks.progress import note
-from conveyor.benchmarks.report import number
+from benchmarks.bare import BareLoop
+from benchmarks.progress import note
+from benchmarks.report import number
 from conveyor.grammar import Constraint, GrammarCache, closed
 from conveyor.v1 import shard_pb2 as pb
 
@@ -221,14 +221,12 @@ class DecodeBench:
 
     def step(self, lane: Lane, refill: bool) -> None:
         """One Prefill (rows joining the free slots, with the running ones) or Decode, then FilterBatch."""
-        from conveyor.shard.batch import Batch
+        from conveyor.shard import offline
 
         new = self._admit(lane) if refill else []
         batch = lane.running
         if new:
-            joining = pb.Batch(id=new[0].id, requests=new, size=len(new))
-            joined = Batch.from_pb(joining, self.engine.states(joining))
-            batch = joined if batch is None else Batch.concatenate([batch, joined])
+            batch = offline.join(self.engine, batch, pb.Batch(id=new[0].id, requests=new, size=len(new)))
         generations, lane.running, timings = self.engine.step(batch)
         if not new and refill:
             lane.decode_steps += 1
@@ -337,7 +335,7 @@ class Llguidance:
     """Conveyor's own path: `Constraint` to grammar text, `GrammarCache`, `Masks.apply`, `consume_token`."""
 
     def __init__(self, vocab: Vocab) -> None:
-        from conveyor.shard.masks import Masks
+        from conveyor.shard.offline import Masks
 
         self.cache, self.masks = GrammarCache(vocab.tokenizer, vocab.size, vocab.eos), Masks(vocab.eos)
 
@@ -423,7 +421,7 @@ class OutlinesCore:
         return self.oc.Guide(compiled)
 
     def mask(self, matchers: list[Any], logits: torch.Tensor) -> None:
-        from conveyor.shard.masks import unpack
+        from conveyor.shard.offline import unpack
 
         bitmask = torch.zeros(len(matchers), (self.vocab.size + 31) // 32, dtype=torch.int32)
         for guide, row in zip(matchers, bitmask):

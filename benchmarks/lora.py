@@ -7,7 +7,7 @@ requests of 16-64 prompt tokens and 128 output tokens, `ignore_eos`, 32 in fligh
 The base cell names the model; the adapters cell names adapter i % 4 for request i, so every decode step mixes
 all four. Cells alternate (base, adapters, adapters, base, ...) against the VM's drift.
 
-    python -m conveyor.benchmarks.lora [--model-id real|demo|DIR] [--rounds 2]
+    python -m benchmarks.lora [--model-id real|demo|DIR] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks import deploy
+from benchmarks.backends import CompletionsBackend, RequestOptions
+from benchmarks.client import RequestRecord, send
+from benchmarks.compare import resolve
+from benchmarks.progress import note
+from benchmarks.workload import LengthSpec, Prompt, build_prompts
 from conveyor import cpu
-from conveyor.benchmarks import deploy
-from conveyor.benchmarks.backends import CompletionsBackend, RequestOptions
-from conveyor.benchmarks.client import RequestRecord, send
-from conveyor.benchmarks.compare import resolve
-from conveyor.benchmarks.progress import note
-from conveyor.benchmarks.workload import LengthSpec, Prompt, build_prompts
 from conveyor.paths import cache_root
 
 ADAPTERS = 4

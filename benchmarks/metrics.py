@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from conveyor.benchmarks.client import RequestRecord
+from benchmarks.client import RequestRecord
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 STATISTICS = ("mean", "median", "p99")

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from conveyor.benchmarks.metrics import rate_value
+from benchmarks.metrics import rate_value
 
 PANELS = (  # (title, y label, keys: (median-like, tail) or a single throughput key)
     ("Output throughput", "tokens / s", ("output_throughput",)),

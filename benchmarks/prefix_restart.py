@@ -2,7 +2,7 @@
 shard is SIGKILLed, with the prefix cache in memory only and with its disk tier (`--kv-offload-dir`).
 
     make bench-long                                                  # runs this after long_context.py
-    .venv/bin/python -m conveyor.benchmarks.prefix_restart           # the real model, a 2,000-token prefix
+    .venv/bin/python -m benchmarks.prefix_restart           # the real model, a 2,000-token prefix
 
 Each deployment is started, sent the prefix with one question (cold: nothing cached) and another (cached in
 memory), then its shard is SIGKILLed; once the launcher's new shard serves, two more questions follow: the first
@@ -24,11 +24,11 @@ from pathlib import Path
 import httpx
 import psutil
 
-from conveyor.benchmarks import deploy, real_model
-from conveyor.benchmarks.compare_report import machine, machine_line
-from conveyor.benchmarks.progress import note
-from conveyor.benchmarks.serve import load_tokenizer
-from conveyor.benchmarks.workload import fit_tokens
+from benchmarks import deploy, real_model
+from benchmarks.compare_report import machine, machine_line
+from benchmarks.progress import note
+from benchmarks.serve import load_tokenizer
+from benchmarks.workload import fit_tokens
 
 MODES = {"memory only": False, "disk tier": True}  # with --kv-offload-dir (a fresh folder each run) or without
 BLOCK_TOKENS = 16  # the shards' KV block (the unit a file holds)

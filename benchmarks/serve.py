@@ -1,8 +1,8 @@
-"""`conveyor-benchmark`: a serving load generator for any OpenAI-compatible or TGI-style endpoint.
+"""`python -m benchmarks.serve`: a serving load generator for any OpenAI-compatible or TGI-style endpoint.
 
-    conveyor-benchmark --base-url http://127.0.0.1:3000 --num-prompts 64 --input-len-range 32,256 \\
+    python -m benchmarks.serve --base-url http://127.0.0.1:3000 --num-prompts 64 --input-len-range 32,256 \\
         --output-len 64 --ignore-eos --request-rate 1,2,inf --max-concurrency 32 --json out.json --plot out.png
-    conveyor-benchmark plot a.json b.json --out both.png      # one line per system
+    python -m benchmarks.serve plot a.json b.json --out both.png      # one line per system
 
 A seeded synthetic prompt set (token-exact with --tokenizer, words otherwise) is sent once per request rate,
 the same prompts every time, with Poisson (--burstiness 1) or gamma arrivals or all at once (rate inf), under an
@@ -27,13 +27,13 @@ from typing import Any
 
 import aiohttp
 
-from conveyor.benchmarks.backends import BACKENDS, Backend, RequestOptions, backend
-from conveyor.benchmarks.client import RequestRecord, send
-from conveyor.benchmarks.metrics import SLO_METRICS, BenchmarkResult, RateResult, load_results, summarize
-from conveyor.benchmarks.plot import plot_results
-from conveyor.benchmarks.progress import Progress, note
-from conveyor.benchmarks.report import format_result
-from conveyor.benchmarks.workload import KINDS, LengthSpec, Prompt, arrival_offsets, build_prompts
+from benchmarks.backends import BACKENDS, Backend, RequestOptions, backend
+from benchmarks.client import RequestRecord, send
+from benchmarks.metrics import SLO_METRICS, BenchmarkResult, RateResult, load_results, summarize
+from benchmarks.plot import plot_results
+from benchmarks.progress import Progress, note
+from benchmarks.report import format_result
+from benchmarks.workload import KINDS, LengthSpec, Prompt, arrival_offsets, build_prompts
 
 WARMUP_TOKENS = 8  # warm-up requests only need to touch every code path once
 DEFAULT_MODEL = "default"
@@ -251,7 +251,7 @@ def length_spec(args: argparse.Namespace, kind: str) -> LengthSpec:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="conveyor-benchmark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--base-url", default="http://127.0.0.1:3000")
     p.add_argument("--backend", choices=BACKENDS, default="openai-completions")
@@ -327,7 +327,7 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
 
 def plot_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(
-        prog="conveyor-benchmark plot", description="Draws result JSON files into one PNG, one line per system."
+        prog="python -m benchmarks.serve plot", description="Draws result JSON files into one PNG, one line per system."
     )
     p.add_argument("results", type=Path, nargs="+", help="files written by --json")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")

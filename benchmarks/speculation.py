@@ -9,7 +9,7 @@ answer repeats most of the prompt. Conveyor is one deployment; each request asks
 the server's --speculate, so both are measured on the same processes in alternating rounds. Acceptance comes
 from Conveyor's own counters (/metrics) over each cell.
 
-    python -m conveyor.benchmarks.speculation [--model-id real|demo|DIR] [--rounds 2] [--skip-llamacpp]
+    python -m benchmarks.speculation [--model-id real|demo|DIR] [--rounds 2] [--skip-llamacpp]
 
 Reported per cell: output tok/s per stream (output tokens after the first over the time after the first),
 TPOT (its inverse in ms), the median gap between streamed chunks (several tokens verified in one step arrive
@@ -31,12 +31,12 @@ from typing import Any
 
 import aiohttp
 
-from conveyor.benchmarks import deploy
-from conveyor.benchmarks.backends import ChatBackend, RequestOptions
-from conveyor.benchmarks.client import RequestRecord, send
-from conveyor.benchmarks.compare import resolve
-from conveyor.benchmarks.progress import note
-from conveyor.benchmarks.workload import Prompt
+from benchmarks import deploy
+from benchmarks.backends import ChatBackend, RequestOptions
+from benchmarks.client import RequestRecord, send
+from benchmarks.compare import resolve
+from benchmarks.progress import note
+from benchmarks.workload import Prompt
 
 CODE = """def load_config(path):
     with open(path) as handle:

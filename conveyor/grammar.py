@@ -220,7 +220,7 @@ def _first_step_error(template: Any, eos_token_ids: list[int]) -> str | None:
     mask, then the first token it allows other than EOS. Cheap for real constraints next to the compile itself
     (schemas, regexes and grammars, on small and large tokenizers; `make bench-grammar` times the compile with this
     step in it). A limit met only after a choice (`x|a{1000000}`, once the model picks `a`) is still met on the
-    shard, which ends the request with EOS (shard/masks.py)."""
+    shard, which ends the request with EOS (shard/sampling/masks.py)."""
     matcher = template.deep_copy()
     allowed = int.from_bytes(matcher.compute_bitmask(), "little")  # bit t of the little-endian words: token t
     for eos in eos_token_ids:

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from conveyor import config, lora_sources
+from conveyor import adapter_sources, config
 from conveyor import log as conveyor_log
 from conveyor.config import Config
 from conveyor.keys import load_keys
@@ -57,8 +57,8 @@ def local_adapters(flag: str | None) -> str | None:
     """`--lora-adapters` with every source a local folder: a Hub id is downloaded here, before any shard starts,
     and a bad value stops the launcher with one line."""
     try:
-        pairs = [(name, lora_sources.resolve(source)) for name, source in lora_sources.parse(flag)]
-    except lora_sources.AdapterSourceError as exc:
+        pairs = [(name, adapter_sources.resolve(source)) for name, source in adapter_sources.parse(flag)]
+    except adapter_sources.AdapterSourceError as exc:
         raise SystemExit(f"conveyor-launcher: {exc}") from None
     return ",".join(f"{name}={path}" for name, path in pairs) or None
 

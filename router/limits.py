@@ -1,4 +1,5 @@
-"""Token limits: defaults from the model, checks that they are consistent, and the warmup batch they imply.
+"""Token limits: defaults from the model, and checks that they are consistent (the warmup batch they imply is the
+transport's: router/transport/connect.py).
 
 Every valid request must fit an empty server on its own (input ≤ prefill budget, input + new tokens ≤ total
 budget); otherwise it would wait in the queue for ever. The checks here make that true at startup.
@@ -10,7 +11,6 @@ import logging
 from dataclasses import dataclass, replace
 
 from conveyor.config import Config
-from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,9 @@ class ResolvedLimits:
         return replace(self, max_batch_total_tokens=capacity)
 
 
-def resolve_limits(args: Config, info: pb.InfoResponse, tokenizer) -> ResolvedLimits:
-    model_max = info.max_position_embeddings or getattr(tokenizer, "model_max_length", 0) or 0
+def resolve_limits(args: Config, max_position_embeddings: int, tokenizer) -> ResolvedLimits:
+    """`max_position_embeddings`: the model's, as rank 0 reports it (0: unknown, the tokenizer's then)."""
+    model_max = max_position_embeddings or getattr(tokenizer, "model_max_length", 0) or 0
     max_total = args.max_total_tokens or min(model_max or DEFAULT_MAX_TOTAL_TOKENS, DEFAULT_MAX_TOTAL_TOKENS)
     max_input = args.max_input_tokens or max_total - 1
     prefill = args.max_batch_prefill_tokens or max(max_input, DEFAULT_PREFILL_TOKENS)
@@ -77,26 +78,4 @@ def resolve_limits(args: Config, info: pb.InfoResponse, tokenizer) -> ResolvedLi
         max_batch_prefill_tokens=prefill,
         max_batch_total_tokens=args.max_batch_total_tokens or 0,
         user_batch_total_tokens=args.max_batch_total_tokens,
-    )
-
-
-def warmup_request(limits: ResolvedLimits, tokenizer, again: bool = False) -> pb.WarmupRequest:
-    """As many longest prompts as the prefill budget admits, each asking for two new tokens. `again`, after the
-    shards restarted: one short prompt, and the pool asked for at the size the first warmup measured (the
-    largest prefill takes many seconds on a CPU, and every stream waits for it)."""
-    max_input = min(16, limits.validation.max_input_tokens) if again else limits.validation.max_input_tokens
-    count = 1 if again else max(1, limits.max_batch_prefill_tokens // max_input)
-    token = tokenizer.convert_tokens_to_ids(tokenizer.tokenize("a"))[0]
-    requests = [
-        pb.Request(
-            id=n,
-            input_ids=[token] * max_input,
-            parameters=pb.SamplingParameters(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0),
-            stopping_parameters=pb.StoppingParameters(max_new_tokens=2, ignore_eos_token=True),
-        )
-        for n in range(count)
-    ]
-    return pb.WarmupRequest(
-        batch=pb.Batch(id=0, requests=requests, size=count),
-        max_batch_total_tokens=limits.max_batch_total_tokens if again else limits.user_batch_total_tokens or 0,
     )

@@ -24,11 +24,11 @@ from conveyor.config import Config
 from conveyor.group_store import GroupStore
 from conveyor.keys import load_keys
 from conveyor.model_source import resolve_model
-from conveyor.router.core.adapters import Adapters
+from conveyor.router.core.adapter_registry import Adapters
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.infer import Infer
 from conveyor.router.core.scheduler import Reconnect, Scheduler
-from conveyor.router.core.step_planner import PlannerConfig, Scheduling
+from conveyor.router.core.step_planner import PlannerConfig
 from conveyor.router.frontends import grpc_server as grpc_front_door
 from conveyor.router.frontends.app import HttpServer
 from conveyor.router.frontends.connections import ClientCap, ConnectionLimits
@@ -167,7 +167,7 @@ def make_scheduler(args: Config, connection: Connection, metrics: Metrics, recon
         max_batch_prefill_tokens=connection.limits.max_batch_prefill_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens or DEFAULT_CHUNK_TOKENS,
         max_batch_size=args.max_batch_size,
-        scheduling=Scheduling(args.scheduling),
+        scheduling=args.scheduling,
         static_batch_timeout=args.static_batch_timeout,
         watermark_blocks=allocator.num_blocks // 100,
         max_decode_steps=max(1, args.max_decode_steps),

@@ -16,21 +16,21 @@ from pathlib import Path
 
 import torch
 
-from conveyor import config, lifeline, lora_sources, tracing
+from conveyor import adapter_sources, config, lifeline, tracing
 from conveyor import log as conveyor_log
 from conveyor.config import Config
 from conveyor.cpu import threads_per_rank, usable_cores
 from conveyor.model_source import resolve_model
-from conveyor.shard.device import choose_device
-from conveyor.shard.distributed import ProcessGroup, initialize
-from conveyor.shard.engine import Draft, Engine
+from conveyor.shard.adapters.adapter_files import AdapterError
 from conveyor.shard.layers.kv_quant import KVCacheUnavailable
 from conveyor.shard.layers.quantize import QuantizationUnavailable
 from conveyor.shard.layers.rotary import UnsupportedRope, frequencies
-from conveyor.shard.lora_files import AdapterError
 from conveyor.shard.models import MODEL_TYPES, language_config
-from conveyor.shard.server import serve
-from conveyor.shard.torch_thread import TorchThread
+from conveyor.shard.runtime.device import choose_device
+from conveyor.shard.runtime.process_group import ProcessGroup, initialize
+from conveyor.shard.service.grpc_service import serve
+from conveyor.shard.service.torch_thread import TorchThread
+from conveyor.shard.step.engine import Draft, Engine
 from conveyor.shard_channels import AddressError, Security, rank_address
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def load(args: Config, served_name: str | None = None) -> Engine:
         torch.set_num_threads(threads)
     try:
         draft = Draft(args.speculate_model, args.speculate_quantize) if args.speculate_model else None
-        adapters = lora_sources.parse(args.lora_adapters)
+        adapters = adapter_sources.parse(args.lora_adapters)
         return Engine(
             args.model_id,
             args.dtype,
@@ -79,7 +79,7 @@ def load(args: Config, served_name: str | None = None) -> Engine:
             kv_cache_dtype=args.kv_cache_dtype,
             kv_offload=_offload(args),
         )
-    except (QuantizationUnavailable, KVCacheUnavailable, AdapterError, lora_sources.AdapterSourceError) as exc:
+    except (QuantizationUnavailable, KVCacheUnavailable, AdapterError, adapter_sources.AdapterSourceError) as exc:
         raise SystemExit(f"conveyor-shard: {exc}") from None
 
 
@@ -107,7 +107,7 @@ async def run(args: Config, security: Security, served_name: str | None = None) 
         loop.add_signal_handler(sig, stop.set)
     check_supported(args.model_id)
     log.info("loading model", extra={"model": args.model_id, "dtype": args.dtype})
-    torch_thread = TorchThread()  # loads the model and runs every step: one OpenMP team (torch_thread.py)
+    torch_thread = TorchThread()  # loads the model and runs every step: one OpenMP team (service/torch_thread.py)
     engine = await torch_thread.run(load, args, served_name)
     address = rank_address(args, engine.group.rank, _local_rank())
     if address.bind.startswith("unix://") and os.path.exists(path := address.bind.removeprefix("unix://")):

@@ -1,8 +1,8 @@
 """`python -m conveyor.shard.probe URL`: a health check for a shard that no launcher supervises (a container of
 its own, a pod): exit 0 when it answers SERVING on the standard gRPC health service, 1 otherwise.
 
-A shard is NOT_SERVING when a step has run past its deadline (shard/watchdog.py): its forward is stuck and only a
-restart helps. `--stuck-only` fails on that alone, not on a shard that is still loading or being restarted (for
+A shard is NOT_SERVING when a step has run past its deadline (shard/service/watchdog.py): its forward is stuck and
+only a restart helps. `--stuck-only` fails on that alone, not on a shard that is still loading or being restarted (for
 a liveness probe, which must not kill what is merely slow to start); `--kill-if-stuck` also SIGKILLs it, for
 supervisors that restart what exits but not what fails its health check (Docker Compose). The process id comes
 from the shard's own Info, which needs the shared token on TCP (CONVEYOR_SHARD_TOKEN, as the shard has it).

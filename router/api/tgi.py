@@ -1,7 +1,7 @@
 """TGI's API: `/generate`, `/generate_stream`, `/` and `/tokenize`, their answers, and `/info` and `/health`.
 
 `Sampling` holds the sampling parameters under TGI's names, which are also the router's and the shards' names:
-a field added here reaches the shards (`scheduler.sampling_pb` copies each one the shard proto has), the gRPC
+a field added here reaches the shards (`transport.wire.sampling_pb` copies each one the shard proto has), the gRPC
 front door (`grpc_server.parameters_from_pb` reads each one its proto has) and, through `SharedSampling`, the
 OpenAI routes.
 """

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.v1 import shard_pb2 as pb
-
-FINISH_REASONS = {
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_EOS_TOKEN: "eos_token",
-    pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
-}
+from conveyor.router.transport.records import Generation, Tokens
 
 
 @dataclass(frozen=True)
@@ -50,30 +44,29 @@ class ErrorEvent:
 Event = TokenEvent | ErrorEvent
 
 
-def tokens_from_pb(tokens: pb.Tokens) -> list[Token]:
+def token_list(tokens: Tokens) -> list[Token]:
     return [
         Token(id=i, text=t, logprob=lp, special=s)
         for i, t, lp, s in zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)
     ]
 
 
-def events_from_generation(generation: pb.Generation, drafted: int = 0, accepted: int = 0) -> list[TokenEvent]:
+def events_from_generation(generation: Generation, drafted: int = 0, accepted: int = 0) -> list[TokenEvent]:
     """A step's generation becomes one event per token; the last carries `finished` when the request ended, with
     the draft tokens verified and accepted over the request's life."""
-    tokens = tokens_from_pb(generation.tokens)
-    prefill = tuple(tokens_from_pb(generation.prefill_tokens))
+    tokens = token_list(generation.tokens)
+    prefill = tuple(token_list(generation.prefill_tokens))
     finished = None
-    if generation.HasField("finished"):
-        f = generation.finished
+    if (f := generation.finished) is not None:
         finished = Finished(
             generated_text=f.text,
-            finish_reason=FINISH_REASONS[f.finish_reason],
+            finish_reason=f.finish_reason,
             generated_tokens=f.generated_tokens,
-            seed=f.seed if f.HasField("seed") else None,
+            seed=f.seed,
             drafted_tokens=drafted,
             accepted_tokens=accepted,
         )
-    tops = [tuple(tokens_from_pb(t)) for t in generation.top_tokens]
+    tops = [tuple(token_list(t)) for t in generation.top_tokens]
     events = []
     for n, token in enumerate(tokens):
         last = n == len(tokens) - 1

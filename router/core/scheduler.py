@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from conveyor import tracing
-from conveyor.router.core.adapters import Adapters
+from conveyor.router.core.adapter_registry import Adapters
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.events import events_from_generation
 from conveyor.router.core.queue import Queue
@@ -29,10 +29,9 @@ from conveyor.router.core.sequence import Sequence, SequenceStatus
 from conveyor.router.core.settle import Settle
 from conveyor.router.core.step_planner import PlannerConfig, StepPlan, StepPlanner
 from conveyor.router.metrics import Metrics
-from conveyor.router.pipeline.request import Parameters
 from conveyor.router.transport.connect import Connection
-from conveyor.router.transport.shard_client import Metadata, ShardedClient, ShardError, StepResult
-from conveyor.v1 import shard_pb2 as pb
+from conveyor.router.transport.records import Batch, CachedBatch, NewRequest, RequestUpdate, StepResult
+from conveyor.router.transport.shard_client import Metadata, ShardedClient, ShardError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class Scheduler:
         self.settle = Settle()  # how long an idle server waits for a burst to finish arriving
         self.planner = StepPlanner(config, allocator, self.queue)
         self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
-        self._batch: pb.CachedBatch | None = None  # the running batch on the shards
+        self._batch: CachedBatch | None = None  # the running batch on the shards
         self._wakeup = asyncio.Event()
         self._request_ids = itertools.count()
         self._batch_ids = itertools.count()
@@ -89,7 +88,7 @@ class Scheduler:
         allocator = self.allocator
         return {
             "status": "recovering" if self.recovering else "serving",
-            "scheduling": self.config.scheduling.value,
+            "scheduling": self.config.scheduling,
             "prefix_caching": allocator.prefix_caching,
             "chunked_prefill": True,
             "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
@@ -231,7 +230,7 @@ class Scheduler:
         if result.timings.disk_loaded_tokens:
             self.metrics.prefix_cache_disk_hits.inc(result.timings.disk_loaded_tokens)
             self.metrics.prefix_cache_disk_load.observe(result.timings.disk_load_ns / 1e9)
-        if result.timings.HasField("disk_bytes"):
+        if result.timings.disk_bytes is not None:
             self.metrics.kv_offload_bytes.set(result.timings.disk_bytes)
             self.metrics.kv_offload_skipped.set(result.timings.disk_skipped_files)
 
@@ -239,8 +238,7 @@ class Scheduler:
         updates = _updates(plan)
         if not plan.admitted:
             return await self.client.decode([self._batch], metadata, updates)
-        requests = [request_pb(s) for s in plan.admitted]
-        batch = pb.Batch(id=next(self._batch_ids), requests=requests, size=len(requests))
+        batch = Batch(id=next(self._batch_ids), requests=[new_request(s) for s in plan.admitted])
         return await self.client.prefill(batch, metadata, self._batch, updates)
 
     def _join(self, sequences: Iterable[Sequence]) -> None:
@@ -297,7 +295,7 @@ class Scheduler:
     def _alive(sequence: Sequence) -> bool:
         return not sequence.is_finished and not sequence.cancelled
 
-    async def _keep(self, batch: pb.CachedBatch, keep: list[Sequence]) -> pb.CachedBatch | None:
+    async def _keep(self, batch: CachedBatch, keep: list[Sequence]) -> CachedBatch | None:
         """Keeps on the shards only `keep`; the rest of the batch's sequences leave the running set."""
         kept, in_batch = {s.id for s in keep}, set(batch.request_ids)
         self._forget([s for s in self.running if s.id not in kept and s.id in in_batch])
@@ -402,45 +400,31 @@ class Scheduler:
         self.metrics.kv_blocks_used.set(self.allocator.num_blocks - self.allocator.free_blocks)
 
 
-def request_pb(sequence: Sequence) -> pb.Request:
+def new_request(sequence: Sequence) -> NewRequest:
     """The sequence as a shard gets it when it joins: a resumed one (after a preemption) brings the tokens it
     generated; its prefix-cache hit is the KV it starts with, and `step_tokens` the first chunk it reads."""
     p = sequence.request.parameters
-    return pb.Request(
+    return NewRequest(
         id=sequence.id,
         input_ids=sequence.token_ids,
+        parameters=p,
         resumed_tokens=len(sequence.generated_ids),
-        parameters=sampling_pb(p),
-        stopping_parameters=pb.StoppingParameters(
-            max_new_tokens=p.max_new_tokens, stop_sequences=p.stop, ignore_eos_token=p.ignore_eos
-        ),
         prefill_logprobs=p.decoder_input_details and not sequence.generated_ids,
-        top_n_tokens=p.top_n_tokens,
         blocks=sequence.block_table,
         cache_len=sequence.num_computed_tokens,
         chunk_len=sequence.step_tokens,
-        grammar=p.grammar.grammar if p.grammar is not None else "",
-        adapter=p.adapter or "",
         cache_scope=sequence.cache_scope.digest(),
     )
 
 
-def sampling_pb(p: Parameters) -> pb.SamplingParameters:
-    """Every sampling field under its own name (the proto uses the router's names, so a new sampling parameter
-    needs nothing here); `do_sample` is the resolved rule, and a greedy request's seed is 0."""
-    values = {f.name: getattr(p.sampling, f.name) for f in pb.SamplingParameters.DESCRIPTOR.fields}
-    values.update(do_sample=p.sampling.samples, seed=p.seed or 0)
-    return pb.SamplingParameters(**values)
-
-
-def _updates(plan: StepPlan) -> list[pb.RequestUpdate]:
+def _updates(plan: StepPlan) -> list[RequestUpdate]:
     """What the shards learn with the step of each running sequence: blocks it grew into, the chunk it reads, the
     drafts it may have verified."""
     return [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling or s.step_drafts]
 
 
-def _update(sequence: Sequence) -> pb.RequestUpdate:
+def _update(sequence: Sequence) -> RequestUpdate:
     chunk = sequence.step_tokens if sequence.is_prefilling else 0
-    return pb.RequestUpdate(
+    return RequestUpdate(
         request_id=sequence.id, new_blocks=sequence.step_new_blocks, chunk_len=chunk, speculate=sequence.step_drafts
     )

@@ -14,6 +14,7 @@ from enum import Enum
 
 from opentelemetry.trace import Span
 
+from conveyor import allowance
 from conveyor.keys import ANONYMOUS, ApiKey
 from conveyor.router.core.events import ErrorEvent, Event
 from conveyor.router.pipeline.request import ValidRequest
@@ -112,6 +113,14 @@ class Sequence:
     @property
     def max_new_tokens(self) -> int:
         return self.request.parameters.max_new_tokens
+
+    @property
+    def tokens_left(self) -> int:
+        return allowance.tokens_left(self.max_new_tokens, len(self.generated_ids))
+
+    @property
+    def draft_room(self) -> int:
+        return allowance.draft_room(self.max_new_tokens, len(self.generated_ids))
 
     @property
     def token_ids(self) -> list[int]:

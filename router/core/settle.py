@@ -24,7 +24,7 @@ class Settle:
     seconds for a first token. Counting event-loop turns instead was not enough: a client sending 32
     requests takes many turns to get them all through HTTP parsing and validation, and on a 2-core machine
     the first step then took only the first few of them, spreading the burst's first tokens over seconds
-    (`conveyor-benchmark --request-rate inf`, benchmarks/serve.py, shows it in the TTFT spread)."""
+    (`python -m benchmarks.serve --request-rate inf`, benchmarks/serve.py, shows it in the TTFT spread)."""
 
     quiet: float = SETTLE_QUIET_SECONDS
     limit: float = SETTLE_SECONDS

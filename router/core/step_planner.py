@@ -10,27 +10,19 @@ never are, so they always progress. Waiting requests join in (priority, arrival)
 preempted nobody, reusing the blocks of their longest cached prefix and reading the rest in chunks.
 
 The planner mutates block tables and the queue as it decides; the scheduler sends the plan to the shards and
-advances each sequence's `num_computed_tokens` when the step succeeds.
+advances each sequence's `num_computed_tokens` when the step succeeds. When waiting requests may join, and how much
+prompt they may read, is the `--scheduling` policy's answer (`policies/`): continuous, static or sequential.
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from dataclasses import dataclass, field
-from enum import Enum
 
 from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.policies import policy_for
 from conveyor.router.core.queue import Queue
 from conveyor.router.core.sequence import Sequence, SequenceStatus
-
-DEFAULT_STATIC_BATCH_SIZE = 32
-
-
-class Scheduling(str, Enum):
-    CONTINUOUS = "continuous"  # join and leave at every step
-    STATIC = "static"  # wait for a full batch (or a timeout), run it to completion, admit nothing meanwhile
-    SEQUENTIAL = "sequential"  # one request at a time
 
 
 @dataclass(frozen=True)
@@ -40,7 +32,7 @@ class PlannerConfig:
     # inter-token gap, so prompts are read in chunks that keep it near a decode step's.
     prefill_chunk_tokens: int | None = None
     max_batch_size: int | None = None
-    scheduling: Scheduling = Scheduling.CONTINUOUS
+    scheduling: str = "continuous"  # --scheduling: a name in policies.POLICIES
     static_batch_timeout: float = 1.0  # seconds a static batch waits to fill up
     watermark_blocks: int = 0  # blocks kept free when admitting, so that running requests can grow
     # With nobody waiting to join and every running request decoding, a step may be a run of up to this many
@@ -77,10 +69,11 @@ class StepPlan:
 class StepPlanner:
     """Owns the running set and the blocks it holds. The set is in (priority, arrival) order, which is admission
     order among equals: sequences grow in that order, and the last, the highest priority value and newest among
-    equals, is preempted first."""
+    equals, is preempted first. When waiting sequences may join is the scheduling policy's to say (`policy`)."""
 
     def __init__(self, config: PlannerConfig, allocator: BlockAllocator, queue: Queue) -> None:
         self.config = config
+        self.policy = policy_for(config.scheduling, config.max_batch_size, config.static_batch_timeout)
         self.allocator = allocator
         self.queue = queue
         self.running: list[Sequence] = []
@@ -101,9 +94,7 @@ class StepPlanner:
                 budget -= sequence.step_tokens
             index += 1
         if not plan.preempted:
-            if self.config.scheduling is Scheduling.STATIC:
-                budget = 1 << 30  # a static batch reads all its prompts at once, as a padded batch would
-            self._admit(budget, plan)
+            self._admit(self.policy.newcomer_budget(budget), plan)
             self._add_drafts(plan)
             self._extend_run(plan)
         return plan
@@ -121,7 +112,7 @@ class StepPlanner:
             asked = sequence.request.parameters.speculate
             limit = config.speculate if asked is None else min(asked, config.speculate)
             room = (len(sequence.block_table) + self.allocator.free_blocks) * size - sequence.num_computed_tokens - 1
-            drafts = min(limit, sequence.max_new_tokens - len(sequence.generated_ids) - 1, room)
+            drafts = min(limit, sequence.draft_room, room)
             if drafts <= 0 or not sequence.may_speculate:
                 continue
             missing = self.allocator.blocks_for(sequence.num_computed_tokens + 1 + drafts) - len(sequence.block_table)
@@ -145,7 +136,7 @@ class StepPlanner:
             return
         if any(s.step_drafts for s in plan.running):
             return  # a speculating step already makes several tokens
-        remaining = {s: max(1, s.max_new_tokens - len(s.generated_ids)) for s in plan.running}
+        remaining = {s: max(1, s.tokens_left) for s in plan.running}
         steps = min(limit, max(remaining.values()))
         blocks_for = self.allocator.blocks_for
         missing = {
@@ -165,10 +156,9 @@ class StepPlanner:
         return config.max_batch_prefill_tokens  # nobody is waiting for a token: read as much as allowed
 
     def next_deadline(self) -> float | None:
-        """When a static batch stops waiting to fill up (monotonic seconds), if one is waiting."""
-        if self.config.scheduling is not Scheduling.STATIC or self.running or (first := self.queue.peek()) is None:
-            return None
-        return first.queued_at + self.config.static_batch_timeout
+        """When the policy stops waiting for more requests (monotonic seconds; a static batch's timeout), if it
+        waits."""
+        return self.policy.deadline(len(self.running), self.queue)
 
     # --- running sequences --------------------------------------------------------------------------------
 
@@ -243,17 +233,7 @@ class StepPlanner:
 
     def _admission_limit(self) -> int:
         """How many sequences may be running once this step's newcomers joined."""
-        config, running = self.config, len(self.running)
-        if config.scheduling is Scheduling.SEQUENTIAL:
-            return 0 if running else 1
-        if config.scheduling is Scheduling.STATIC:
-            size = config.max_batch_size or DEFAULT_STATIC_BATCH_SIZE
-            if running:
-                return 0
-            deadline = self.next_deadline()
-            full = len(self.queue) >= size
-            return size if full or (deadline is not None and time.monotonic() >= deadline) else 0
-        return config.max_batch_size or 1 << 30
+        return self.policy.batch_limit(len(self.running), self.queue)
 
     def _start(self, sequence: Sequence, budget: int, first: bool, plan: StepPlan) -> bool:
         """The first chunk of a waiting sequence, after its cached prefix; False (nothing held) if it must wait."""

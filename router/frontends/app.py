@@ -11,7 +11,7 @@ from conveyor import __version__
 from conveyor.keys import ApiKey, KeyRing
 from conveyor.router.core.infer import Infer
 from conveyor.router.frontends import openapi
-from conveyor.router.frontends.adapters import AdapterRoutes
+from conveyor.router.frontends.adapter_routes import AdapterRoutes
 from conveyor.router.frontends.connections import ConnectionLimits, body_deadline_middleware, refuse_large_expectations
 from conveyor.router.frontends.dashboard import Dashboard
 from conveyor.router.frontends.middleware import (
@@ -25,11 +25,11 @@ from conveyor.router.frontends.middleware import (
     send_request_id,
     trace_middleware,
 )
-from conveyor.router.frontends.openai import OpenAIRoutes
-from conveyor.router.frontends.responses import UNAUTHORIZED, VALIDATION, json_error
-from conveyor.router.frontends.responses_api import ResponsesRoutes
-from conveyor.router.frontends.service import RequestControl
-from conveyor.router.frontends.tgi import TgiRoutes
+from conveyor.router.frontends.openai_routes import OpenAIRoutes
+from conveyor.router.frontends.replies import UNAUTHORIZED, VALIDATION, json_error
+from conveyor.router.frontends.responses_api_routes import ResponsesRoutes
+from conveyor.router.frontends.service_routes import RequestControl
+from conveyor.router.frontends.tgi_routes import TgiRoutes
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestHandler
 
-from conveyor.router.frontends.responses import json_error
+from conveyor.router.frontends.replies import json_error
 
 log = logging.getLogger(__name__)
 

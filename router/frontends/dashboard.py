@@ -15,7 +15,7 @@ from aiohttp import web
 from conveyor.router.api import service as api
 from conveyor.router.core.infer import Infer
 from conveyor.router.frontends.middleware import caller
-from conveyor.router.frontends.service import rows
+from conveyor.router.frontends.service_routes import rows
 from conveyor.router.server_info import ServerInfo
 
 PAGE = (Path(__file__).parent / "dashboard.html").read_text(encoding="utf-8")

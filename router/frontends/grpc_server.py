@@ -26,7 +26,7 @@ from conveyor.router.core.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.core.infer import Infer, Response
 from conveyor.router.frontends.app import ServerInfo
 from conveyor.router.frontends.middleware import name_request
-from conveyor.router.frontends.responses import (
+from conveyor.router.frontends.replies import (
     REQUEST_ERRORS,
     UNAUTHORIZED,
     VALIDATION,
@@ -37,7 +37,7 @@ from conveyor.router.frontends.responses import (
     full_text,
     logprob,
 )
-from conveyor.router.frontends.service import rows
+from conveyor.router.frontends.service_routes import rows
 from conveyor.router.pipeline.request import Parameters, Request, ValidRequest, from_tgi
 from conveyor.router.pipeline.validation import Validation
 from conveyor.v1 import generate_pb2 as pb

@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
 from conveyor.keys import ApiKey, KeyRing
-from conveyor.router.frontends.responses import UNAUTHORIZED, error_body, json_error
+from conveyor.router.frontends.replies import UNAUTHORIZED, error_body, json_error
 
 log = logging.getLogger(__name__)
 

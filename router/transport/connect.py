@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from conveyor.config import Config
 from conveyor.group_store import GroupStore
-from conveyor.router.limits import ResolvedLimits, resolve_limits, warmup_request
+from conveyor.router.limits import ResolvedLimits, resolve_limits
+from conveyor.router.pipeline.request import Parameters
+from conveyor.router.transport.records import Batch, NewRequest, ShardInfo, Warmup
 from conveyor.router.transport.shard_client import ShardedClient, ShardError
 from conveyor.shard_channels import Security
-from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Connection:
     client: ShardedClient
-    info: pb.InfoResponse  # rank 0's
+    info: ShardInfo  # rank 0's
     limits: ResolvedLimits  # with the KV capacity the warmup measured
 
     @property
@@ -58,7 +59,7 @@ async def first_connect(args: Config, tokenizer, security: Security, group: Grou
 FIRST_CONNECT_SECONDS = 0.5
 
 
-def _check_ranks(urls: list[str], infos: list[pb.InfoResponse]) -> None:
+def _check_ranks(urls: list[str], infos: list[ShardInfo]) -> None:
     """Each address must lead to the rank of its place, and to a group of their number."""
     for place, (url, info) in enumerate(zip(urls, infos)):
         if info.rank != place or info.world_size != len(urls):
@@ -84,9 +85,9 @@ async def connect(
         infos = await client.infos()
         _check_ranks(client.urls, infos)
         client.pids, client.instances = [info.pid for info in infos], [info.instance for info in infos]
-        limits = first.limits if first else resolve_limits(args, infos[0], tokenizer)
+        limits = first.limits if first else resolve_limits(args, infos[0].max_position_embeddings, tokenizer)
         log.info("warming up", extra={"max_batch_prefill_tokens": limits.max_batch_prefill_tokens})
-        request = warmup_request(limits, tokenizer, again=first is not None)
+        request = warmup(limits, tokenizer, again=first is not None)
         # The shards hold steps to the deadline too (their health says when one is past it): one deadline for all,
         # the flag's, the first connection's, or the one the shards choose from their warmup.
         request.step_timeout = first.client.step_timeout if first else args.shard_step_timeout or 0.0
@@ -95,3 +96,18 @@ async def connect(
     except BaseException:
         await client.close()
         raise
+
+
+def warmup(limits: ResolvedLimits, tokenizer, again: bool = False) -> Warmup:
+    """As many longest prompts as the prefill budget admits, each asking for two new tokens. `again`, after the
+    shards restarted: one short prompt, and the pool asked for at the size the first warmup measured (the
+    largest prefill takes many seconds on a CPU, and every stream waits for it)."""
+    max_input = min(16, limits.validation.max_input_tokens) if again else limits.validation.max_input_tokens
+    count = 1 if again else max(1, limits.max_batch_prefill_tokens // max_input)
+    token = tokenizer.convert_tokens_to_ids(tokenizer.tokenize("a"))[0]
+    parameters = Parameters(max_new_tokens=2, ignore_eos=True)  # greedy, every sampling parameter at its default
+    requests = [NewRequest(id=n, input_ids=[token] * max_input, parameters=parameters) for n in range(count)]
+    return Warmup(
+        batch=Batch(id=0, requests=requests),
+        max_batch_total_tokens=limits.max_batch_total_tokens if again else limits.user_batch_total_tokens or 0,
+    )

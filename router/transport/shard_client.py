@@ -1,6 +1,7 @@
 """The router's view of a deployment: every RPC goes to every rank, and a step succeeds only if all ranks do.
 
-Ranks run the same forward in lockstep and answer the same tokens; the first rank's answer is the step's.
+Ranks run the same forward in lockstep and answer the same tokens; the first rank's answer is the step's. Calls take
+and return the records of records.py; wire.py turns them into the proto's messages and back.
 """
 
 from __future__ import annotations
@@ -11,11 +12,20 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
+from conveyor.router.transport import wire
+from conveyor.router.transport.records import (
+    Batch,
+    CachedBatch,
+    RequestUpdate,
+    ShardAdapter,
+    ShardInfo,
+    StepResult,
+    Warmup,
+)
 from conveyor.shard_channels import LOOPBACK, Security, parse_tcp
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
@@ -37,13 +47,6 @@ class ShardError(RuntimeError):
     @property
     def timed_out(self) -> bool:
         return self.code is grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-@dataclass
-class StepResult:
-    generations: list[pb.Generation]
-    batch: pb.CachedBatch | None
-    timings: pb.Timings
 
 
 class ShardedClient:
@@ -99,11 +102,12 @@ class ShardedClient:
         """Runs `call` on every rank at once."""
         return await _gather(name, [call(s) for s in self._stubs])
 
-    async def infos(self, timeout: float | None = None) -> list[pb.InfoResponse]:
+    async def infos(self, timeout: float | None = None) -> list[ShardInfo]:
         """Every rank's Info (each names its own process id and instance)."""
-        return await self._all("Info", lambda s: s.Info(pb.InfoRequest(), timeout=timeout))
+        responses = await self._all("Info", lambda s: s.Info(pb.InfoRequest(), timeout=timeout))
+        return [wire.shard_info(r) for r in responses]
 
-    async def info(self) -> pb.InfoResponse:
+    async def info(self) -> ShardInfo:
         return (await self.infos())[0]
 
     async def health(self, timeout: float = 5.0) -> None:
@@ -113,37 +117,40 @@ class ShardedClient:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self._all("ClearCache", lambda s: s.ClearCache(request, timeout=self.step_timeout))
 
-    async def load_adapter(self, name: str, source: str) -> list[pb.LoadAdapterResponse]:
-        """Every rank loads the adapter (a Hub id is downloaded first, so there is no deadline)."""
+    async def load_adapter(self, name: str, source: str) -> list[ShardAdapter]:
+        """Every rank loads the adapter (a Hub id is downloaded first, so there is no deadline); each says what it
+        loaded."""
         request = pb.LoadAdapterRequest(name=name, source=source)
-        return await self._all("LoadAdapter", lambda s: s.LoadAdapter(request))
+        responses = await self._all("LoadAdapter", lambda s: s.LoadAdapter(request))
+        return [wire.adapter(r.adapter) for r in responses]
 
     async def unload_adapter(self, name: str) -> None:
         request = pb.UnloadAdapterRequest(name=name)
         await self._all("UnloadAdapter", lambda s: s.UnloadAdapter(request, timeout=self.step_timeout))
 
-    async def warmup(self, request: pb.WarmupRequest, timeout: float | None = None) -> tuple[int, float]:
+    async def warmup(self, warmup: Warmup, timeout: float | None = None) -> tuple[int, float]:
         """Returns the KV capacity in tokens the smallest rank supports, and the step deadline (the longest any
         rank chose)."""
+        request = wire.warmup_pb(warmup)
         responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=timeout))
         return min(r.max_supported_total_tokens for r in responses), max(r.step_timeout for r in responses)
 
     async def prefill(
         self,
-        batch: pb.Batch,
+        batch: Batch,
         metadata: Metadata = None,
-        cached_batch: pb.CachedBatch | None = None,
-        updates: list[pb.RequestUpdate] = (),
+        cached_batch: CachedBatch | None = None,
+        updates: list[RequestUpdate] = (),
     ) -> StepResult:
         """`metadata` carries the trace context, so the shards' spans join the request's trace. With a
         `cached_batch` the new requests join that running batch in the same forward (a mixed step)."""
-        request = pb.PrefillRequest(batch=batch, cached_batch=cached_batch, updates=updates)
+        request = wire.prefill_pb(batch, cached_batch, updates)
         return await self._step("Prefill", pb.StepRequest(prefill=request, trace=dict(metadata or ())))
 
     async def decode(
-        self, batches: list[pb.CachedBatch], metadata: Metadata = None, updates: list[pb.RequestUpdate] = ()
+        self, batches: list[CachedBatch], metadata: Metadata = None, updates: list[RequestUpdate] = ()
     ) -> StepResult:
-        request = pb.DecodeRequest(batches=batches, updates=updates)
+        request = wire.decode_pb(batches, updates)
         return await self._step("Decode", pb.StepRequest(decode=request, trace=dict(metadata or ())))
 
     async def _step(self, name: str, request: pb.StepRequest) -> StepResult:
@@ -167,7 +174,7 @@ class ShardedClient:
                 code = _STATUS_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
                 detail = response.error.message
                 raise ShardError(f"shard {rank} failed {name}: {detail}", code, detail)
-        return _step_result([getattr(r, r.WhichOneof("result")) for r in responses])
+        return wire.step_result([getattr(r, r.WhichOneof("result")) for r in responses])
 
     def _drop_steps(self) -> None:
         for call in self._steps or []:
@@ -176,15 +183,15 @@ class ShardedClient:
 
     async def decode_run(
         self,
-        batches: list[pb.CachedBatch],
+        batches: list[CachedBatch],
         max_steps: int,
         metadata: Metadata = None,
-        updates: list[pb.RequestUpdate] = (),
+        updates: list[RequestUpdate] = (),
     ) -> DecodeRun:
         """Starts up to `max_steps` decode steps on every rank; read them with `DecodeRun.next`."""
         calls = [s.DecodeRun(metadata=metadata) for s in self._stubs]
         run = DecodeRun(calls, self.step_timeout)
-        first = pb.DecodeRunRequest(decode=pb.DecodeRequest(batches=batches, updates=updates), max_steps=max_steps)
+        first = pb.DecodeRunRequest(decode=wire.decode_pb(batches, updates), max_steps=max_steps)
         try:
             await _gather("DecodeRun", [c.write(first) for c in calls], self.step_timeout)
         except ShardError:
@@ -192,9 +199,10 @@ class ShardedClient:
             raise
         return run
 
-    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
-        return (await self._all("FilterBatch", lambda s: s.FilterBatch(request, timeout=self.step_timeout)))[0].batch
+        responses = await self._all("FilterBatch", lambda s: s.FilterBatch(request, timeout=self.step_timeout))
+        return wire.cached_batch(responses[0].batch)
 
 
 class DecodeRun:
@@ -212,7 +220,7 @@ class DecodeRun:
             return None
         if any(ended):
             raise ShardError(f"ranks {[i for i, e in enumerate(ended) if e]} ended a decode run before the others")
-        return _step_result(responses)
+        return wire.step_result(responses)
 
     async def stop(self) -> None:
         """Asks every rank to end the run after the step in progress; its results still come through `next`."""
@@ -288,13 +296,3 @@ def _local(url: str) -> bool:
         return True
     host, _ = parse_tcp(url)
     return host in (LOOPBACK, "localhost", "::1") or host.startswith("127.")
-
-
-def _step_result(responses: list[Any]) -> StepResult:
-    first = responses[0]
-    slowest = max(responses, key=lambda r: r.timings.total_ns)
-    return StepResult(
-        generations=list(first.generations),
-        batch=first.batch if first.HasField("batch") else None,
-        timings=slowest.timings,
-    )

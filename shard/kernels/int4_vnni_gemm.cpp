@@ -11,7 +11,7 @@
 // x's scale per group rather than per row costs that multiply, one float instruction per two vpdpbusd: on an Intel
 // Xeon (Emerald Rapids, one thread) over SmolLM2-135M's layers and head, a decode step's GEMMs took the same time at
 // one row and a little longer at many. It buys little accuracy there (int4's error is its weights': the mean KL
-// from float32 is about the same either way, `python -m conveyor.benchmarks.accuracy --quantize int4`), but keeps
+// from float32 is about the same either way, `python -m benchmarks.accuracy --quantize int4`), but keeps
 // an outlier channel of x from costing the whole row. No benchmark times the kernel alone; `make bench
 // ARGS="--quantized int4"` measures a whole int4 deployment.
 //

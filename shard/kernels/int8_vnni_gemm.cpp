@@ -2,7 +2,7 @@
 // float scale per block of 32 as it comes in (quantized_rows.h): `--quantize int8` on a CPU with AVX-512 VNNI, as
 // llama.cpp's q8_0 weights against q8_0 activations. Each block's dot product is integer, then scaled by both
 // blocks' scales and summed in float. (A scale per row for each, as before, moved the output much further from
-// float32's on a real model: `python -m conveyor.benchmarks.accuracy --quantize int8` measures the mean KL.)
+// float32's on a real model: `python -m benchmarks.accuracy --quantize int8` measures the mean KL.)
 //
 // The weights' order keeps the scaling off the integer loop (`Int8BlockWeight`, shard/layers/quantize.py): blocks
 // go in groups of 16, a group's 64-byte vector k holding bytes 4k..4k+3 of each of its blocks, so that one vpdpbusd
@@ -21,7 +21,7 @@
 // faster at one row (four weight rows reduce together) and slower at many (the three float instructions per eight
 // vpdpbusd share their ports; a scale per row of the weights would take one of them away, for a larger KL from
 // float32). No benchmark times the kernel alone: `make bench ARGS="--quantized int8"` measures a whole int8
-// deployment, and `python -m conveyor.benchmarks.accuracy --quantize int8` its KL.
+// deployment, and `python -m benchmarks.accuracy --quantize int8` its KL.
 //
 // Compiled where quantized_rows.h says (AVX-512 VNNI, BW and VL); elsewhere the op exists, says so through
 // `int8_vnni_available`, and the widening kernel (int8_gemm.cpp) serves instead.

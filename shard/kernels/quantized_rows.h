@@ -5,7 +5,7 @@
 // rest), and one scale per row spends the 8 bits on them, leaving the other inputs a handful of levels. On
 // SmolLM2-135M-Instruct with int8 weights, a scale per 32 inputs (with the weights' scales per 32 as well) moved
 // the output distribution from float32's far less than a scale per row did (mean KL: `python -m
-// conveyor.benchmarks.accuracy --quantize int8`); an outlier now coarsens only its own block.
+// benchmarks.accuracy --quantize int8`); an outlier now coarsens only its own block.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -21,9 +21,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from conveyor.shard.device import to_device
 from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers import kv_quant
+from conveyor.shard.runtime.device import to_device
 
 
 @dataclass

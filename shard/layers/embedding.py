@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.layers.quantize import Int8Weight
-from conveyor.shard.weights import Weights
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.runtime.weights import Weights
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -50,7 +50,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
 # Under int4 the head stays 8-bit, as llama.cpp's q4_0 keeps its output tensor wider: every logit goes through it,
 # and on SmolLM2-135M-Instruct an 8-bit head brought the mean KL from float32 well below a 4-bit one's, level with
-# llama.cpp q4_0's on the same text and windows (`python -m conveyor.benchmarks.accuracy --quantize int4`, the whole
+# llama.cpp q4_0's on the same text and windows (`python -m benchmarks.accuracy --quantize int4`, the whole
 # text; llama.cpp's `llama-perplexity --kl-divergence` for its own).
 HEAD_QUANTIZE = {"int4": "int8"}
 

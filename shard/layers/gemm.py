@@ -101,7 +101,7 @@ def vnni() -> bool:
     than widening the weights to x's dtype (`int8_gemm`, `int4_gemm`): faster from one row to a whole prefill, and
     than oneDNN's float32 kernels too. Scales per block of 32 cost the integer kernels little at one row and more
     at many (int8 more than int4; `int8_vnni_gemm.cpp` says why), and bring int8's output much closer to float32's
-    than a scale per row: `python -m conveyor.benchmarks.accuracy --quantize int8 int4` measures that, and
+    than a scale per row: `python -m benchmarks.accuracy --quantize int8 int4` measures that, and
     `make bench ARGS="--quantized int8,int4"` the speed (the one-stream and saturated rows of each quantization)."""
     from conveyor.shard.kernels import library
 

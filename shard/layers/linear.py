@@ -5,8 +5,9 @@ communication is needed; fused projections (QKV, gate/up) concatenate each part'
 [its q heads | its k heads | its v heads]. A row-parallel layer splits its input features: each rank computes a
 partial sum, and an all-reduce adds them up.
 
-Either may carry a LoRA site (`shard/lora.py`), which adds the update of each token's adapter to the layer's
-output: to a column-parallel layer's slice, and to a row-parallel layer's partial sum before the all-reduce.
+Either may carry a LoRA site (`shard/adapters/served_adapters.py`), which adds the update of each token's adapter
+to the layer's output: to a column-parallel layer's slice, and to a row-parallel layer's partial sum before the
+all-reduce.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Any
 
 import torch
 
-from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.layers.gemm import Gemm
-from conveyor.shard.weights import Weights
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.runtime.weights import Weights
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -31,7 +32,8 @@ class ColumnParallelLinear(torch.nn.Module):
         fused: bool = False,
     ) -> None:
         """`parts`: this rank's rows of each projection the layer fuses (q, k, v; gate, up), and `fused`: whether
-        the checkpoint stores them as one tensor; where a LoRA adapter's rows go (`shard/lora.py`)."""
+        the checkpoint stores them as one tensor; where a LoRA adapter's rows go
+        (`shard/adapters/served_adapters.py`)."""
         super().__init__()
         self.gemm = Gemm(weight, plain_copy, quantize)
         self.bias = bias

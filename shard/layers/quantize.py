@@ -13,7 +13,7 @@ On a CPU with AVX-512 VNNI each layer's input is rounded to int8 as well, with a
 they read it, so activations and sums stay in the model's dtype (`layers/gemm.py` chooses). Why blocks and not one
 scale per row: a real model's activations carry a few outlier channels, which a row's single scale spends the 8
 bits on. On SmolLM2-135M-Instruct, int8 with scales per 32 for both x and w moves the output from float32's far
-less than a scale per row for each (`python -m conveyor.benchmarks.accuracy --quantize int8` measures the mean KL
+less than a scale per row for each (`python -m benchmarks.accuracy --quantize int8` measures the mean KL
 from float32 per token). The embedding table is int8 with a scale per row under either quantization (a lookup
 widens only the rows it reads); norms stay in the model's dtype, being small.
 """
@@ -117,7 +117,7 @@ class Int4Weight:
     """4 bits a weight, symmetric per group of 32 inputs with a float16 scale (llama.cpp's q4_0): q = round(w / s)
     in [-8, 7], s = -m / 8 where m is the group's value of largest magnitude, sign and all. m itself is q = -8
     exactly, and the step is max|w| / 8, where s = max|w| / 7 left -8 unused: on SmolLM2-135M-Instruct that lowered
-    int4's mean KL from float32 (`python -m conveyor.benchmarks.accuracy --quantize int4`). Byte j of a group holds
+    int4's mean KL from float32 (`python -m benchmarks.accuracy --quantize int4`). Byte j of a group holds
     q[j] + 8 in its low nibble and q[j + 16] + 8 in its high one (the layout `shard/kernels/int4_gemm.cpp` reads:
     both halves of x stay contiguous)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.shard.models import gemma, llama
-from conveyor.shard.weights import WeightError, Weights
+from conveyor.shard.runtime.weights import WeightError, Weights
 
 ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     **dict.fromkeys(llama.MODEL_TYPES, llama.LlamaForCausalLM),

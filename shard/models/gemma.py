@@ -21,7 +21,7 @@ from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.shard.layers.norm import GemmaRMSNorm
 from conveyor.shard.layers.rotary import RotaryEmbedding, apply_rotary, for_layer_kind
 from conveyor.shard.models.llama import Shape
-from conveyor.shard.weights import WeightError, Weights
+from conveyor.shard.runtime.weights import WeightError, Weights
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
 SLIDING, GLOBAL = "sliding_attention", "full_attention"

@@ -18,7 +18,7 @@ from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.shard.layers.norm import RMSNorm
 from conveyor.shard.layers.rotary import RotaryEmbedding, rotate
-from conveyor.shard.weights import WeightError, Weights
+from conveyor.shard.runtime.weights import WeightError, Weights
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 

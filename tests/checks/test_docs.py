@@ -1,9 +1,9 @@
 """The documentation cannot drift from what it describes: the benchmark tables in docs/benchmarks.md are exactly what
-`conveyor.benchmarks.docs_tables` renders from benchmarks/results/, and every relative link in README.md and
+`benchmarks.docs_tables` renders from benchmarks/results/, and every relative link in README.md and
 docs/*.md reaches a file that exists (and, for `#anchor` links into a markdown file, a heading it has).
 
 Typed figures and moved sections rot silently; a failing check here says which table to regenerate
-(`.venv/bin/python -m conveyor.benchmarks.docs_tables`) or which link to mend.
+(`.venv/bin/python -m benchmarks.docs_tables`) or which link to mend.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from conveyor.benchmarks import docs_tables
+from benchmarks import docs_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -65,16 +65,14 @@ def broken(document: Path, target: str) -> str | None:
 def test_the_benchmark_tables_are_generated_from_the_results() -> None:
     document = docs_tables.DOC.read_text()
     assert docs_tables.generated_part(document) == docs_tables.render(), (
-        "docs/benchmarks.md's tables differ from benchmarks/results/: run "
-        "`.venv/bin/python -m conveyor.benchmarks.docs_tables`"
+        "docs/benchmarks.md's tables differ from benchmarks/results/: run `.venv/bin/python -m benchmarks.docs_tables`"
     )
 
 
 def test_readme_leads_with_the_real_model_on_each_kind_of_cpu() -> None:
     document = docs_tables.README.read_text()
     assert docs_tables.generated_part(document) == docs_tables.render_readme(), (
-        "README.md's benchmark table differs from benchmarks/results/: run "
-        "`.venv/bin/python -m conveyor.benchmarks.docs_tables`"
+        "README.md's benchmark table differs from benchmarks/results/: run `.venv/bin/python -m benchmarks.docs_tables`"
     )
     kinds = {summary["machine"]["cpu"] for _, summary in docs_tables.newest_real_sittings()}
     assert len(kinds) >= 2, kinds  # an AMD EPYC and an Intel Xeon sitting, at least

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from conftest import Server
 
-from conveyor.benchmarks.backends import RequestOptions, backend
-from conveyor.benchmarks.client import RequestRecord, sse_data
-from conveyor.benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, summarize
-from conveyor.benchmarks.serve import load_tokenizer
-from conveyor.benchmarks.shards import RATIO_LABEL, Outcome, print_report
-from conveyor.benchmarks.shards import parse_args as parse_shards_args
-from conveyor.benchmarks.shards import streams as shards_streams
-from conveyor.benchmarks.workload import LengthSpec, Prompt, arrival_offsets, build_prompts, count_tokens
+from benchmarks.backends import RequestOptions, backend
+from benchmarks.client import RequestRecord, sse_data
+from benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, summarize
+from benchmarks.serve import load_tokenizer
+from benchmarks.shards import RATIO_LABEL, Outcome, print_report
+from benchmarks.shards import parse_args as parse_shards_args
+from benchmarks.shards import streams as shards_streams
+from benchmarks.workload import LengthSpec, Prompt, arrival_offsets, build_prompts, count_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 Row = shards_streams.Row  # the class shards.py builds its rows from (streams.py, loaded by path)
@@ -95,7 +95,7 @@ def test_shards_benchmark_ratio_row(capsys: pytest.CaptureFixture[str]) -> None:
     assert _table_tail(capsys, [one, failed]) == [["1", "8.0", "16.0"], ["2", "failed", "failed"], ["n/a", "n/a"]]
 
 
-# --- conveyor-benchmark and compare (benchmarks/serve.py, benchmarks/compare.py) --------------------------------
+# --- the load generator and compare (benchmarks/serve.py, benchmarks/compare.py) ------------------------------
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 METRICS = ["request_throughput", "output_throughput", "total_token_throughput", "request_goodput"] + [
@@ -104,8 +104,8 @@ METRICS = ["request_throughput", "output_throughput", "total_token_throughput", 
 
 
 def benchmark_command() -> list[str]:
-    """The installed console script, as a user runs it."""
-    return [str(Path(sys.executable).with_name("conveyor-benchmark"))]
+    """The load generator as a user runs it, from the checkout (the benchmarks are not installed with the server)."""
+    return [sys.executable, "-m", "benchmarks.serve"]
 
 
 @pytest.mark.parametrize("api", ["openai-completions", "tgi"])
@@ -248,7 +248,7 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
         [
             sys.executable,
             "-m",
-            "conveyor.benchmarks.compare",
+            "benchmarks.compare",
             "--quick",
             "--model-id",
             str(tiny_model),
@@ -315,7 +315,7 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
 def test_compare_runs_the_real_model_then_the_demo_each_in_its_folder(tiny_model: Path, tmp_path: Path) -> None:
     """The default compares the real model first; a model's options differ from the run's only in its id, its
     directory and its folder. A directory given as --model-id is used as it is (nothing is prepared here)."""
-    from conveyor.benchmarks import compare
+    from benchmarks import compare
 
     assert compare.parse_args([]).model_id == ["real", "demo"]
     args = compare.parse_args(["--quick", "--model-id", f"{tiny_model},demo", "--out", str(tmp_path)])
@@ -332,7 +332,7 @@ def test_compare_runs_the_real_model_then_the_demo_each_in_its_folder(tiny_model
 def test_the_model_check_fails_loudly_on_a_model_that_cannot_answer(server: Server) -> None:
     """The benchmark's check before it times the real model, against the random-weight tiny model (a stand-in
     for a conversion that broke the weights): it stops the run, saying what was asked and answered."""
-    from conveyor.benchmarks import compare
+    from benchmarks import compare
 
     with pytest.raises(SystemExit, match="the model check failed: asked 'What is the capital of France"):
         compare.check_answer(server.url, str(server.model_dir))
@@ -349,7 +349,7 @@ def test_grammar_benchmark_prints_both_tables(tiny_model: Path) -> None:
         [
             sys.executable,
             "-m",
-            "conveyor.benchmarks.grammar",
+            "benchmarks.grammar",
             "--model-id",
             str(tiny_model),
             "--batch-sizes",
@@ -385,7 +385,7 @@ def test_grammar_benchmark_prints_both_tables(tiny_model: Path) -> None:
 
 
 def test_gguf_declares_gpt2_splitting_only_for_plain_byte_level_tokenizers(tmp_path: Path) -> None:
-    from conveyor.benchmarks import gguf
+    from benchmarks import gguf
 
     def tokenizer(pre: dict | None, normalizer: dict | None = None) -> Path:
         folder = tmp_path / str(len(list(tmp_path.iterdir())))
@@ -403,20 +403,10 @@ def test_gguf_declares_gpt2_splitting_only_for_plain_byte_level_tokenizers(tmp_p
 def test_llamacpp_is_skipped_with_the_reason_where_its_venv_is_missing(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from conveyor.benchmarks import deploy
+    from benchmarks import deploy
 
     monkeypatch.setenv("CONVEYOR_LLAMACPP_PYTHON", str(tmp_path / "bin" / "python"))
     assert "make bench" in deploy.llamacpp_problem()
-
-
-def test_the_validation_benchmark_runs_its_whole_corpus(tiny_model: Path) -> None:
-    """Every body of the fixed corpus is a valid request (a refused one would end the run) and gets a row."""
-    from conveyor.benchmarks import validation as front
-
-    medians = front.measure(tiny_model, repeat=2)
-    assert set(medians) == set(front.CORPUS)
-    printed = front.table(medians)
-    assert all(name in printed for name in front.CORPUS) and "mean of medians" in printed
 
 
 def test_speculation_benchmark_measures_drafts_off_and_on(tiny_model: Path, tmp_path: Path) -> None:
@@ -425,7 +415,7 @@ def test_speculation_benchmark_measures_drafts_off_and_on(tiny_model: Path, tmp_
     results = tmp_path / "speculation.json"
     flags = ["--rounds", "1", "--concurrency", "1", "--max-tokens", "8", "--skip-llamacpp", "--draft-quantize", "float"]
     flags += ["--json", str(results)]
-    command = [sys.executable, "-m", "conveyor.benchmarks.speculation", "--model-id", str(tiny_model), *flags]
+    command = [sys.executable, "-m", "benchmarks.speculation", "--model-id", str(tiny_model), *flags]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.splitlines()[0].startswith("| system | workload | streams |")
     rows = json.loads(results.read_text())
@@ -450,7 +440,7 @@ def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: 
     ]
     # fmt: on
     out = subprocess.run(
-        [sys.executable, "-m", "conveyor.benchmarks.long_context", *flags],
+        [sys.executable, "-m", "benchmarks.long_context", *flags],
         capture_output=True,
         text=True,
         timeout=600,
@@ -476,7 +466,7 @@ def test_prefix_restart_measures_both_modes(tiny_model: Path, tmp_path: Path) ->
     out = tmp_path / "restart.json"
     flags = ["--model-id", str(tiny_model), "--prefix-len", "80", "--out", str(out)]
     subprocess.run(
-        [sys.executable, "-m", "conveyor.benchmarks.prefix_restart", *flags],
+        [sys.executable, "-m", "benchmarks.prefix_restart", *flags],
         check=True,
         timeout=600,
         capture_output=True,

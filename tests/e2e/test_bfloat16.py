@@ -46,8 +46,8 @@ def _greedy_bf16(model_dir: Path, prompt_ids: list[int], new: int) -> list[int]:
 
 def _ours(model_dir: Path, ids: list[int], prompt_len: int) -> torch.Tensor:
     """Our bf16 log-probabilities at every position: the prompt in one prefill, then one token per decode step."""
-    from conveyor.shard.distributed import ProcessGroup
-    from conveyor.shard.engine import Engine
+    from conveyor.shard.runtime.process_group import ProcessGroup
+    from conveyor.shard.step.engine import Engine
 
     engine = Engine(model_dir, "bfloat16", torch.device("cpu"), ProcessGroup(0, 1))
     blocks = list(range(-(-len(ids) // engine.block_size)))

@@ -15,7 +15,7 @@ import pytest
 from conftest import ORACLE_PROMPTS, greedy_reference, start_server
 from hub_standin import StandInHub, point_hub_at
 
-from conveyor import hub, lora_sources
+from conveyor import adapter_sources, hub
 from conveyor.model_source import resolve_model
 
 REPO = "conveyor-test/tiny"
@@ -85,11 +85,11 @@ def test_an_adapter_from_the_hub_is_fetched_as_its_two_files(
     (repo / "training_args.bin").write_bytes(b"never read by serving")
     standin.add_repo("conveyor-test/qv-lora", repo)
     point_hub_at(monkeypatch, standin, tmp_path / "hf")
-    folder = lora_sources.resolve("conveyor-test/qv-lora")
+    folder = adapter_sources.resolve("conveyor-test/qv-lora")
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert lora_sources.resolve(str(lora_adapters["qv"])) == lora_adapters["qv"]  # a directory as it is
+    assert adapter_sources.resolve(str(lora_adapters["qv"])) == lora_adapters["qv"]  # a directory as it is
     with pytest.raises(hub.HubError, match="no local directory of that name"):
-        lora_sources.resolve("conveyor-test/no-such-lora")
+        adapter_sources.resolve("conveyor-test/no-such-lora")
 
 
 def launch(model_id: str, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
@@ -171,7 +171,7 @@ def test_an_adapter_source_shaped_like_a_hub_id_does_not_tell_whether_that_path_
 ) -> None:
     """A relative `org/name` with no adapter in it goes to the Hub whether or not the folder exists (before, an
     existing one was refused as "not a Hub id", telling the caller the path was there)."""
-    from conveyor import lora_sources
+    from conveyor import adapter_sources
 
     asked: list[str] = []
 
@@ -185,6 +185,6 @@ def test_an_adapter_source_shaped_like_a_hub_id_does_not_tell_whether_that_path_
     answers = []
     for source in ("exists/here", "absent/there"):
         with pytest.raises(hub.HubError) as raised:
-            lora_sources.resolve(source)
+            adapter_sources.resolve(source)
         answers.append(str(raised.value).replace(source, "SOURCE"))
     assert asked == ["exists/here", "absent/there"] and answers[0] == answers[1]

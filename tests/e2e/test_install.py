@@ -56,6 +56,8 @@ def test_a_plain_install_serves_the_demo_model_on_its_shipped_kernels_without_a_
         cwd=tmp_path,
     ).stdout.strip()
     assert installed.startswith(str(tmp_path / "venv")), installed  # the install's own libraries, not the checkout's
+    package = Path(installed).parents[2]
+    assert not (package / "benchmarks").exists() and not (package.parent / "benchmarks").exists()  # what serves, only
     assert {p.name for p in Path(installed).iterdir()} == {"manifest.json", *(f"{k}.so" for k in cpu.KINDS)}
     cache, log = tmp_path / "cache", tmp_path / "deployment.log"
     env = {

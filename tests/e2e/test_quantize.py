@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from conftest import ORACLE_PROMPTS, Server, free_port, start_server
 
-from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers import gemm
 from conveyor.shard.layers.embedding import VocabParallelEmbedding
 from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.layers.quantize import INT4_GROUP, INT8_BLOCK, Int4Weight, Int8BlockWeight, Int8Weight
+from conveyor.shard.runtime.process_group import ProcessGroup
 
 # Mean absolute difference of prompt-token log-probabilities against float32's, on the tiny test model.
 LOGPROB_BOUND = {"int8": 0.05, "int4": 0.5}

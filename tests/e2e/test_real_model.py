@@ -13,8 +13,8 @@ import httpx
 import pytest
 from conftest import Server, free_port, greedy_reference, start_server
 
-from conveyor.benchmarks import compare, real_model
-from conveyor.shard.detokenize import IncrementalDetokenizer
+from benchmarks import compare, real_model
+from conveyor.shard.batch.detokenize import IncrementalDetokenizer
 
 # A prompt whose greedy continuation is 16 plain English tokens: no EOS within them, no character split across
 # tokens, so every token has a text piece of its own to compare.

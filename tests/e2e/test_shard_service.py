@@ -20,8 +20,11 @@ from conftest import greedy_reference, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor.launcher.processes import shard_healthy
+from conveyor.router.pipeline.request import Parameters
+from conveyor.router.transport import wire
+from conveyor.router.transport.records import Batch, CachedBatch, NewRequest, RequestUpdate, Warmup
 from conveyor.router.transport.shard_client import ShardedClient, ShardError
-from conveyor.shard.watchdog import MIN_STEP_TIMEOUT
+from conveyor.shard.service.watchdog import MIN_STEP_TIMEOUT
 from conveyor.shard_channels import Security
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
@@ -61,7 +64,7 @@ def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 async def client(shard: str, tokenizer) -> AsyncIterator[ShardedClient]:
     client = await ShardedClient.connect(shard)
     await client.clear_cache()
-    warmup = pb.WarmupRequest(batch=batch(0, request(tokenizer, 0, "warm up", 2)), max_batch_total_tokens=1024)
+    warmup = Warmup(batch=batch(0, request(tokenizer, 0, "warm up", 2)), max_batch_total_tokens=1024)
     capacity, step_timeout = await client.warmup(warmup)
     assert capacity == 1024  # the KV pool the router asked for, in 16-token blocks
     assert step_timeout == MIN_STEP_TIMEOUT  # none asked for: the shard's own choice, from a short warmup
@@ -69,19 +72,18 @@ async def client(shard: str, tokenizer) -> AsyncIterator[ShardedClient]:
     await client.close()
 
 
-def request(tokenizer, n: int, prompt: str, max_new_tokens: int) -> pb.Request:
-    """Request n; its KV blocks are the n-th run of BLOCKS_PER_REQUEST."""
-    return pb.Request(
+def request(tokenizer, n: int, prompt: str, max_new_tokens: int) -> NewRequest:
+    """Request n, greedy; its KV blocks are the n-th run of BLOCKS_PER_REQUEST."""
+    return NewRequest(
         id=n,
         input_ids=tokenizer(prompt).input_ids,
-        parameters=pb.SamplingParameters(),
-        stopping_parameters=pb.StoppingParameters(max_new_tokens=max_new_tokens, ignore_eos_token=True),
+        parameters=Parameters(max_new_tokens=max_new_tokens, ignore_eos=True),
         blocks=range(n * BLOCKS_PER_REQUEST, (n + 1) * BLOCKS_PER_REQUEST),
     )
 
 
-def batch(batch_id: int, *requests: pb.Request) -> pb.Batch:
-    return pb.Batch(id=batch_id, requests=requests, size=len(requests))
+def batch(batch_id: int, *requests: NewRequest) -> Batch:
+    return Batch(id=batch_id, requests=list(requests))
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ async def test_join_filter_and_decode_keep_each_request_on_its_greedy_path(
     prompts = {0: ("def f(x):", 9), 1: ("import os\nimport sys", 9), 2: ("x", 9), 3: ("class A:\n    pass", 9)}
     got: dict[int, list[int]] = {n: [] for n in prompts}
 
-    def record(result) -> pb.CachedBatch | None:
+    def record(result) -> CachedBatch | None:
         for g in result.generations:
             got[g.request_id].extend(g.tokens.ids)
         return result.batch
@@ -178,20 +180,20 @@ async def test_a_decode_run_ends_at_its_cap_or_when_asked_and_the_batch_decodes_
 
 async def test_bad_calls_are_grpc_errors_and_the_shard_serves_on(client: ShardedClient, tokenizer) -> None:
     with pytest.raises(ShardError, match="not cached"):
-        await client.decode([pb.CachedBatch(id=999, request_ids=[1], size=1)])
+        await client.decode([CachedBatch(id=999, request_ids=[1], size=1)])
     with pytest.raises(ShardError, match="no input tokens"):
-        await client.prefill(batch(5, pb.Request(id=1, stopping_parameters=pb.StoppingParameters(max_new_tokens=1))))
+        await client.prefill(batch(5, NewRequest(id=1, input_ids=[], parameters=Parameters(max_new_tokens=1))))
     with pytest.raises(ShardError, match="outside the vocabulary"):
-        await client.prefill(batch(6, pb.Request(id=1, input_ids=[10**6])))
+        await client.prefill(batch(6, NewRequest(id=1, input_ids=[10**6], parameters=Parameters())))
     too_long = request(tokenizer, 1, "x", 5)
-    too_long.input_ids[:] = [too_long.input_ids[-1]] * 130  # a prompt of 130 tokens > 8 blocks of 16
+    too_long.input_ids = [too_long.input_ids[-1]] * 130  # a prompt of 130 tokens > 8 blocks of 16
     with pytest.raises(ShardError, match="needs 130 KV slots"):
         await client.prefill(batch(8, too_long))
     with pytest.raises(ShardError, match="cache_len 9 and chunk_len 3"):
-        await client.prefill(batch(9, pb.Request(id=1, input_ids=[5] * 10, cache_len=9, chunk_len=3)))
+        await client.prefill(batch(9, NewRequest(1, [5] * 10, Parameters(), cache_len=9, chunk_len=3)))
     cached = (await client.prefill(batch(7, request(tokenizer, 1, "x", 5)))).batch
     with pytest.raises(ShardError, match="has no request 77"):
-        await client.decode([cached], updates=[pb.RequestUpdate(request_id=77)])
+        await client.decode([cached], updates=[RequestUpdate(request_id=77)])
     with pytest.raises(ShardError, match="no requests"):
         await client.filter_batch(cached.id, [42])
     # The batch survived the bad filter, and the shard still generates.
@@ -215,7 +217,8 @@ async def test_steps_answer_each_message_as_its_unary_rpc_and_go_on_after_an_err
         await call.write(pb.StepRequest())
         neither = await call.read()
         assert neither.error.code == invalid and "a prefill or a decode" in neither.error.message
-        await call.write(pb.StepRequest(prefill=pb.PrefillRequest(batch=batch(11, request(tokenizer, 2, "x", 4)))))
+        prefill = pb.PrefillRequest(batch=wire.batch_pb(batch(11, request(tokenizer, 2, "x", 4))))
+        await call.write(pb.StepRequest(prefill=prefill))
         answer = (await call.read()).prefill
         while True:
             got.extend(t for g in answer.generations for t in g.tokens.ids)
@@ -228,7 +231,7 @@ async def test_steps_answer_each_message_as_its_unary_rpc_and_go_on_after_an_err
     reference = greedy_reference(tiny_model, "x", 4)
     assert len(got) == 4 and got[: len(reference)] == reference
     with pytest.raises(ShardError) as error:  # the router's client reads the error message as the unary status
-        await client.decode([pb.CachedBatch(id=998, request_ids=[1], size=1)])
+        await client.decode([CachedBatch(id=998, request_ids=[1], size=1)])
     assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -280,7 +283,7 @@ async def test_a_stuck_forward_turns_health_not_serving_and_the_probe_kills_it(
     url = f"unix://{uds}-0"
     client = await ShardedClient.connect(url)
     try:
-        warmup = pb.WarmupRequest(batch=batch(0, request(tokenizer, 0, "warm up", 2)), step_timeout=1.0)
+        warmup = Warmup(batch=batch(0, request(tokenizer, 0, "warm up", 2)), step_timeout=1.0)
         _, step_timeout = await client.warmup(warmup)
         assert step_timeout == 1.0  # the deadline asked for
         await client.health()

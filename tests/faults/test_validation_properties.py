@@ -34,12 +34,12 @@ from conveyor.router.api.tgi import (
     WARPERS,
     GenerateParameters,
 )
-from conveyor.router.core.scheduler import sampling_pb
-from conveyor.router.frontends.openai import Choice, OpenAIRoutes
+from conveyor.router.frontends.openai_routes import Choice, OpenAIRoutes
 from conveyor.router.limits import Limits
 from conveyor.router.pipeline.request import ValidRequest, tgi_request
 from conveyor.router.pipeline.validation import Validation, ValidationError
-from conveyor.shard.sampling import Sampler, SamplingParams
+from conveyor.router.transport.wire import sampling_pb
+from conveyor.shard.sampling.sampler import Sampler, SamplingParams
 
 EXAMPLES = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "0"))
 LIMITS = Limits(max_input_tokens=32, max_total_tokens=64, max_stop_sequences=3, max_top_n_tokens=4)

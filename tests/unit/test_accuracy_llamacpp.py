@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.benchmarks import accuracy
+from benchmarks import accuracy
 
 OUTPUT = """\
 chunk    PPL    ln(PPL(Q)/PPL(base))    KL Divergence    Δp RMS    Same top p

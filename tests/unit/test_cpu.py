@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import compare, compare_report, deploy
 from conveyor import cpu
-from conveyor.benchmarks import compare, compare_report, deploy
 from conveyor.shard.layers import gemm
 
 BASE_FLAGS = "fpu tsc msr pae cx8 apic sep cmov clflush mmx fxsr sse sse2 ht syscall nx lm pni ssse3 fma cx16 sse4_1"
@@ -233,7 +233,7 @@ XEON_AVX512_ONLY = Kind("xeon-avx512-no-bf16", "Intel(R) Xeon(R) Gold 6148 CPU",
 def test_dtype_auto_on_each_cpu_kind(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind, bf16_checkpoint_runs_in: str
 ) -> None:
-    from conveyor.shard.device import choose_dtype, device_bf16
+    from conveyor.shard.runtime.device import choose_dtype, device_bf16
 
     fake(monkeypatch, tmp_path, kind)
     here = torch.device("cpu")

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from conveyor import demo_model
-from conveyor.shard.detokenize import IncrementalDetokenizer
+from conveyor.shard.batch.detokenize import IncrementalDetokenizer
 
 ALPHABET = list("abcdefghij  \n\t.,:()") + ["é", "ü", "ß", "世", "界", "€", "🚂", "ok", " the", "def "]
 

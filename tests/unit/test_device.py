@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import cpu
-from conveyor.shard.device import DeviceUnavailable, choose_device, to_device
 from conveyor.shard.layers.gemm import Gemm, onednn_packs
+from conveyor.shard.runtime.device import DeviceUnavailable, choose_device, to_device
 
 
 def test_auto_picks_the_cpu_on_this_machine():
@@ -80,7 +80,7 @@ def test_gemm_backend_switch(monkeypatch: pytest.MonkeyPatch):
 
 def test_the_kv_pool_on_cpu_sees_a_containers_memory_limit(tmp_path) -> None:
     """/proc/meminfo shows the host's memory inside a container; the cgroup limit is what the pod may take."""
-    from conveyor.shard.engine import available_ram
+    from conveyor.shard.step.engine import available_ram
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
@@ -113,7 +113,7 @@ def test_the_kv_pool_on_cpu_sees_a_containers_memory_limit(tmp_path) -> None:
     ],
 )
 def test_dtype_auto_per_device_and_checkpoint(checkpoint, device: str, bf16_native: bool, expected: str):
-    from conveyor.shard.device import choose_dtype
+    from conveyor.shard.runtime.device import choose_dtype
 
     assert choose_dtype("auto", checkpoint, torch.device(device), bf16_native) == expected
     assert choose_dtype("float16", checkpoint, torch.device(device), bf16_native) == "float16"
@@ -124,7 +124,7 @@ def test_dtype_auto_per_device_and_checkpoint(checkpoint, device: str, bf16_nati
 def test_checkpoint_dtype_reads_either_config_name():
     from types import SimpleNamespace
 
-    from conveyor.shard.device import checkpoint_dtype
+    from conveyor.shard.runtime.device import checkpoint_dtype
 
     assert checkpoint_dtype(SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"
     assert checkpoint_dtype(SimpleNamespace(dtype=None, torch_dtype="float16")) == "float16"

@@ -1,9 +1,9 @@
-"""The process group's choice of network interface (shard/distributed.py): ranks that meet at a loopback address
-keep gloo's own connections on loopback, instead of the address this machine's hostname resolves to."""
+"""The process group's choice of network interface (shard/runtime/process_group.py): ranks that meet at a loopback
+address keep gloo's own connections on loopback, instead of the address this machine's hostname resolves to."""
 
 from __future__ import annotations
 
-from conveyor.shard.distributed import loopback_interface
+from conveyor.shard.runtime.process_group import loopback_interface
 
 
 def test_ranks_meeting_on_loopback_talk_over_the_loopback_interface() -> None:

@@ -12,7 +12,7 @@ from conveyor import cpu
 from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.norm import RMSNorm
 from conveyor.shard.layers.rotary import apply_rotary, rotate
-from conveyor.shard.sampling import greedy
+from conveyor.shard.sampling.sampler import greedy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -1,6 +1,6 @@
-"""The prefix cache's disk tier (shard/kv_offload.py, its files kv_files.py): what it writes comes back whole;
-what was damaged, cut short or written for another model or scope never comes back; the folder stays under its cap;
-an unwritable folder is survived."""
+"""The prefix cache's disk tier (shard/kv_offload/prefix_offload.py, its files block_files.py): what it writes comes
+back whole; what was damaged, cut short or written for another model or scope never comes back; the folder stays
+under its cap; an unwritable folder is survived."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor.shard import kv_files, kv_offload
-from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.kv_files import DiskTier
-from conveyor.shard.kv_offload import PrefixOffload
+from conveyor.shard.kv_offload import block_files, prefix_offload
+from conveyor.shard.kv_offload.block_files import DiskTier
+from conveyor.shard.kv_offload.prefix_offload import PrefixOffload
 from conveyor.shard.layers.attention import KVCache
+from conveyor.shard.runtime.process_group import ProcessGroup
 
 BLOCK, LAYERS, HEADS, DIM = 4, 2, 2, 8
-FP = kv_files.digest(b"a model")
+FP = block_files.digest(b"a model")
 
 
 def pool(blocks: int = 6, seed: int = 0) -> KVCache:
@@ -37,11 +37,11 @@ def tier(folder: Path, max_bytes: int = 1 << 30, fp: bytes = FP) -> DiskTier:
 def test_a_block_written_comes_back_whole(tmp_path: Path) -> None:
     source, target = pool(seed=1), pool(seed=2)
     store = tier(tmp_path)
-    key = kv_files.digest(b"block 0")
-    store.save(key, kv_offload.block_payload(source.keys, source.values, 3))
+    key = block_files.digest(b"block 0")
+    store.save(key, prefix_offload.block_payload(source.keys, source.values, 3))
     store.flush()
     assert store.has(key) and store.stats.saved_blocks == 1
-    kv_offload.restore_block(target.keys, target.values, 5, store.read(key))
+    prefix_offload.restore_block(target.keys, target.values, 5, store.read(key))
     for a, b in zip([*source.keys, *source.values], [*target.keys, *target.values]):
         assert torch.equal(a[3], b[5])
     assert tier(tmp_path).has(key)  # a new process finds it: the restart case
@@ -51,8 +51,8 @@ def test_a_block_written_comes_back_whole(tmp_path: Path) -> None:
 def test_a_damaged_or_foreign_file_is_skipped_counted_and_removed(tmp_path: Path, damage: str) -> None:
     source = pool()
     store = tier(tmp_path)
-    key, other = kv_files.digest(b"k"), kv_files.digest(b"other")
-    store.save(key, kv_offload.block_payload(source.keys, source.values, 0))
+    key, other = block_files.digest(b"k"), block_files.digest(b"other")
+    store.save(key, prefix_offload.block_payload(source.keys, source.values, 0))
     store.flush()
     path = store.path(key)
     data = bytearray(path.read_bytes())
@@ -61,12 +61,12 @@ def test_a_damaged_or_foreign_file_is_skipped_counted_and_removed(tmp_path: Path
     elif damage == "bit-flipped":
         data[-100] ^= 0x04
     elif damage == "another-model":  # written by another model's shard under this name
-        other_model = tier(tmp_path / "elsewhere", fp=kv_files.digest(b"another model"))
-        other_model.save(key, kv_offload.block_payload(source.keys, source.values, 0))
+        other_model = tier(tmp_path / "elsewhere", fp=block_files.digest(b"another model"))
+        other_model.save(key, prefix_offload.block_payload(source.keys, source.values, 0))
         other_model.flush()
         data = bytearray(other_model.path(key).read_bytes())
     else:  # another block's file under this block's name
-        store.save(other, kv_offload.block_payload(source.keys, source.values, 1))
+        store.save(other, prefix_offload.block_payload(source.keys, source.values, 1))
         store.flush()
         data = bytearray(store.path(other).read_bytes())
     path.write_bytes(bytes(data))
@@ -78,10 +78,10 @@ def test_a_damaged_or_foreign_file_is_skipped_counted_and_removed(tmp_path: Path
 
 def test_the_folder_stays_under_its_cap_least_recently_used_first(tmp_path: Path) -> None:
     source = pool()
-    payload = kv_offload.block_payload(source.keys, source.values, 0)
-    size = kv_files.HEADER.size + len(payload)
+    payload = prefix_offload.block_payload(source.keys, source.values, 0)
+    size = block_files.HEADER.size + len(payload)
     store = tier(tmp_path, max_bytes=3 * size)
-    keys = [kv_files.digest(bytes([i])) for i in range(5)]
+    keys = [block_files.digest(bytes([i])) for i in range(5)]
     for key in keys[:3]:
         store.save(key, payload)
         store.flush()
@@ -98,7 +98,7 @@ def test_a_read_only_folder_is_survived(tmp_path: Path) -> None:
     store = tier(tmp_path)
     store.root.chmod(stat.S_IRUSR | stat.S_IXUSR)
     try:
-        store.save(kv_files.digest(b"k"), b"\0" * store.block_bytes)
+        store.save(block_files.digest(b"k"), b"\0" * store.block_bytes)
         store.flush()
         assert store.stats.write_errors == 1 and store.stats.saved_blocks == 0
     finally:
@@ -109,9 +109,9 @@ def test_a_folder_that_cannot_be_written_is_survived(tmp_path: Path) -> None:
     """A file where the folder should be: every write fails (as on a full or read-only disk), none raises."""
     (tmp_path / "blocked").write_text("not a folder")
     store = tier(tmp_path / "blocked")
-    store.save(kv_files.digest(b"k"), b"\0" * store.block_bytes)
+    store.save(block_files.digest(b"k"), b"\0" * store.block_bytes)
     store.flush()
-    assert store.stats.write_errors == 1 and not store.has(kv_files.digest(b"k"))
+    assert store.stats.write_errors == 1 and not store.has(block_files.digest(b"k"))
 
 
 class _Request:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.weights import WeightError, Weights
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.runtime.weights import WeightError, Weights
 
 WORLD = 2
 HIDDEN = 6  # input features of the column-parallel layers and the LM head
@@ -89,9 +89,9 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, inputs_path: 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
 
-    from conveyor.shard.distributed import initialize
     from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from conveyor.shard.runtime.process_group import initialize
 
     group = initialize(CPU, timeout=60)
     try:

@@ -19,13 +19,13 @@ import torch
 from conftest import ALL_PROJECTIONS, greedy_reference, save_lora_adapter
 from safetensors.torch import load_file, save_file
 
-from conveyor.shard.batch import Batch
-from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.engine import Engine
-from conveyor.shard.lora import Loras, column_rows, row_columns
-from conveyor.shard.lora_files import AdapterError
-from conveyor.shard.requests import BadRequest
-from conveyor.shard.weights import Weights
+from conveyor.shard.adapters.adapter_files import AdapterError
+from conveyor.shard.adapters.served_adapters import ServedAdapters, column_rows, row_columns
+from conveyor.shard.batch.cached_batch import Batch
+from conveyor.shard.batch.request_state import BadRequest
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.runtime.weights import Weights
+from conveyor.shard.step.engine import Engine
 from conveyor.v1 import shard_pb2 as pb
 
 BLOCKS = 16  # per request: 256 tokens
@@ -164,7 +164,7 @@ def test_a_draft_models_proposals_are_verified_through_the_adapter(
 ) -> None:
     """The draft model (here the target's own checkpoint again) has no adapter: it proposes the base model's
     tokens, and the target's forward, adapter included, keeps only its own."""
-    from conveyor.shard.engine import Draft
+    from conveyor.shard.step.engine import Draft
 
     adapters = [(name, str(path)) for name, path in lora_adapters.items()]
     engine = Engine(tiny_model, "float32", CPU, ProcessGroup(0, 1), draft=Draft("self"), adapters=adapters)
@@ -186,12 +186,12 @@ def test_info_lists_the_adapters_on_this_rank(engine: Engine) -> None:
 
 
 def test_a_step_without_adapter_tokens_runs_no_lora_operation(engine: Engine) -> None:
-    before = engine.loras.step.ops
+    before = engine.adapters.step.ops
     generate(engine, [Plan(0, 0, PROMPT, "", 3), Plan(1, 1, OTHER, "", 3)])
-    assert engine.loras.step.ops == before
+    assert engine.adapters.step.ops == before
     generate(engine, [Plan(0, 0, PROMPT, "qv", 1)])
     layers = engine.config.num_hidden_layers
-    assert engine.loras.step.ops == before + layers  # one forward, through the q/k/v layers alone ("qv"'s kind)
+    assert engine.adapters.step.ops == before + layers  # one forward, through the q/k/v layers alone ("qv"'s kind)
 
 
 def test_only_layers_an_adapter_targets_carry_a_site_and_none_without_adapters(
@@ -203,7 +203,7 @@ def test_only_layers_an_adapter_targets_carry_a_site_and_none_without_adapters(
 
     group = ProcessGroup(0, 1)
     model = model_for(AutoConfig.from_pretrained(tiny_model), Weights(tiny_model, group, torch.float32, CPU))
-    loras = Loras(model, group, torch.float32, CPU, 2, [str(tiny_model)])
+    loras = ServedAdapters(model, group, torch.float32, CPU, 2, [str(tiny_model)])
 
     def carrying() -> set[str]:
         return {site.kind for site in loras.sites if site.linear.lora is not None}
@@ -291,8 +291,8 @@ async def test_the_rpcs_load_and_unload_and_refuse_with_invalid_argument(
     import grpc
 
     from conveyor import hub
-    from conveyor.shard.server import ShardService
-    from conveyor.shard.torch_thread import TorchThread
+    from conveyor.shard.service.grpc_service import ShardService
+    from conveyor.shard.service.torch_thread import TorchThread
 
     def unreachable(repo_id: str, *args, **kwargs) -> Path:
         raise hub.HubError(f"{repo_id}: the Hub cannot be reached")
@@ -431,7 +431,7 @@ def test_phi3_and_gemma3_serve_adapters_exactly(
 
 
 def test_a_multimodal_wrappers_text_layers_are_read_and_its_vision_tower_left_out(tmp_path: Path) -> None:
-    from conveyor.shard.lora_files import read
+    from conveyor.shard.adapters.adapter_files import read
 
     names = [
         "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_{}.weight",
@@ -512,7 +512,7 @@ def _rank_updates(model_dir: Path, config, adapter: Path, inputs: dict, rank: in
 
     group = ProcessGroup(rank, 2)
     model = model_for(config, Weights(model_dir, group, torch.float32, CPU))
-    loras = Loras(model, group, torch.float32, CPU, 1, [str(model_dir)])
+    loras = ServedAdapters(model, group, torch.float32, CPU, 1, [str(model_dir)])
     loras.load("a", "a", adapter)
     loras.begin(["a"], [5])
     layer = model.layers[1]

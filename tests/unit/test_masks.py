@@ -1,4 +1,5 @@
-"""The shard's token masks (`shard/masks.py`) against llguidance's own matcher, on the tiny model's tokenizer."""
+"""The shard's token masks (`shard/sampling/masks.py`) against llguidance's own matcher, on the tiny model's
+tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from conveyor.grammar import Constraint, GrammarCache
-from conveyor.shard.masks import Masks
+from conveyor.shard.sampling.masks import Masks
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ int8 costs; this real checkpoint does. One window of the benchmark's fixed text 
 tokens, the second half scored) runs through the shard's own model in float32, int8 and int4, and each quantization's
 next-token distributions are held within a mean KL divergence of float32's. What each scheme measures on the
 whole text, beside llama.cpp's q8_0 and q4_0 on the same text and windows, is
-`python -m conveyor.benchmarks.accuracy --quantize int8 int4` (docs/benchmarks.md).
+`python -m benchmarks.accuracy --quantize int8 int4` (docs/benchmarks.md).
 
 Not held: a greedy answer to the chat question (benchmarks/real_model.py's CHECK_QUESTION). float32's first token
 there is a near tie between two tokens, which rounding x to int8 in blocks of 32 tips even over float weights
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.benchmarks import accuracy, real_model
-from conveyor.benchmarks.accuracy import Scores
+from benchmarks import accuracy, real_model
+from benchmarks.accuracy import Scores
 from conveyor.shard.kernels import library as kernels
 
 # Mean KL(p_float32 || p_quant) per scored token, nats, on this window: bounds with about a quarter to spare over

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from conveyor.benchmarks import roofline
+from benchmarks import roofline
 
 
 def test_streamed_weights_are_the_checkpoints_projections_and_head(tiny_model: Path) -> None:

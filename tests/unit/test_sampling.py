@@ -16,7 +16,7 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from conveyor.shard.sampling import Sampler, SamplingParams
+from conveyor.shard.sampling.sampler import Sampler, SamplingParams
 from conveyor.v1 import shard_pb2 as pb
 
 CPU = torch.device("cpu")

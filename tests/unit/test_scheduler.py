@@ -15,7 +15,17 @@ from conveyor.router.core.settle import LOOKS_PER_GAP, SETTLE_QUIET_SECONDS, SET
 from conveyor.router.core.step_planner import PlannerConfig
 from conveyor.router.metrics import Metrics
 from conveyor.router.pipeline.request import Parameters, ValidRequest
-from conveyor.router.transport.shard_client import ShardError, StepResult
+from conveyor.router.transport.records import (
+    CachedBatch,
+    GeneratedText,
+    Generation,
+    RequestUpdate,
+    ShardInfo,
+    StepResult,
+    Timings,
+    Tokens,
+)
+from conveyor.router.transport.shard_client import ShardError
 from conveyor.v1 import shard_pb2 as pb
 
 
@@ -122,7 +132,7 @@ def test_the_scheduler_settles_on_the_real_clock_by_default() -> None:
 
 def test_every_sampling_parameter_reaches_the_shard_under_its_name() -> None:
     from conveyor.router.api.tgi import Sampling
-    from conveyor.router.core.scheduler import sampling_pb
+    from conveyor.router.transport.wire import sampling_pb
 
     # A field of the schema the shard proto lacks would be dropped on the way.
     assert set(Sampling.model_fields) <= {f.name for f in pb.SamplingParameters.DESCRIPTOR.fields}
@@ -200,7 +210,7 @@ async def test_shards_lost_while_dropping_preempted_sequences_void_the_planned_s
     running = _running(s, 3)
     preempted = running[2]
     s.planner.requeue(preempted)
-    s._batch = pb.CachedBatch(id=1, request_ids=[r.id for r in running], size=3)
+    s._batch = CachedBatch(id=1, request_ids=[r.id for r in running], size=3)
     assert await s._drop_preempted([preempted]) is False
     assert s._batch is None and not s.running and not s.recovering
     assert set(s.queue.take_all()) == set(running)
@@ -208,7 +218,7 @@ async def test_shards_lost_while_dropping_preempted_sequences_void_the_planned_s
 
 def _reconnected(s: Scheduler):
     async def reconnect() -> SimpleNamespace:
-        return SimpleNamespace(client=s.client, num_blocks=s.allocator.num_blocks, info=pb.InfoResponse())
+        return SimpleNamespace(client=s.client, num_blocks=s.allocator.num_blocks, info=ShardInfo())
 
     return reconnect
 
@@ -279,7 +289,7 @@ class _RunShards:
     def __init__(self) -> None:
         self.step_timeout = None
         self.results: asyncio.Queue = asyncio.Queue()
-        self.started: list[tuple[int, list[pb.RequestUpdate]]] = []  # (max_steps, updates) of each run
+        self.started: list[tuple[int, list[RequestUpdate]]] = []  # (max_steps, updates) of each run
         self.stopping = False
 
     async def decode_run(self, batches, max_steps, metadata=None, updates=()):
@@ -298,15 +308,17 @@ class _RunShards:
 
 def _step(batch_ids: list[int], tokens: dict[int, int], finished: tuple[int, ...] = ()) -> StepResult:
     generations = [
-        pb.Generation(
+        Generation(
             request_id=n,
-            tokens=pb.Tokens(ids=[t], logprobs=[0.0], texts=["t"], is_special=[False]),
-            finished=pb.GeneratedText(text="t", generated_tokens=1) if n in finished else None,
+            tokens=Tokens(ids=[t], logprobs=[0.0], texts=["t"], is_special=[False]),
+            finished=GeneratedText(text="t", generated_tokens=1, finish_reason="length", seed=None)
+            if n in finished
+            else None,
         )
         for n, t in tokens.items()
     ]
-    batch = pb.CachedBatch(id=0, request_ids=batch_ids, size=len(batch_ids)) if batch_ids else None
-    return StepResult(generations, batch, pb.Timings())
+    batch = CachedBatch(id=0, request_ids=batch_ids, size=len(batch_ids)) if batch_ids else None
+    return StepResult(generations, batch, Timings())
 
 
 async def test_a_decode_run_streams_each_step_lets_finished_ones_go_and_stops_for_an_arrival() -> None:
@@ -315,7 +327,7 @@ async def test_a_decode_run_streams_each_step_lets_finished_ones_go_and_stops_fo
     )
     a, b = _running(s, 2)
     s.planner.advance(SimpleNamespace(sequences=[a, b]))  # prompts read: both decode now
-    s._batch = pb.CachedBatch(id=0, request_ids=[0, 1], size=2)
+    s._batch = CachedBatch(id=0, request_ids=[0, 1], size=2)
     s.client = shards = _RunShards()
     plan = s.planner.plan()
     assert plan.steps == 4

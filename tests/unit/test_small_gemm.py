@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from conveyor import cpu
-from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers import gemm
 from conveyor.shard.layers.gemm import Gemm, plain_copy_fits
-from conveyor.shard.weights import Weights
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.runtime.weights import Weights
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import greedy_reference
 
-from conveyor.shard import drafts
-from conveyor.shard.batch import Batch
-from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.engine import Engine
+from conveyor.shard.batch.cached_batch import Batch
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.speculation import prompt_lookup
+from conveyor.shard.step.engine import Engine
 from conveyor.v1 import shard_pb2 as pb
 
 BLOCKS = 16  # per request: 256 tokens
@@ -23,11 +23,11 @@ REPEATING = "one two three four five six seven eight. one two three four five si
 
 
 def test_propose_takes_what_followed_the_latest_longest_match() -> None:
-    assert drafts.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # the latest "1 2 3"
-    assert drafts.propose([7, 8, 1, 2, 3, 4, 8, 1, 2], 5) == [3, 4, 8, 1, 2]  # at most k, to the end
-    assert drafts.propose([5, 6, 7, 5, 6, 9, 6, 7], 3) == [5, 6, 9]  # "6 7" (n=2) beats a later "7" alone
-    assert drafts.propose([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert drafts.propose([1, 2, 1, 2], 0) == []  # no budget
+    assert prompt_lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # the latest "1 2 3"
+    assert prompt_lookup.propose([7, 8, 1, 2, 3, 4, 8, 1, 2], 5) == [3, 4, 8, 1, 2]  # at most k, to the end
+    assert prompt_lookup.propose([5, 6, 7, 5, 6, 9, 6, 7], 3) == [5, 6, 9]  # "6 7" (n=2) beats a later "7" alone
+    assert prompt_lookup.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert prompt_lookup.propose([1, 2, 1, 2], 0) == []  # no budget
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def _update(engine: Engine, state, speculate: int) -> pb.RequestUpdate:
 
 
 def _finished(state) -> bool:
-    return state.remaining_tokens <= 0
+    return len(state.generated_ids) >= state.stopping.max_new_tokens
 
 
 def test_greedy_with_drafts_gives_generate_tokens(engine: Engine, tiny_model: Path) -> None:
@@ -144,7 +144,7 @@ def test_every_accepted_token_brings_its_logprob_and_alternatives(engine: Engine
 @pytest.fixture(scope="module")
 def self_drafting(tiny_model: Path) -> Engine:
     """The target drafting for itself (float32: every greedy draft is what the target chooses)."""
-    from conveyor.shard.engine import Draft
+    from conveyor.shard.step.engine import Draft
 
     engine = Engine(tiny_model, "float32", torch.device("cpu"), ProcessGroup(0, 1), draft=Draft("self"))
     engine.cache = engine.allocate(4 * BLOCKS)

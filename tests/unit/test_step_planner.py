@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from conveyor.router.core import step_planner
+from conveyor.config import SCHEDULING
 from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.policies import POLICIES, Continuous, policy_for, static
 from conveyor.router.core.queue import Queue
 from conveyor.router.core.sequence import Sequence, SequenceStatus
-from conveyor.router.core.step_planner import PlannerConfig, Scheduling, StepPlan, StepPlanner
+from conveyor.router.core.step_planner import PlannerConfig, StepPlan, StepPlanner
 from conveyor.router.pipeline.request import Parameters, ValidRequest
 
 
@@ -583,7 +584,7 @@ def test_decoder_input_details_waits_for_a_step_of_its_own_first_place() -> None
 
 
 def test_sequential_runs_one_request_at_a_time() -> None:
-    sim = Sim(scheduling=Scheduling.SEQUENTIAL)
+    sim = Sim(scheduling="sequential")
     sequences = [make_sequence(n, 5, max_new_tokens=3) for n in range(3)]
     sim.submit(*sequences)
     admitted = []
@@ -610,12 +611,12 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr(step_planner, "time", SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr(static, "time", SimpleNamespace(monotonic=clock))
     return clock
 
 
 def test_static_waits_for_a_full_batch_then_runs_it_to_completion(clock: Clock) -> None:
-    sim = Sim(scheduling=Scheduling.STATIC, max_batch_size=3, static_batch_timeout=5.0)
+    sim = Sim(scheduling="static", max_batch_size=3, static_batch_timeout=5.0)
     a, b = make_sequence(0, 4, max_new_tokens=2, queued_at=clock.now), make_sequence(1, 4, queued_at=clock.now)
     sim.submit(a, b)
     assert sim.step().empty
@@ -642,7 +643,7 @@ def test_static_waits_for_a_full_batch_then_runs_it_to_completion(clock: Clock) 
 
 def test_static_reads_every_prompt_of_its_batch_at_once(clock: Clock) -> None:
     # As a padded static batch would: the per-step prompt budget does not split the batch.
-    sim = Sim(scheduling=Scheduling.STATIC, max_batch_size=3, max_batch_prefill_tokens=10)
+    sim = Sim(scheduling="static", max_batch_size=3, max_batch_prefill_tokens=10)
     sequences = [make_sequence(n, 8, queued_at=clock.now) for n in range(3)]
     sim.submit(*sequences)
     plan = sim.step()
@@ -651,7 +652,7 @@ def test_static_reads_every_prompt_of_its_batch_at_once(clock: Clock) -> None:
 
 
 def test_static_admits_a_partial_batch_after_the_timeout(clock: Clock) -> None:
-    sim = Sim(scheduling=Scheduling.STATIC, max_batch_size=4, static_batch_timeout=1.0)
+    sim = Sim(scheduling="static", max_batch_size=4, static_batch_timeout=1.0)
     a, b = make_sequence(0, 4, queued_at=clock.now), make_sequence(1, 4, queued_at=clock.now + 0.5)
     sim.submit(a, b)
     clock.now = 1000.5
@@ -662,7 +663,7 @@ def test_static_admits_a_partial_batch_after_the_timeout(clock: Clock) -> None:
 
 
 def test_static_with_an_old_sequence_needs_no_clock() -> None:
-    sim = Sim(scheduling=Scheduling.STATIC, max_batch_size=8, static_batch_timeout=1.0)
+    sim = Sim(scheduling="static", max_batch_size=8, static_batch_timeout=1.0)
     old = make_sequence(0, 4)
     old.queued_at -= 10.0
     sim.submit(old)
@@ -670,12 +671,19 @@ def test_static_with_an_old_sequence_needs_no_clock() -> None:
 
 
 def test_static_batch_size_defaults_to_32(clock: Clock) -> None:
-    sim = Sim(scheduling=Scheduling.STATIC)
+    sim = Sim(scheduling="static")
     sim.submit(*[make_sequence(n, 2, queued_at=clock.now) for n in range(31)])
     assert sim.step().empty
     sim.submit(*[make_sequence(n, 2, queued_at=clock.now) for n in range(31, 40)])
     plan = sim.step()
     assert [s.id for s in plan.admitted] == list(range(32))
+
+
+def test_every_scheduling_flag_value_names_a_policy() -> None:
+    assert tuple(POLICIES) == SCHEDULING  # --scheduling's choices
+    assert isinstance(StepPlanner(PlannerConfig(1), BlockAllocator(1, 1), Queue()).policy, Continuous)  # the default
+    with pytest.raises(ValueError, match="unknown scheduling 'fifo'"):
+        policy_for("fifo")
 
 
 def test_continuous_respects_max_batch_size() -> None:
@@ -728,13 +736,11 @@ def test_watermark_keeps_blocks_for_running_requests(watermark: int) -> None:
 # --- randomized runs ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheduling", list(Scheduling))
-def test_random_workloads_all_finish_with_the_invariants_kept(
-    scheduling: Scheduling, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("scheduling", list(POLICIES))
+def test_random_workloads_all_finish_with_the_invariants_kept(scheduling: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Small pools, small vocabularies (many shared prefixes and cache conflicts), staggered arrivals, prompt
     logprobs, watermarks: every request gets all its tokens, every step keeps the invariants, nothing leaks."""
-    monkeypatch.setattr(step_planner, "time", SimpleNamespace(monotonic=lambda: 1e9))  # static timeouts passed
+    monkeypatch.setattr(static, "time", SimpleNamespace(monotonic=lambda: 1e9))  # static timeouts passed
     for seed in range(150):
         rng = random.Random(seed)
         bs, num_blocks = rng.choice([1, 2, 4, 16]), rng.randint(3, 30)

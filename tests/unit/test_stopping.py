@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conveyor.shard.stopping import FinishReason, StoppingCriteria
+from conveyor.shard.batch.stopping import FinishReason, StoppingCriteria
 from conveyor.v1 import shard_pb2 as pb
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from conveyor.shard.torch_thread import TorchThread
+from conveyor.shard.service.torch_thread import TorchThread
 
 
 async def test_every_call_runs_on_the_one_torch_thread() -> None:

@@ -3,8 +3,8 @@ shard)."""
 
 from __future__ import annotations
 
-from conveyor.shard.server import NOT_SERVING, SERVING, SHARD_SERVICE, HealthReport
-from conveyor.shard.watchdog import MIN_STEP_TIMEOUT, STEP_TIMEOUT_WARMUPS, StepWatch, step_timeout
+from conveyor.shard.service.grpc_service import NOT_SERVING, SERVING, SHARD_SERVICE, HealthReport
+from conveyor.shard.service.watchdog import MIN_STEP_TIMEOUT, STEP_TIMEOUT_WARMUPS, StepWatch, step_timeout
 
 
 class Clock:

@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from conveyor.shard.distributed import ProcessGroup
 from conveyor.shard.models import language_config, weight_names
-from conveyor.shard.weights import Weights
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.runtime.weights import Weights
 
 
 def test_a_wrappers_text_weights_are_read_under_the_text_models_names(gemma3_multimodal_model: Path) -> None:

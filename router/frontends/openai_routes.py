@@ -32,7 +32,7 @@ from conveyor.router.api.openai import (
 from conveyor.router.core.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.core.infer import Infer, Response
 from conveyor.router.frontends.middleware import caller, request_id
-from conveyor.router.frontends.responses import (
+from conveyor.router.frontends.replies import (
     REQUEST_ERRORS,
     error_event,
     error_response,

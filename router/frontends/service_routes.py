@@ -11,7 +11,7 @@ from conveyor.router.api import service as api
 from conveyor.router.core.infer import Infer
 from conveyor.router.core.sequence import Sequence, SequenceStatus
 from conveyor.router.frontends.middleware import caller
-from conveyor.router.frontends.responses import json_error
+from conveyor.router.frontends.replies import json_error
 
 
 def request_row(sequence: Sequence, now: float) -> api.RequestState:

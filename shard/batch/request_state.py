@@ -6,10 +6,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor import allowance
 from conveyor.grammar import GrammarCache, GrammarError
-from conveyor.shard.detokenize import IncrementalDetokenizer
-from conveyor.shard.sampling import SamplingParams
-from conveyor.shard.stopping import FinishReason, StoppingCriteria
+from conveyor.shard.batch.detokenize import IncrementalDetokenizer
+from conveyor.shard.batch.stopping import FinishReason, StoppingCriteria
+from conveyor.shard.sampling.sampler import SamplingParams
 from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,11 @@ class RequestState:
     resumed_tokens: int = 0  # the last input_ids a resumed request had generated before its preemption
     speculate: int = 0  # decoding: the most draft tokens to verify at the next step (the router sets it each step)
     drafts: list[int] = field(default_factory=list)  # decoding: this step's draft tokens, fed after next_token
-    draft_len: int = 0  # tokens whose KV the draft model has (shard/draft_model.py)
+    draft_len: int = 0  # tokens whose KV the draft model has (shard/speculation/draft_model.py)
     adapter: str = ""  # the LoRA adapter its tokens go through ("": the base model)
-    cache_scope: str = ""  # whose blocks it may share, as the router's digest (kv_offload.py keys disk blocks by it)
+    cache_scope: str = (
+        ""  # whose blocks it may share, as the router's digest (kv_offload/prefix_offload.py keys disk blocks by it)
+    )
     offload_keys: list[bytes] = field(default_factory=list)  # its full blocks' disk keys, computed as needed
 
     @property
@@ -149,8 +152,8 @@ class RequestState:
         return self.input_ids[: len(self.input_ids) - self.resumed_tokens] + self.generated_ids
 
     @property
-    def remaining_tokens(self) -> int:
-        return self.stopping.max_new_tokens - len(self.generated_ids)
+    def draft_room(self) -> int:
+        return allowance.draft_room(self.stopping.max_new_tokens, len(self.generated_ids))
 
     def step(self, token_id: int, logprob: float, tokenizer, special_ids: frozenset[int]) -> pb.Generation:
         """Records one generated token and returns the Generation the router streams for it."""

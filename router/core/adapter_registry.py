@@ -15,10 +15,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.lora_sources import AdapterSourceError, check_name
+from conveyor.adapter_sources import AdapterSourceError, check_name
 from conveyor.router.pipeline.validation import UnknownAdapter
+from conveyor.router.transport.records import ShardAdapter, ShardInfo
 from conveyor.router.transport.shard_client import ShardedClient, ShardError
-from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
 BATCH_POLL_SECONDS = 0.01
@@ -41,7 +41,8 @@ class Adapter:
     live: bool  # loaded through the API (reloaded after a shard restart), not from --lora-adapters
 
     @classmethod
-    def from_pb(cls, adapter: pb.Adapter, live: bool) -> Adapter:
+    def held(cls, adapter: ShardAdapter, live: bool) -> Adapter:
+        """The adapter as a rank reports holding it."""
         return cls(adapter.name, adapter.source, adapter.rank, adapter.weight_bytes, live)
 
 
@@ -55,12 +56,12 @@ class Adapters:
         self.in_batch: Callable[[str], bool] = lambda name: False
         self._lock = asyncio.Lock()  # one load or unload at a time
 
-    def learn(self, info: pb.InfoResponse) -> None:
+    def learn(self, info: ShardInfo) -> None:
         """What rank 0 holds after a (re)connection: its start adapters; and those this router loaded live, which
         restarted shards lack until `restore` loads them again."""
         self.max_loras = info.max_loras
         live = {name: adapter for name, adapter in self.served.items() if adapter.live}
-        self.served = {a.name: Adapter.from_pb(a, a.name in live) for a in info.adapters}
+        self.served = {a.name: Adapter.held(a, a.name in live) for a in info.adapters}
         for name, adapter in live.items():
             self.served.setdefault(name, adapter)
 
@@ -96,11 +97,11 @@ class Adapters:
                     f"{len(self.served)} adapters are resident, the most --max-loras allows; unload one first"
                 )
             try:
-                responses = await client.load_adapter(name, source)
+                loaded = await client.load_adapter(name, source)
             except ShardError as exc:
                 await self._roll_back(client, name)
                 raise AdapterLoadError(exc.detail) from None
-            adapter = Adapter.from_pb(responses[0].adapter, live=True)
+            adapter = Adapter.held(loaded[0], live=True)
             self.served[name] = adapter
             log.info("adapter loaded", extra={"adapter": name, "source": source, "bytes": adapter.weight_bytes})
             return adapter

@@ -18,8 +18,8 @@ rank's rows of B, part by part as `Weights.get_sharded_parts` slices the weight.
 output, down) keep this rank's columns of A, the input features their weight slice reads, and B whole; the update is
 added to the rank's partial output before the all-reduce, since the sum over ranks of x_r A_r^T B^T is x A^T B^T.
 
-The registry (`Loras`, one per engine) loads and unloads adapters between steps, at most `max_loras` at once, and
-rebuilds the concatenations as it does; requests name an adapter, and a step turns the names into masks.
+The registry (`ServedAdapters`, one per engine) loads and unloads adapters between steps, at most `max_loras` at
+once, and rebuilds the concatenations as it does; requests name an adapter, and a step turns the names into masks.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from conveyor.shard import lora_files
-from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.adapters import adapter_files
+from conveyor.shard.adapters.adapter_files import AdapterError, AdapterFiles, Target
+from conveyor.shard.batch.request_state import BadRequest, RequestState
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
-from conveyor.shard.lora_files import AdapterError, AdapterFiles, Target
-from conveyor.shard.requests import BadRequest, RequestState
+from conveyor.shard.runtime.process_group import ProcessGroup
 from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def find_sites(model: torch.nn.Module, group: ProcessGroup) -> list[Site]:
 
 @dataclass
 class Resident:
-    """A loaded adapter: its slot is its place in `Loras.resident`; `widths`: its columns per layer kind."""
+    """A loaded adapter: its slot is its place in `ServedAdapters.resident`; `widths`: its columns per layer kind."""
 
     name: str
     source: str
@@ -212,7 +212,7 @@ class Resident:
 Blocks = dict[Site, tuple[torch.Tensor, torch.Tensor]]
 
 
-class Loras:
+class ServedAdapters:
     """The adapters resident on this rank, in slot order, and the model's sites they live in."""
 
     def __init__(
@@ -245,12 +245,12 @@ class Loras:
         """Reads, checks and installs an adapter (a refused one leaves nothing behind)."""
         return self.install(source, self.read(name, folder))
 
-    def read(self, name: str, folder: Path) -> lora_files.AdapterFiles:
+    def read(self, name: str, folder: Path) -> adapter_files.AdapterFiles:
         """The adapter's files, read and checked: file work only, which a live load does off the torch thread (a
         file that blocks on read, a hung network filesystem, must not stall every tenant's steps)."""
-        return lora_files.read(name, folder, self.served_names)
+        return adapter_files.read(name, folder, self.served_names)
 
-    def install(self, source: str, files: lora_files.AdapterFiles) -> pb.Adapter:
+    def install(self, source: str, files: adapter_files.AdapterFiles) -> pb.Adapter:
         """Installs an adapter read by `read`, between steps. Loading the same name from the same source again
         answers the one loaded: a rank that succeeded where another failed can be retried."""
         name = files.name

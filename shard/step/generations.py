@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from conveyor.shard.requests import RequestState
-from conveyor.shard.sampling import Sample
+from conveyor.shard.batch.request_state import RequestState
+from conveyor.shard.sampling.sampler import Sample
 from conveyor.v1 import shard_pb2 as pb
 
 

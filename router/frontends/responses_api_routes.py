@@ -23,9 +23,9 @@ from conveyor.router.api.openai import ChatRequest
 from conveyor.router.core.events import ErrorEvent, Finished
 from conveyor.router.core.infer import Infer
 from conveyor.router.frontends.middleware import caller, request_id
-from conveyor.router.frontends.openai import Choice, OpenAIRoutes
+from conveyor.router.frontends.openai_routes import Choice, OpenAIRoutes
+from conveyor.router.frontends.replies import REQUEST_ERRORS, error_response, json_error, open_sse
 from conveyor.router.frontends.response_store import ResponseStore
-from conveyor.router.frontends.responses import REQUEST_ERRORS, error_response, json_error, open_sse
 from conveyor.router.pipeline.chat_output import Delta
 from conveyor.router.pipeline.validation import check_limits
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.shard.requests import BadRequest, RequestState
-from conveyor.shard.sampling import Sampler
+from conveyor.shard.batch.request_state import BadRequest, RequestState
+from conveyor.shard.sampling.sampler import Sampler
 from conveyor.v1 import shard_pb2 as pb
 
 

@@ -3,7 +3,7 @@ serve exactly, each with one line that names it.
 
 What is read is the adapter alone, whole and unsliced: which decoder-layer projections it changes and the
 matrices of each, A [r, in] and B [out, r], with the scale its config gives (alpha / r, or alpha / sqrt(r) with
-rsLoRA). Checking them against the served model and slicing them for a rank is `lora.py`'s part.
+rsLoRA). Checking them against the served model and slicing them for a rank is `served_adapters.py`'s part.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from conveyor import hub, lora_sources
-from conveyor.shard.requests import BadRequest
+from conveyor import adapter_sources, hub
+from conveyor.shard.batch.request_state import BadRequest
 
 
 class AdapterError(BadRequest):
@@ -78,9 +78,9 @@ def resolve_source(name: str, source: str) -> Path:
     """The adapter's local folder (a Hub id downloaded first), any failure as an AdapterError: a live load must
     not end the shard, and hub.HubError is a SystemExit."""
     try:
-        lora_sources.check_name(name)
-        return lora_sources.resolve(source)
-    except (lora_sources.AdapterSourceError, hub.HubError) as exc:
+        adapter_sources.check_name(name)
+        return adapter_sources.resolve(source)
+    except (adapter_sources.AdapterSourceError, hub.HubError) as exc:
         raise AdapterError(f"adapter {name!r}: {exc}") from None
 
 
@@ -104,11 +104,11 @@ def read(name: str, folder: Path, served_names: list[str]) -> AdapterFiles:
     if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, (int, float)):
         raise AdapterError(f"adapter {name!r}: r={rank!r} and lora_alpha={alpha!r} are not a rank and a number")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return AdapterFiles(name, rank, scale, _matrices(name, folder / lora_sources.WEIGHTS_FILE))
+    return AdapterFiles(name, rank, scale, _matrices(name, folder / adapter_sources.WEIGHTS_FILE))
 
 
 def _config(name: str, folder: Path) -> dict:
-    path = folder / lora_sources.CONFIG_FILE
+    path = folder / adapter_sources.CONFIG_FILE
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

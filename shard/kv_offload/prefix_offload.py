@@ -9,7 +9,7 @@ shared) and every token up to the block's end, so one key can never name another
 When a prefill chunk starts on a block boundary, its blocks found on disk are read into the request's own blocks
 and only the rest of the chunk is computed (at least its last token: the prompt's last logits are always
 computed, as with the memory cache). The files themselves (their checks, the writer thread, the cap) are
-kv_files.py's.
+block_files.py's.
 
 Requests through a LoRA adapter, asking for prompt log-probabilities, or without a scope stay in memory only.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.shard.kv_files import DiskTier, digest
+from conveyor.shard.kv_offload.block_files import DiskTier, digest
 
 
 def fingerprint(model_dir: Path, facts: dict[str, object]) -> bytes:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conveyor.shard.distributed import ProcessGroup
+from conveyor.shard.runtime.process_group import ProcessGroup
 
 
 class WeightError(ValueError):

@@ -27,12 +27,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
-from conveyor.shard.batch import Batch
-from conveyor.shard.engine import Engine, StepOutput
-from conveyor.shard.lora_files import AdapterError, read_timeout, resolve_source
-from conveyor.shard.requests import BadRequest
-from conveyor.shard.torch_thread import TorchThread
-from conveyor.shard.watchdog import WATCH_SECONDS, StepWatch, step_timeout
+from conveyor.shard.adapters.adapter_files import AdapterError, read_timeout, resolve_source
+from conveyor.shard.batch.cached_batch import Batch
+from conveyor.shard.batch.request_state import BadRequest
+from conveyor.shard.service.torch_thread import TorchThread
+from conveyor.shard.service.watchdog import WATCH_SECONDS, StepWatch, step_timeout
+from conveyor.shard.step.engine import Engine, StepOutput
 from conveyor.shard_channels import CHANNEL_OPTIONS, Security
 from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
@@ -50,7 +50,7 @@ FAILPOINT_TOKEN = (
 )
 FAILPOINT_EXIT_CODE = 70
 # With CONVEYOR_FAILPOINT_HANG_ON_TOKEN=<token id>, the forward of any step that reads a prompt containing that
-# token never returns, while the event loop goes on answering: "the stuck forward" (shard/watchdog.py).
+# token never returns, while the event loop goes on answering: "the stuck forward" (shard/service/watchdog.py).
 FAILPOINT_HANG_TOKEN = (
     int(os.environ["CONVEYOR_FAILPOINT_HANG_ON_TOKEN"]) if "CONVEYOR_FAILPOINT_HANG_ON_TOKEN" in os.environ else None
 )

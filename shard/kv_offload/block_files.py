@@ -6,7 +6,7 @@ block's bytes. A file is read whole and served only if all of them agree: a trun
 skipped, counted and removed, never served. Writes go through a thread of their own (a step hands over a copy and
 goes on) into a partial file renamed into place; the least recently used files go once the folder holds more than
 its cap. A folder that cannot be written (full, read-only) is logged at most once a minute and counted; the shard
-serves from memory alone meanwhile. What the keys cover, and when blocks are written and read: kv_offload.py.
+serves from memory alone meanwhile. What the keys cover, and when blocks are written and read: prefix_offload.py.
 """
 
 from __future__ import annotations

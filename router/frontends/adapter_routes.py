@@ -11,10 +11,10 @@ from aiohttp import web
 
 from conveyor.router.api import adapters as api
 from conveyor.router.api.base import parse
-from conveyor.router.core.adapters import Adapter
+from conveyor.router.core.adapter_registry import Adapter
 from conveyor.router.core.infer import Infer
 from conveyor.router.frontends.middleware import caller
-from conveyor.router.frontends.responses import REQUEST_ERRORS, error_response, json_error
+from conveyor.router.frontends.replies import REQUEST_ERRORS, error_response, json_error
 
 
 def adapter_json(adapter: Adapter) -> api.AdapterInfo:

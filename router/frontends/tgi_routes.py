@@ -16,9 +16,9 @@ from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.tgi import GenerateRequest
 from conveyor.router.core.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.core.infer import Infer, Response
-from conveyor.router.frontends.adapters import adapter_json
+from conveyor.router.frontends.adapter_routes import adapter_json
 from conveyor.router.frontends.middleware import caller, request_id
-from conveyor.router.frontends.responses import (
+from conveyor.router.frontends.replies import (
     REQUEST_ERRORS,
     Details,
     details,

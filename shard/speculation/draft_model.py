@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.shard.batch.request_state import RequestState
 from conveyor.shard.layers.attention import KVCache
-from conveyor.shard.requests import RequestState
-from conveyor.shard.sampling import greedy
+from conveyor.shard.sampling.sampler import greedy
 
 
 class DraftModel:

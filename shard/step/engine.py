@@ -1,9 +1,10 @@
 """The engine: our Llama-family model over a KV pool whose blocks the router hands out, one step at a time.
 
-A batch is plain bookkeeping (`batch.py`), so filtering and joining batches copy no KV at all. Every step is one
-flat forward over the new tokens of all its requests: one token for each decoding row, a prompt chunk for each
-prefilling row the router gave one (chunked prefill mixes them into the same forward). Each request may name a
-LoRA adapter (`lora.py`): requests of different adapters and of the base model share that one forward.
+A batch is plain bookkeeping (`batch/cached_batch.py`), so filtering and joining batches copy no KV at all. Every step
+is one flat forward over the new tokens of all its requests: one token for each decoding row, a prompt chunk for each
+prefilling row the router gave one (chunked prefill mixes them into the same forward). Each request may name a LoRA
+adapter (`adapters/served_adapters.py`): requests of different adapters and of the base model share that one
+forward.
 """
 
 from __future__ import annotations
@@ -19,23 +20,24 @@ from pathlib import Path
 import torch
 
 from conveyor.grammar import GrammarCache
-from conveyor.shard import draft_model, drafts, kv_files, kv_offload
-from conveyor.shard.batch import Batch
-from conveyor.shard.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
-from conveyor.shard.distributed import ProcessGroup
-from conveyor.shard.draft_model import DraftModel
-from conveyor.shard.generations import Generations
-from conveyor.shard.kv_offload import PrefixOffload
+from conveyor.shard.adapters.adapter_files import AdapterFiles, resolve_source
+from conveyor.shard.adapters.served_adapters import ServedAdapters
+from conveyor.shard.batch.cached_batch import Batch
+from conveyor.shard.batch.request_state import BadRequest, RequestState
+from conveyor.shard.kv_offload import block_files, prefix_offload
+from conveyor.shard.kv_offload.prefix_offload import PrefixOffload
 from conveyor.shard.layers import kv_quant
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits, weight_copies
-from conveyor.shard.lora import Loras
-from conveyor.shard.lora_files import AdapterFiles, resolve_source
-from conveyor.shard.masks import Masks
 from conveyor.shard.models import language_config, model_for, weight_names
-from conveyor.shard.requests import BadRequest, RequestState
-from conveyor.shard.sampling import Sampler
-from conveyor.shard.weights import Weights
+from conveyor.shard.runtime.device import checkpoint_dtype, choose_dtype, device_bf16, to_device
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.runtime.weights import Weights
+from conveyor.shard.sampling.masks import Masks
+from conveyor.shard.sampling.sampler import Sampler
+from conveyor.shard.speculation import draft_model, prompt_lookup
+from conveyor.shard.speculation.draft_model import DraftModel
+from conveyor.shard.step.generations import Generations
 from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,8 @@ class Engine:
         """`adapters`: LoRA adapters to load now, (name, source) each; `max_loras`: how many may be resident;
         `model_name`: the served model's id as given (a Hub id's folder is a snapshot hash), which an adapter's
         base model must name; `kv_cache_dtype`: auto (the model's dtype) or int8 (layers/kv_quant.py);
-        `kv_offload`: the folder and byte cap of the prefix cache's disk tier (kv_offload.py), or none."""
+        `kv_offload`: the folder and byte cap of the prefix cache's disk tier (kv_offload/prefix_offload.py), or
+        none."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
 
@@ -112,7 +115,7 @@ class Engine:
         self.cache: KVCache | None = None
         self.drafter = None if draft is None else self._load_draft(model_dir, draft)
         served = [model_name or "", str(model_dir), getattr(checkpoint_config, "_name_or_path", "") or ""]
-        self.loras = Loras(self.model, group, self.dtype, device, max_loras, served)
+        self.adapters = ServedAdapters(self.model, group, self.dtype, device, max_loras, served)
         for name, source in adapters:  # before warmup, which sizes the KV pool from the memory left
             self.load_adapter(name, source)
 
@@ -149,10 +152,10 @@ class Engine:
             "rank": self.group.rank,
             "world_size": self.group.world_size,
             "quantize": quantize or "",
-            "format": kv_files.MAGIC.hex(),
+            "format": block_files.MAGIC.hex(),
         }
         block_bytes = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.kv_dtype)
-        tier = kv_files.DiskTier(folder, kv_offload.fingerprint(model_dir, facts), max_bytes, block_bytes)
+        tier = block_files.DiskTier(folder, prefix_offload.fingerprint(model_dir, facts), max_bytes, block_bytes)
         log.info("kv offload", extra={"folder": str(folder), "files_bytes": tier.stats.bytes_on_disk})
         return PrefixOffload(tier, self.block_size, self.group)
 
@@ -170,8 +173,8 @@ class Engine:
             quantize=self.quantize or "",
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_offload_max_bytes=0 if self.offload is None else self.offload.tier.max_bytes,
-            adapters=self.loras.describe(),
-            max_loras=self.loras.max_loras,
+            adapters=self.adapters.describe(),
+            max_loras=self.adapters.max_loras,
         )
 
     def states(self, batch: pb.Batch) -> list[RequestState]:
@@ -181,21 +184,21 @@ class Engine:
             for r in batch.requests
         ]
         for state in states:
-            self.loras.track(state)
+            self.adapters.track(state)
         return states
 
     # --- LoRA adapters, between steps ----------------------------------------------------------------------
 
     def read_adapter(self, name: str, folder: Path) -> AdapterFiles:
-        """A LoRA adapter's files, read and checked off the torch thread by a live load (see Loras.read)."""
-        return self.loras.read(name, folder)
+        """A LoRA adapter's files, read and checked off the torch thread by a live load (see ServedAdapters.read)."""
+        return self.adapters.read(name, folder)
 
     def load_adapter(self, name: str, source: str, files: AdapterFiles | None = None) -> pb.Adapter:
         """Loads a LoRA adapter (AdapterError, a BadRequest, when it does not fit). A live load resolves the source
         and reads its files off the torch thread and hands over `files`; at start they are read here."""
         if files is None:
-            files = self.loras.read(name, resolve_source(name, source))
-        adapter = self.loras.install(source, files)
+            files = self.adapters.read(name, resolve_source(name, source))
+        adapter = self.adapters.install(source, files)
         log.info(
             "adapter loaded",
             extra={"adapter": name, "source": source, "rank": adapter.rank, "bytes": adapter.weight_bytes},
@@ -204,7 +207,7 @@ class Engine:
 
     def unload_adapter(self, name: str) -> None:
         """Unloads a LoRA adapter (AdapterError if it is not loaded, or a live request still names it)."""
-        self.loras.unload(name)
+        self.adapters.unload(name)
         log.info("adapter unloaded", extra={"adapter": name})
 
     # --- KV pool ------------------------------------------------------------------------------------------
@@ -291,13 +294,13 @@ class Engine:
     def _propose(self, decoding: list[RequestState]) -> None:
         """This step's drafts: from the draft model when there is one, else by prompt lookup (a row's whole text
         is gathered only when it may draft: every decode step passes here)."""
-        limits = [min(s.speculate, s.remaining_tokens - 1) for s in decoding]
+        limits = [min(s.speculate, s.draft_room) for s in decoding]
         if self.drafter is not None and any(k > 0 for k in limits):
             for state, proposed in zip(decoding, self.drafter.propose(decoding, limits)):
                 state.drafts = proposed
             return
         for state, limit in zip(decoding, limits):
-            state.drafts = drafts.propose(state.token_ids, limit) if limit > 0 else []
+            state.drafts = prompt_lookup.propose(state.token_ids, limit) if limit > 0 else []
 
     @staticmethod
     def _logit_counts(rows: list[RequestState], new_tokens: list[list[int]], ending: list[RequestState]) -> list[int]:
@@ -439,11 +442,11 @@ class Engine:
         if model.needs_reach:
             per_token = torch.repeat_interleave(torch.tensor(reaches or lengths), torch.tensor(query_lens))
             reach = to_device(per_token, device)
-        self.loras.begin(adapters, query_lens)
+        self.adapters.begin(adapters, query_lens)
         try:
             return model(ids, positions, cache, metas, to_device(keep, device), reach)
         finally:
-            self.loras.end()
+            self.adapters.end()
 
 
 def model_bytes(model: torch.nn.Module) -> int:

@@ -14,7 +14,7 @@ import grpc
 from aiohttp import web
 
 from conveyor.router.api.base import ValidationError
-from conveyor.router.core.adapters import AdapterConflict, AdapterLoadError
+from conveyor.router.core.adapter_registry import AdapterConflict, AdapterLoadError
 from conveyor.router.core.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.core.infer import GenerationError, OverloadedError, RequestCancelled, UnavailableError
 from conveyor.router.pipeline.request import ValidRequest
