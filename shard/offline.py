@@ -1,9 +1,9 @@
 """The engine in-process, without a server: the one public entry point for tools that measure the model itself (the
-bare-forward ceiling, accuracy scores, the token mask's share of a step: benchmarks/bare.py, accuracy.py, grammar.py).
+bare-forward ceiling, accuracy scores, the token mask's share of a step: benchmarks/bare.py, accuracy.py, grammar.py,
+gpu_check.py).
 
 The benchmarks reach the shard through this module alone (a contract in pyproject.toml), so what they rely on is
-listed here, and the rooms behind it stay free to change. Everything runs on one rank on the CPU, loaded as a
-shard loads it.
+listed here, and the rooms behind it stay free to change. Everything runs on one rank, loaded as a shard loads it.
 """
 
 from __future__ import annotations
@@ -22,12 +22,18 @@ from conveyor.v1 import shard_pb2 as pb
 
 __all__ = ["Batch", "Engine", "KVCache", "Masks", "StepOutput", "forward", "greedy", "join", "load", "unpack"]
 
-CPU = torch.device("cpu")
 
-
-def load(model_dir: Path, dtype: str = "float32", quantize: str | None = None, kv_cache_dtype: str = "auto") -> Engine:
-    """The model of `model_dir` on one CPU rank, with the dtype, weight quantization and KV dtype a shard takes."""
-    return Engine(model_dir, dtype, CPU, ProcessGroup(0, 1), quantize, kv_cache_dtype=kv_cache_dtype)
+def load(
+    model_dir: Path,
+    dtype: str = "float32",
+    quantize: str | None = None,
+    kv_cache_dtype: str = "auto",
+    device: str = "cpu",
+) -> Engine:
+    """The model of `model_dir` on one rank (`device`: cpu, cuda or cuda:N), with the dtype, weight quantization
+    and KV dtype a shard takes."""
+    group = ProcessGroup(0, 1)
+    return Engine(model_dir, dtype, torch.device(device), group, quantize, kv_cache_dtype=kv_cache_dtype)
 
 
 @torch.inference_mode()
@@ -37,14 +43,14 @@ def forward(
     """One flat forward, as a step runs it: each row is (tokens it feeds, its block table, tokens already cached).
     `logits_of`: the flat positions whose logits come back (a row's last token to sample it, or every position to
     score a text)."""
-    ids = torch.tensor([t for feed, _, _ in rows for t in feed], dtype=torch.long)
-    positions = torch.cat([torch.arange(length, length + len(feed)) for feed, _, length in rows])
+    device = engine.device
+    ids = torch.tensor([t for feed, _, _ in rows for t in feed], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(length, length + len(feed)) for feed, _, length in rows]).to(device)
     query_lens = [len(feed) for feed, _, _ in rows]
     seq_lens = [length + len(feed) for feed, _, length in rows]
-    metas = build_per_window(
-        engine.model.windows, [t for _, t, _ in rows], seq_lens, query_lens, engine.block_size, CPU
-    )
-    return engine.model(ids, positions, cache, metas, logits_of)
+    tables = [table for _, table, _ in rows]
+    metas = build_per_window(engine.model.windows, tables, seq_lens, query_lens, engine.block_size, device)
+    return engine.model(ids, positions, cache, metas, logits_of.to(device))
 
 
 def join(engine: Engine, running: Batch | None, joining: pb.Batch) -> Batch:

@@ -93,7 +93,7 @@ def greedy_reference(model_dir: Path, prompt: str, max_new_tokens: int) -> list[
     key = (model_dir, prompt, max_new_tokens)
     if key not in _REFERENCES:
         model, tokenizer = _load(model_dir)
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
         with torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
@@ -104,6 +104,12 @@ def greedy_reference(model_dir: Path, prompt: str, max_new_tokens: int) -> list[
 
 _LOADED: dict[Path, tuple] = {}
 _REFERENCES: dict[tuple[Path, str, int], list[int]] = {}
+# Where the oracle's reference runs: on the GPU machine the check (benchmarks/gpu/run.sh) sets cuda, and the
+# deployments, whose --device is auto, run there too; the same tests then prove the CUDA path.
+TEST_DEVICE = os.environ.get("CONVEYOR_TEST_DEVICE", "cpu")
+# On that one GPU every deployment of the session shares the memory, and a shard's KV pool takes 90% of what is
+# free when it starts: each is bounded there, so that the ones started after it still fit.
+GPU_POOL_TOKENS = "32768"
 
 
 def _load(model_dir: Path):
@@ -111,7 +117,7 @@ def _load(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model_dir not in _LOADED:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(TEST_DEVICE).eval()
         _LOADED[model_dir] = (model, AutoTokenizer.from_pretrained(model_dir))
     return _LOADED[model_dir]
 
@@ -413,6 +419,8 @@ def start_server(
     """A deployment through the real launcher; `extra` are launcher flags, `env` extra environment, `log` a file
     for every process's log lines (default: the test's stderr), `python` the interpreter of another install."""
     port, grpc_port = free_port(), free_port()
+    if TEST_DEVICE == "cuda" and "--max-batch-total-tokens" not in extra:
+        extra = (*extra, "--max-batch-total-tokens", GPU_POOL_TOKENS)
     env = {**os.environ, "CONVEYOR_LOG_LEVEL": os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING"), **(env or {})}
     if "HF_ENDPOINT" not in env:  # no Hub but a test's stand-in: a Hub id (an adapter's, say) fails offline at once
         env["HF_HUB_OFFLINE"] = "1"

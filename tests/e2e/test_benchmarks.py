@@ -476,3 +476,21 @@ def test_prefix_restart_measures_both_modes(tiny_model: Path, tmp_path: Path) ->
     for figures in modes.values():
         assert set(figures) == {"cold_ms", "cached_ms", "after_restart_ms", "next_ms"}
         assert all(v > 0 for v in figures.values())
+
+
+def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.py as a lent GPU runs it, on the CPU and small (--quick): every section gives its
+    figures, so the script a GPU machine gets one call to run has run here first."""
+    out = tmp_path / "gpu-check"
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    results = json.loads((out / "gpu_check.json").read_text())
+    failed = {name: figures.get("error") for name, figures in results.items() if not figures["ok"]}
+    assert done.returncode == 0 and not failed, (failed, done.stderr[-3000:])
+    sections = {"plan", "device", "bandwidth", "serving", "bare", "transformers", "roofline", "launch"}
+    assert set(results) == sections and sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md"]
+    for run in results["serving"].values():
+        if isinstance(run, dict):
+            assert run["completed"] > 0 and run["failed"] == 0 and run["output_throughput"] > 0, run
+    assert results["bare"]["batch_1"]["output_throughput"] > 0 and results["transformers"]["batch_4"]["ms_per_token"]
+    assert results["roofline"]["min_ms_per_token"] > 0 and results["launch"]["cuda_graphs"] is False

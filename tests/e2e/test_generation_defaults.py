@@ -78,7 +78,7 @@ def generate(server: Server, prompt: str, **parameters: object) -> dict:
 def reference_with_file_defaults(folder: Path, prompt: str, n: int) -> list[int]:
     """generate() greedy, with the repetition penalty it reads from the model's generation_config.json."""
     model, tokenizer = _load(folder)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
     assert model.generation_config.repetition_penalty == DEFAULTS["repetition_penalty"]
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
