@@ -39,7 +39,7 @@ for test in test_staggered_greedy_requests_match_transformers test_a_cancelled_s
         ORACLE+=("tests/e2e/test_oracle.py::$test[$deployment]")
     done
 done
-timeout 330 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" "${ORACLE[@]}" \
+timeout 270 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" "${ORACLE[@]}" \
     "tests/e2e/test_bfloat16.py::test_bf16_deployment_serves_end_to_end" \
     "tests/e2e/test_speculative_serving.py" \
     "tests/e2e/test_lora_serving.py::test_a_staggered_batch_mixing_adapters_matches_transformers_merged" \
@@ -47,7 +47,7 @@ timeout 330 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xm
     > "$OUT/tests.log" 2>&1
 tests=$?
 QUICK=$([ "$DEVICE" = cpu ] && echo --quick)
-timeout 240 "$PYTHON" -m benchmarks.gpu_check --device "$DEVICE" $QUICK --out "$OUT" > "$OUT/check.log" 2>&1
+timeout 300 "$PYTHON" -m benchmarks.gpu_check --device "$DEVICE" $QUICK --out "$OUT" > "$OUT/check.log" 2>&1
 check=$?
 echo "tests: exit $tests, gpu_check: exit $check (results in $OUT)"
 [ "$tests" = 0 ] && [ "$check" = 0 ]
