@@ -146,7 +146,7 @@ image-gpu:
 	docker build -t conveyor:gpu --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
 
 proto: $(STAMP)
-	$(BIN)/python -m conveyor.v1.codegen
+	$(BIN)/python proto/codegen.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .cache

@@ -1,8 +1,8 @@
-"""Regenerates the committed gRPC stubs from the .proto files beside this module.
+"""Regenerates the committed gRPC stubs from the .proto files in conveyor/v1/ beside this script.
 
-The stubs are committed so that an install needs no code generation; `tests/checks/test_proto_stubs.py` runs this
-into a temporary folder and diffs, so a .proto edit without regenerated stubs fails CI.
-Run with `make proto` (or `python -m conveyor.v1.codegen`).
+The stubs are committed so that an install needs no code generation, nor grpcio-tools: this script stays beside the
+package, not in it. `tests/checks/test_proto_stubs.py` runs it into a temporary folder and diffs, so a .proto edit
+without regenerated stubs fails CI. Run with `make proto` (or `python proto/codegen.py`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-PROTO_ROOT = HERE.parent.parent  # the folder that holds conveyor/v1/*.proto
+PROTO_ROOT = Path(__file__).resolve().parent  # the folder that holds conveyor/v1/*.proto
+HERE = PROTO_ROOT / "conveyor" / "v1"  # the protos and their committed stubs
 
 
 def proto_files() -> list[Path]:
