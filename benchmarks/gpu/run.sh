@@ -31,20 +31,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CONVEYOR_TEST_DEVICE=$DEVICE
 { nvidia-smi 2>&1 || true; "$PYTHON" -c "import torch; print(torch.__version__, torch.cuda.is_available())"; } \
     > "$OUT/machine.txt" 2>&1
 
-# One GPU: no 2-shard deployments (two NCCL ranks cannot share a device).
-ORACLE=()
-for test in test_staggered_greedy_requests_match_transformers test_a_cancelled_stream_leaves_the_others_exact \
-    test_non_streaming_requests_in_a_burst_match_transformers; do
-    for deployment in llama-gqa qwen3-qk-norm gemma2-softcap llama-speculate; do
-        ORACLE+=("tests/e2e/test_oracle.py::$test[$deployment]")
-    done
-done
-timeout 270 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" "${ORACLE[@]}" \
-    "tests/e2e/test_bfloat16.py::test_bf16_deployment_serves_end_to_end" \
-    "tests/e2e/test_speculative_serving.py" \
-    "tests/e2e/test_lora_serving.py::test_a_staggered_batch_mixing_adapters_matches_transformers_merged" \
-    "tests/e2e/test_structured_output.py::test_constrained_and_plain_greedy_requests_in_one_batch_stay_exact" \
-    > "$OUT/tests.log" 2>&1
+mapfile -t TESTS < <(grep -v '^#' benchmarks/gpu/tests.txt)
+timeout 270 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 tests=$?
 QUICK=$([ "$DEVICE" = cpu ] && echo --quick)
 timeout 300 "$PYTHON" -m benchmarks.gpu_check --device "$DEVICE" $QUICK --out "$OUT" > "$OUT/check.log" 2>&1

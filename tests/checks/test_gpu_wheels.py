@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,17 +33,17 @@ GPU = ROOT / "benchmarks" / "gpu"
 IMAGE_PACKAGES = GPU / "image_packages.txt"
 WHEELS = GPU / "wheels.txt"
 
-# The test files the GPU check runs (benchmarks/gpu/run.sh), with the local helpers they import.
-GPU_TESTS = [
-    "tests/conftest.py",
-    "tests/loopback.py",
-    "tests/chat_templates.py",
-    "tests/e2e/test_oracle.py",
-    "tests/e2e/test_bfloat16.py",
-    "tests/e2e/test_speculative_serving.py",
-    "tests/e2e/test_lora_serving.py",
-    "tests/e2e/test_structured_output.py",
-]
+TESTS = GPU / "tests.txt"  # the node ids of the CUDA test subset that benchmarks/gpu/run.sh runs
+
+
+def gpu_test_ids() -> list[str]:
+    return [line for line in TESTS.read_text().splitlines() if line and not line.startswith("#")]
+
+
+# The test files the GPU check runs, with the local helpers they import.
+GPU_TESTS = ["tests/conftest.py", "tests/loopback.py", "tests/chat_templates.py"] + sorted(
+    {node.split("::")[0] for node in gpu_test_ids()}
+)
 # The benchmark entry points it runs; the benchmarks modules they import (`from benchmarks...`) are followed.
 GPU_BENCHMARKS = ["benchmarks/gpu_check.py", "benchmarks/serve.py", "benchmarks/bare.py"]
 
@@ -295,3 +296,15 @@ def test_gpu_wheels_pin_the_installed_versions() -> None:
         "benchmarks/gpu/wheels.txt must pin the versions installed in this venv, so that the GPU machine runs what CI"
         " tested; change these lines, then run `make gpu-wheels`\n" + "\n".join(wrong)
     )
+
+
+def test_every_test_the_gpu_check_runs_is_still_collected() -> None:
+    """A renamed test or deployment would silently drop out of the GPU check: pytest collects each node id."""
+    ids = gpu_test_ids()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, f"benchmarks/gpu/tests.txt names a test that is gone:\n{done.stdout[-3000:]}"
