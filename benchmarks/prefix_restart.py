@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks import deploy, real_model
+from benchmarks import deploy, real_model, recovery
 from benchmarks.compare_report import machine, machine_line
 from benchmarks.progress import note
 from benchmarks.serve import load_tokenizer
@@ -47,12 +47,11 @@ def ttft_ms(url: str, prompt: str) -> float:
 
 
 def shard_pid(port: int) -> int:
-    """The shard of the deployment whose launcher serves `port`."""
+    """The shard (rank 0) of the deployment whose launcher serves `port`."""
     for process in psutil.process_iter(["cmdline"]):
         command = process.info["cmdline"] or []
         if "conveyor.launcher.main" in command and str(port) in command:
-            (shard,) = [c.pid for c in process.children() if "conveyor.shard.main" in c.cmdline()]
-            return shard
+            return recovery.shard_pid(process.pid, 0)
     raise RuntimeError(f"no launcher serves port {port}")
 
 

@@ -55,5 +55,5 @@ def forward(
 
 def join(engine: Engine, running: Batch | None, joining: pb.Batch) -> Batch:
     """A Prefill's batch: the new requests' state joined after the running rows, as the gRPC service joins them."""
-    joined = Batch.from_pb(joining, engine.states(joining))
+    joined = engine.batch(joining)
     return joined if running is None else Batch.concatenate([running, joined])

@@ -129,7 +129,7 @@ class ShardService(pb_grpc.ShardServicer):
             if batches:
                 batches[0].update(updates)
             if new is not None:
-                batches.append(Batch.from_pb(new, self.engine.states(new)))
+                batches.append(self.engine.batch(new))
             output = self.engine.step(Batch.concatenate(batches))
             return _without_finished(output) if run else output
 

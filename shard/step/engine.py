@@ -187,6 +187,10 @@ class Engine:
             self.adapters.track(state)
         return states
 
+    def batch(self, batch: pb.Batch) -> Batch:
+        """A joining batch as the engine steps it: its requests' states in its order."""
+        return Batch.from_pb(batch, self.states(batch))
+
     # --- LoRA adapters, between steps ----------------------------------------------------------------------
 
     def read_adapter(self, name: str, folder: Path) -> AdapterFiles:
@@ -228,7 +232,7 @@ class Engine:
             r.blocks.extend(range(next_block, next_block + count))
             next_block += count
         self.cache = self.allocate(next_block)
-        _, batch, _ = self.step(Batch.from_pb(request.batch, self.states(request.batch)))
+        _, batch, _ = self.step(self.batch(request.batch))
         if batch is not None:
             self.step(batch)
         self.cache = None
