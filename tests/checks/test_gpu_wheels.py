@@ -22,11 +22,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from test_dependencies import product_folders  # the product's folders, as deptry reads them
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
@@ -72,14 +68,6 @@ GPU_ENVIRONMENT = {
 ALLOWED_ABSENT: dict[str, str] = {}
 
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)$")
-
-
-def product_folders() -> list[str]:
-    """The folders of the `conveyor` packages ([tool.setuptools] package-dir), as tests/checks/test_dependencies.py
-    reads them; a subpackage's folder lies inside its parent's, so each file is read once."""
-    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    folders = sorted(set(package_dir.values()))
-    return [f for f in folders if not any(f.startswith(other + "/") for other in folders)]
 
 
 def imports(path: Path) -> set[str]:
