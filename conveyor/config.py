@@ -17,6 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8")  # shard/layers/kv_quant.py's CHOICES (a unit test holds them equal)
 SCHEDULING = ("continuous", "static", "sequential")
+PLACEMENTS = ("cache-aware", "round-robin")  # router/core/placement.py's PLACEMENTS (a unit test holds them equal)
 DEMO_SIZES = ("tiny", "small", "1b")
 # vLLM's names (router/pipeline/tool_parsers/registry.py and reasoning.py hold the parsers; a unit test holds these
 # lists to them).
@@ -102,6 +103,28 @@ class Config:
     shard_tls_key: str | None = flag(None, "PEM private key of --shard-tls-cert")
     shard_tls_ca: str | None = flag(
         None, "PEM CA: the router verifies shards with it; shards given one demand client certificates (mutual TLS)"
+    )
+    # Several shard groups, one router (data parallel)
+    replicas: int = flag(
+        1,
+        "shard groups on this machine, each a whole copy of the model on --num-shard ranks with its own KV pool and "
+        "running batch; one router places each request on one of them (the cores are split between them)",
+    )
+    shard_groups: str | None = flag(
+        None,
+        "router: more shard groups to drive beside its own, ';'-separated, each as --shard-address names one (rank "
+        "0's tcp://HOST:PORT or unix://PATH); they share --shard-token and the TLS flags",
+    )
+    placement: str = flag(
+        "cache-aware",
+        "which group a request joins: the one with the longest cached prefix of its prompt (unless it is busier than "
+        "the least busy one by more than --placement-max-extra-load), or each group in turn",
+        choices=PLACEMENTS,
+    )
+    placement_max_extra_load: int = flag(
+        4096,
+        "cache-aware placement: tokens of work ahead (prompts queued, tokens still to generate) the group holding a "
+        "request's prefix may have beyond the least busy group's before the request goes to the least busy one",
     )
     # Several hosts, one model (like torchrun)
     nnodes: int = flag(1, "hosts the model spans; each runs a launcher with --num-shard ranks")

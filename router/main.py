@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from aiohttp import web
@@ -26,7 +26,10 @@ from conveyor.keys import load_keys
 from conveyor.model_source import resolve_model
 from conveyor.router.core.adapter_registry import Adapters
 from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.groups import Groups
 from conveyor.router.core.infer import Infer
+from conveyor.router.core.placement import placement_for
+from conveyor.router.core.queue import GroupQueue, Queue
 from conveyor.router.core.scheduler import Reconnect, Scheduler
 from conveyor.router.core.step_planner import PlannerConfig
 from conveyor.router.frontends import grpc_server as grpc_front_door
@@ -38,7 +41,7 @@ from conveyor.router.metrics import Metrics
 from conveyor.router.pipeline.output_parsers import output_parsers
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
-from conveyor.router.transport.connect import Connection, connect, first_connect, shard_address
+from conveyor.router.transport.connect import Connection, connect, first_connect, group_addresses
 from conveyor.shard_channels import Security
 
 log = logging.getLogger(__name__)
@@ -51,15 +54,11 @@ async def run(args: Config) -> None:
     conveyor_log.add_secrets([args.metrics_key, args.shard_token])
     tokenizer = AutoTokenizer.from_pretrained(args.model_id)
     security = Security.from_config(args)
-    group = GroupStore(args.master_addr, args.master_port, False, args.startup_timeout) if args.nnodes > 1 else None
-    connection = await first_connect(args, tokenizer, security, group)
-    client, shard_info, limits = connection.client, connection.info, connection.limits
-
+    store = GroupStore(args.master_addr, args.master_port, False, args.startup_timeout) if args.nnodes > 1 else None
     metrics = Metrics()
-    scheduler = make_scheduler(
-        args, connection, metrics, reconnect=lambda: connect(args, tokenizer, security, group, connection)
-    )
-    infer = Infer(scheduler, args.max_concurrent_requests, metrics)
+    connection, groups = await connect_groups(args, tokenizer, security, store, metrics)
+    shard_info, limits = connection.info, connection.limits
+    infer = Infer(groups, args.max_concurrent_requests, metrics)
     observe = metrics.grammar_compile.observe
     parsers = output_parsers(args.model_id, tokenizer, args.tool_call_parser, args.reasoning_parser)
     log.info("output parsers", extra={"tool_calls": parsers.tool_format.name, "reasoning": parsers.reasoning})
@@ -84,7 +83,7 @@ async def run(args: Config) -> None:
             max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
             max_batch_total_tokens=limits.max_batch_total_tokens,
             max_batch_size=args.max_batch_size,
-            num_shard=len(client.urls),
+            num_shard=len(connection.client.urls),
             generation_defaults=validation.defaults.to_json(),
             weight_bytes=shard_info.weight_bytes,
             quantize=shard_info.quantize or None,
@@ -101,7 +100,7 @@ async def run(args: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    batching = asyncio.create_task(scheduler.run(), name="batching")
+    batching = asyncio.create_task(groups.run(), name="batching")
     batching.add_done_callback(lambda _: stop.set())
 
     grpc_server = None
@@ -121,15 +120,14 @@ async def run(args: Config) -> None:
         await runner.cleanup()
         batching.result()  # re-raises the loop's crash so the process exits non-zero
         raise RuntimeError("the batching loop stopped")
-    await _shut_down(args, server, scheduler, batching, grpc_server)
+    await _shut_down(args, server, groups, batching, grpc_server)
     await runner.cleanup()
-    await scheduler.client.close()
+    for client in groups.clients:
+        await client.close()
     log.info("router stopped")
 
 
-async def _shut_down(
-    args: Config, server: HttpServer, scheduler: Scheduler, batching: asyncio.Task, grpc_server
-) -> None:
+async def _shut_down(args: Config, server: HttpServer, groups: Groups, batching: asyncio.Task, grpc_server) -> None:
     """New requests get 503 (and /health too, so that a load balancer stops sending); those in flight get
     --graceful-termination-timeout to finish, and the rest then end with an error event, so that no client is
     left with a stream cut off mid-way. With the shards down (the launcher is stopping, or gave up restarting
@@ -141,13 +139,13 @@ async def _shut_down(
     grpc_stopped = None
     if grpc_server is not None:  # refuses new calls at once, lets the rest finish
         grpc_stopped = asyncio.create_task(grpc_server.stop(grace=timeout + FLUSH_SECONDS))
-    await _drain(infer, timeout, until=lambda: scheduler.recovering)
+    await _drain(infer, timeout, until=lambda: groups.recovering)
     batching.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await batching
     if infer.in_flight:
         log.warning("ending requests that did not finish in time", extra={"in_flight": infer.in_flight})
-        scheduler.abort("the server stopped before this request finished")
+        groups.abort("the server stopped before this request finished")
         await _drain(infer, FLUSH_SECONDS)
     if grpc_stopped is not None:
         await grpc_stopped
@@ -160,7 +158,41 @@ async def _shut_down(
 DEFAULT_CHUNK_TOKENS = 512
 
 
-def make_scheduler(args: Config, connection: Connection, metrics: Metrics, reconnect: Reconnect) -> Scheduler:
+async def connect_groups(
+    args: Config, tokenizer, security: Security, store: GroupStore | None, metrics: Metrics
+) -> tuple[Connection, Groups]:
+    """Every shard group warmed up, one after another (each measures its own KV pool), and a scheduler for each on
+    one shared line. Requests are validated against the first group's limits; `store` is the epoch store of a first
+    group that spans several nodes."""
+    connections: list[Connection] = []
+    schedulers: list[Scheduler] = []
+    queue, adapters = Queue(), Adapters()
+    for index, address in enumerate(group_addresses(args)):
+        group_args = replace(args, shard_address=address)
+        group_store = store if index == 0 else None
+        connection = await first_connect(group_args, tokenizer, security, group_store)
+        connections.append(connection)
+
+        def reconnect(a=group_args, s=group_store, first=connection) -> Awaitable[Connection]:
+            return connect(a, tokenizer, security, s, first)
+
+        schedulers.append(make_scheduler(args, connection, metrics, reconnect, GroupQueue(queue, index), adapters))
+    if adapters.served:
+        log.warning("lora adapters", extra={"adapters": {a.name: a.weight_bytes for a in adapters.served.values()}})
+    placement = placement_for(args.placement, args.placement_max_extra_load)
+    if len(schedulers) > 1:
+        log.warning("shard groups", extra={"groups": len(schedulers), "placement": args.placement})
+    return connections[0], Groups(schedulers, queue, placement, adapters)
+
+
+def make_scheduler(
+    args: Config,
+    connection: Connection,
+    metrics: Metrics,
+    reconnect: Reconnect,
+    queue: GroupQueue,
+    adapters: Adapters,
+) -> Scheduler:
     info = connection.info
     allocator = BlockAllocator(connection.num_blocks, info.block_size, prefix_caching=args.prefix_caching)
     planner = PlannerConfig(
@@ -174,11 +206,18 @@ def make_scheduler(args: Config, connection: Connection, metrics: Metrics, recon
         speculate=max(0, args.speculate),
         speculate_max_batch=args.speculate_max_batch,
     )
-    adapters = Adapters()
     adapters.learn(info)  # the shards' --lora-adapters
-    if adapters.served:
-        log.warning("lora adapters", extra={"adapters": {a.name: a.weight_bytes for a in adapters.served.values()}})
-    return Scheduler(connection.client, planner, allocator, metrics, reconnect, args.max_request_retries, adapters)
+    return Scheduler(
+        connection.client,
+        planner,
+        allocator,
+        metrics,
+        reconnect,
+        args.max_request_retries,
+        adapters,
+        queue=queue,
+        group=queue.group,
+    )
 
 
 FLUSH_SECONDS = 5.0  # for the handlers of ended requests to send their error events
@@ -198,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or args.model_id
     model_dir = resolve_model(args.model_id, args.demo_size, args.revision)  # the tokenizer's
     args = replace(args, model_id=str(model_dir), served_model_name=name)
-    if shard_address(args).startswith("tcp://") and not args.shard_token:
+    if any(a.startswith("tcp://") for a in group_addresses(args)) and not args.shard_token:
         raise SystemExit(
             "shards on TCP need the deployment's shared token: set CONVEYOR_SHARD_TOKEN (or --shard-token)"
         )

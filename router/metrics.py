@@ -28,6 +28,37 @@ class Metrics:
         self.batch_size = Gauge("conveyor_batch_current_size", "Requests in the running batch", registry=r)
         self.kv_blocks_used = Gauge("conveyor_kv_blocks_used", "KV blocks held by requests", registry=r)
         self.kv_blocks_total = Gauge("conveyor_kv_blocks_total", "KV blocks in the pool", registry=r)
+        # The same for each shard group (--replicas, --shard-groups), and where the router placed requests.
+        g = ["group"]
+        self.group_queue_size = Gauge(
+            "conveyor_group_queue_size", "Requests waiting, placed on the group", g, registry=r
+        )
+        self.group_batch_size = Gauge(
+            "conveyor_group_batch_size", "Requests in the group's running batch", g, registry=r
+        )
+        self.group_kv_blocks_used = Gauge("conveyor_group_kv_blocks_used", "KV blocks held in the group", g, registry=r)
+        self.group_kv_blocks_total = Gauge(
+            "conveyor_group_kv_blocks_total", "KV blocks in the group's pool", g, registry=r
+        )
+        self.group_serving = Gauge(
+            "conveyor_group_serving",
+            "1 while requests are placed on the group; 0 while it recovers or drains",
+            g,
+            registry=r,
+        )
+        self.group_prefix_cache_queries = Counter(
+            "conveyor_group_prefix_cache_queries", "Prompt tokens looked up in the group's prefix cache", g, registry=r
+        )
+        self.group_prefix_cache_hits = Counter(
+            "conveyor_group_prefix_cache_hits", "Prompt tokens found in the group's prefix cache", g, registry=r
+        )
+        self.placements = Counter(
+            "conveyor_placements",
+            "Requests placed on a group, and why: prefix (its cached prefix), load (the least busy), round_robin, "
+            "moved (its group failed or drained before it ran)",
+            ["group", "reason"],
+            registry=r,
+        )
         self.prefix_cache_queries = Counter(
             "conveyor_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
         )

@@ -48,6 +48,22 @@ class KvBlocks(TypedDict):
     disk_bytes: Annotated[int, Field(description="The prefix cache's disk tier (--kv-offload-dir): bytes in it")]
 
 
+class GroupState(TypedDict):
+    index: Annotated[int, Field(description="The shard group's place: 0 is --shard-address, then --shard-groups")]
+    status: Annotated[
+        Literal["serving", "recovering", "draining"],
+        Field(description="serving: requests are placed here; recovering: its shards restart; draining: taken out"),
+    ]
+    num_shard: Annotated[int, Field(description="Its tensor-parallel ranks")]
+    running: Annotated[int, Field(description="Requests in its running batch")]
+    waiting: Annotated[int, Field(description="Requests placed on it and waiting to join")]
+    kv_blocks_total: int
+    kv_blocks_free: Annotated[int, Field(description="Blocks it could hand out now (cached, unread ones count)")]
+    prefix_cache_hit_tokens: Annotated[int, Field(description="Prompt tokens found in its prefix cache, since start")]
+    prefix_cache_query_tokens: Annotated[int, Field(description="Prompt tokens looked up there, since start")]
+    placed: Annotated[int, Field(description="Requests the router placed on it, since start")]
+
+
 class Caller(TypedDict):
     name: Annotated[str, Field(description="The name of the API key that asked")]
     admin: Annotated[bool, Field(description="Whether it sees and may cancel every key's requests")]
@@ -77,6 +93,7 @@ class DashboardState(TypedDict):
     queue_length: int
     batch_size: Annotated[int, Field(description="Requests in the running batch")]
     kv: KvBlocks
+    groups: Annotated[list[GroupState], Field(description="Each shard group the router drives")]
     tokens_per_s: Annotated[float, Field(description="Tokens sent per second, over the last 5 seconds")]
     ttft: Annotated[Percentiles, Field(description="Time to first token over the last minute")]
     itl: Annotated[Percentiles, Field(description="Time between two tokens of a stream over the last minute")]

@@ -25,6 +25,7 @@ from conveyor.router.api.base import (
     refused,
 )
 from conveyor.router.api.constraints import TgiGrammar
+from conveyor.router.api.service import GroupState
 
 # Sampling floats travel to the shards as float32, where a positive value below ~1e-45 is 0, which the shard
 # reads as "unset" (1.0): `temperature: 1e-50` sampled at temperature 1, `top_p: 1e-50` from the whole
@@ -256,6 +257,11 @@ class Info(TypedDict):
     version: str
     kv_blocks_free: NotRequired[int]
     kv_blocks_total: NotRequired[int]
+    placement: Annotated[
+        NotRequired[str],
+        Field(description="How a request's shard group is chosen (--placement)"),
+    ]
+    groups: Annotated[NotRequired[list[GroupState]], Field(description="Each shard group the router drives")]
     lora_adapters: Annotated[list[AdapterInfo], Field(description="The LoRA adapters served now")]
     max_loras: Annotated[int, Field(description="How many may be resident at once (--max-loras)")]
 

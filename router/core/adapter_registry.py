@@ -84,7 +84,8 @@ class Adapters:
             if self.in_use[name] <= 0:
                 del self.in_use[name]
 
-    async def load(self, client: ShardedClient, name: str, source: str) -> Adapter:
+    async def load(self, clients: list[ShardedClient], name: str, source: str) -> Adapter:
+        """Loads the adapter on every rank of every shard group, or on none."""
         async with self._lock:
             try:
                 check_name(name)
@@ -97,16 +98,17 @@ class Adapters:
                     f"{len(self.served)} adapters are resident, the most --max-loras allows; unload one first"
                 )
             try:
-                loaded = await client.load_adapter(name, source)
+                loaded = [await client.load_adapter(name, source) for client in clients]
             except ShardError as exc:
-                await self._roll_back(client, name)
+                for client in clients:
+                    await self._roll_back(client, name)
                 raise AdapterLoadError(exc.detail) from None
-            adapter = Adapter.held(loaded[0], live=True)
+            adapter = Adapter.held(loaded[0][0], live=True)
             self.served[name] = adapter
             log.info("adapter loaded", extra={"adapter": name, "source": source, "bytes": adapter.weight_bytes})
             return adapter
 
-    async def unload(self, client: ShardedClient, name: str) -> None:
+    async def unload(self, clients: list[ShardedClient], name: str) -> None:
         async with self._lock:
             self.check(name)
             if self.in_use[name]:
@@ -114,7 +116,8 @@ class Adapters:
             del self.served[name]  # no new request may name it from here on
             while self.in_batch(name):  # a cancelled request leaves the batch at the next step
                 await asyncio.sleep(BATCH_POLL_SECONDS)
-            await client.unload_adapter(name)
+            for client in clients:
+                await client.unload_adapter(name)
             log.info("adapter unloaded", extra={"adapter": name})
 
     async def restore(self, client: ShardedClient) -> None:

@@ -103,6 +103,13 @@ class BlockAllocator:
         self._hits += len(blocks)
         return blocks
 
+    def cached_prefix(self, tokens: Sequence[int], scope: Hashable = "") -> int:
+        """How many full blocks of `tokens` this pool has cached in `scope`, holding none and counting no query: a
+        placement's question before the request joins any group."""
+        if not self.prefix_caching:
+            return 0
+        return self._cache.peek(tokens, len(tokens) // self.block_size, scope)
+
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], scope: Hashable = "") -> int:
         """Registers the computed full blocks of a sequence in `scope`; returns how many leading blocks are now
         cached there.

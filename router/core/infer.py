@@ -12,8 +12,8 @@ from opentelemetry import trace
 from conveyor import tracing
 from conveyor.keys import ANONYMOUS, ApiKey
 from conveyor.router.core.events import ErrorEvent, Event, Finished, Token, TokenEvent
+from conveyor.router.core.groups import Groups
 from conveyor.router.core.live_stats import LiveStats
-from conveyor.router.core.scheduler import Scheduler
 from conveyor.router.core.sequence import Sequence
 from conveyor.router.metrics import Metrics
 from conveyor.router.pipeline.request import ValidRequest
@@ -58,9 +58,9 @@ class Response:
 
 
 class Infer:
-    def __init__(self, scheduler: Scheduler, max_concurrent_requests: int, metrics: Metrics) -> None:
-        self.scheduler = scheduler
-        self.adapters = scheduler.adapters
+    def __init__(self, groups: Groups, max_concurrent_requests: int, metrics: Metrics) -> None:
+        self.groups = groups  # every shard group, and the placement that puts each request on one
+        self.adapters = groups.adapters
         self.max_concurrent_requests = max_concurrent_requests
         self.metrics = metrics
         self.sequences: dict[int, Sequence] = {}  # every request queued or running, by its sequence id
@@ -89,7 +89,7 @@ class Infer:
         if (priority := key.priority(request.parameters.priority)) != request.parameters.priority:
             request = replace(request, parameters=replace(request.parameters, priority=priority))
         sequence = Sequence(
-            id=self.scheduler.new_request_id(),
+            id=self.groups.new_request_id(),
             request=request,
             key=key,
             request_id=request_id,
@@ -99,7 +99,7 @@ class Infer:
         self.sequences[sequence.id] = sequence
         self.metrics.key_in_flight.labels(key.name).inc()
         try:
-            self.scheduler.submit(sequence)
+            self.groups.submit(sequence)
             yield _events(sequence, self.metrics, self.live)
         finally:
             if not sequence.is_finished:

@@ -81,16 +81,9 @@ class PrefixCache:
 
     def match(self, tokens: Sequence[int], max_blocks: int, scope: Hashable = "") -> list[int]:
         """Acquires the longest chain of the first `max_blocks` full blocks of `tokens` cached in `scope`."""
-        found: list[Node] = []
-        node = self._root(scope)
-        if node is None:
+        if self._root(scope) is None:
             return []
-        for chunk in self._chunks(tokens, max_blocks):
-            child = node.children.get(block_hash(node.key, chunk))
-            if child is None or child.tokens != chunk:
-                break
-            found.append(child)
-            node = child
+        found = self._chain(tokens, max_blocks, scope)
         now = self._tick()
         for node in found:
             if node.refcount == 0:
@@ -98,6 +91,24 @@ class PrefixCache:
             node.refcount += 1
             node.last_used = now
         return [n.block for n in found]
+
+    def peek(self, tokens: Sequence[int], max_blocks: int, scope: Hashable = "") -> int:
+        """How many of the first `max_blocks` full blocks of `tokens` are cached in `scope`, touching nothing: what a
+        request would reuse here, asked before it is placed (router/core/placement.py)."""
+        return len(self._chain(tokens, max_blocks, scope))
+
+    def _chain(self, tokens: Sequence[int], max_blocks: int, scope: Hashable) -> list[Node]:
+        found: list[Node] = []
+        node = self._root(scope)
+        if node is None:
+            return found
+        for chunk in self._chunks(tokens, max_blocks):
+            child = node.children.get(block_hash(node.key, chunk))
+            if child is None or child.tokens != chunk:
+                break
+            found.append(child)
+            node = child
+        return found
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], scope: Hashable = "") -> int:
         """Registers the caller's blocks along the chain of `tokens` in `scope`; see BlockAllocator.insert for the

@@ -34,6 +34,23 @@ def _place(sequence: Sequence) -> tuple[int, bool, int]:
     return (sequence.priority, sequence.batched_at is None, sequence.id)
 
 
+def _first(tenant: _Tenant, group: int | None) -> Sequence | None:
+    """The tenant's next sequence, or its next one placed on `group` (a scan: a key's line is short)."""
+    if not tenant.waiting:
+        return None
+    if group is None:
+        return tenant.waiting[0][1]
+    return min((entry for entry in tenant.waiting if entry[1].group == group), default=(None, None))[1]
+
+
+def _remove(tenant: _Tenant, sequence: Sequence) -> None:
+    if tenant.waiting[0][1] is sequence:
+        heapq.heappop(tenant.waiting)
+    else:
+        tenant.waiting = [entry for entry in tenant.waiting if entry[1] is not sequence]
+        heapq.heapify(tenant.waiting)
+
+
 class Queue:
     def __init__(self) -> None:
         self._tenants: dict[str, _Tenant] = {}
@@ -56,14 +73,15 @@ class Queue:
         its priority, since it was admitted before them."""
         self.append(sequence)
 
-    def peek(self) -> Sequence | None:
-        """The sequence admission takes next (without taking it)."""
-        head = self._head()
+    def peek(self, group: int | None = None) -> Sequence | None:
+        """The sequence admission takes next (without taking it); of those placed on `group`, if one is named."""
+        head = self._head(group)
         return None if head is None else head[1]
 
-    def _head(self) -> tuple[_Tenant, Sequence] | None:
+    def _head(self, group: int | None = None) -> tuple[_Tenant, Sequence] | None:
         self._drop_cancelled()
-        return min(((t, t.waiting[0][1]) for t in self._tenants.values() if t.waiting), key=self._rank, default=None)
+        heads = ((t, first) for t in self._tenants.values() if (first := _first(t, group)) is not None)
+        return min(heads, key=self._rank, default=None)
 
     @staticmethod
     def _rank(head: tuple[_Tenant, Sequence]) -> tuple[int, bool, float, int]:
@@ -71,11 +89,11 @@ class Queue:
         priority, new, arrival = _place(sequence)
         return (priority, new, tenant.clock if new else 0.0, arrival)
 
-    def popleft(self) -> Sequence:
-        if (head := self._head()) is None:
+    def popleft(self, group: int | None = None) -> Sequence:
+        if (head := self._head(group)) is None:
             raise IndexError("pop from an empty queue")
         tenant, sequence = head
-        heapq.heappop(tenant.waiting)
+        _remove(tenant, sequence)
         if sequence.batched_at is None:  # charged once, when first admitted
             self._clock = tenant.clock
             tenant.clock += (sequence.num_prompt_tokens + sequence.max_new_tokens) / tenant.weight
@@ -104,3 +122,42 @@ class Queue:
         for tenant in self._tenants.values():
             tenant.waiting = []
         return sequences
+
+
+class GroupQueue:
+    """One shard group's view of the shared line: the sequences placed on it, in the line's own order, so that
+    priorities and the keys' fair shares hold across every group (one clock per key, charged wherever it runs)."""
+
+    def __init__(self, queue: Queue, group: int) -> None:
+        self.queue, self.group = queue, group
+
+    def __len__(self) -> int:
+        return len(self.sequences())
+
+    def append(self, sequence: Sequence) -> None:
+        sequence.group = self.group
+        self.queue.append(sequence)
+
+    def appendleft(self, sequence: Sequence) -> None:
+        sequence.group = self.group
+        self.queue.appendleft(sequence)
+
+    def peek(self) -> Sequence | None:
+        return self.queue.peek(self.group)
+
+    def popleft(self) -> Sequence:
+        return self.queue.popleft(self.group)
+
+    def sequences(self) -> list[Sequence]:
+        """Its waiting sequences (cancelled ones left out), in no particular order."""
+        return [s for s in self.queue._waiting() if s.group == self.group and not s.cancelled]
+
+    def by_priority(self) -> dict[int, int]:
+        return dict(sorted(Counter(s.priority for s in self.sequences()).items()))
+
+    def take_all(self) -> list[Sequence]:
+        """Takes every sequence placed on the group out of the line (the server is stopping), in order."""
+        taken = []
+        while self.peek() is not None:
+            taken.append(self.popleft())
+        return taken

@@ -24,7 +24,7 @@ from conveyor import tracing
 from conveyor.router.core.adapter_registry import Adapters
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.events import events_from_generation
-from conveyor.router.core.queue import Queue
+from conveyor.router.core.queue import GroupQueue, Queue
 from conveyor.router.core.sequence import Sequence, SequenceStatus
 from conveyor.router.core.settle import Settle
 from conveyor.router.core.step_planner import PlannerConfig, StepPlan, StepPlanner
@@ -51,22 +51,30 @@ class Scheduler:
         reconnect: Reconnect | None = None,
         max_request_retries: int = 2,
         adapters: Adapters | None = None,
+        queue: Queue | GroupQueue | None = None,
+        group: int = 0,
     ) -> None:
+        """`queue`: this group's view of the line several groups share (router/core/groups.py); a line of its
+        own when it is the only group. `group`: its index among them, its label in the metrics."""
         self.client = client
+        self.group = group
         self.adapters = adapters or Adapters()  # the LoRA adapters the shards hold
-        self.adapters.in_batch = lambda name: any(s.request.parameters.adapter == name for s in self.running)
+        self.adapters.in_batch = self.adapters_in_batch
         self.config = config
         self.allocator = allocator
         self.metrics = metrics
         self.reconnect = reconnect  # warmed-up shards again, after a failed step (None: nothing to recover)
         self.max_request_retries = max_request_retries
-        self.queue = Queue()
+        self.queue = queue if queue is not None else Queue()
         self.settle = Settle()  # how long an idle server waits for a burst to finish arriving
         self.planner = StepPlanner(config, allocator, self.queue)
         self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
+        self.draining = False  # nothing new is placed here; what runs and waits here finishes (router/core/groups.py)
+        # Set by Groups: after a failure, its waiting sequences go to other groups; the totals over every group.
+        self.on_lost: Callable[[], None] = lambda: None
+        self.on_gauges: Callable[[], None] = self._set_totals
         self._batch: CachedBatch | None = None  # the running batch on the shards
         self._wakeup = asyncio.Event()
-        self._request_ids = itertools.count()
         self._batch_ids = itertools.count()
 
     @property
@@ -74,20 +82,31 @@ class Scheduler:
         """Every sequence in the shards' batch, in admission order (the planner's list: there is no other)."""
         return self.planner.running
 
+    def adapters_in_batch(self, name: str) -> bool:
+        """Whether the shards' batch still holds a request of the adapter (one whose caller left stays there until
+        the next step filters it out)."""
+        return any(s.request.parameters.adapter == name for s in self.running)
+
     def submit(self, sequence: Sequence) -> None:
         self.queue.append(sequence)
-        self.metrics.queue_size.set(len(self.queue))
+        self._update_gauges()
+        self.wake()
+
+    def wake(self) -> None:
+        """Something was placed on this group: an idle loop plans a step."""
         self._wakeup.set()
 
-    def new_request_id(self) -> int:
-        return next(self._request_ids)
+    @property
+    def serving(self) -> bool:
+        """Whether new requests may be placed here."""
+        return not self.recovering and not self.draining
 
     def describe(self) -> dict:
         """What /info shows of the batching policy, and the KV pool's use, live (free counts evictable cached
         blocks)."""
         allocator = self.allocator
         return {
-            "status": "recovering" if self.recovering else "serving",
+            "status": self.status,
             "scheduling": self.config.scheduling,
             "prefix_caching": allocator.prefix_caching,
             "chunked_prefill": True,
@@ -100,6 +119,10 @@ class Scheduler:
             "kv_blocks_free": allocator.free_blocks,
             "kv_blocks_cached": allocator.cached_blocks,
         }
+
+    @property
+    def status(self) -> str:
+        return "recovering" if self.recovering else "draining" if self.draining else "serving"
 
     async def run(self) -> None:
         """Runs for ever: plan a step, drop what it preempted, post it, apply its result."""
@@ -254,6 +277,8 @@ class Scheduler:
     def _count(self, plan: StepPlan) -> None:
         self.metrics.prefix_cache_queries.inc(plan.cache_queries)
         self.metrics.prefix_cache_hits.inc(plan.cache_hits)
+        self.metrics.group_prefix_cache_queries.labels(str(self.group)).inc(plan.cache_queries)
+        self.metrics.group_prefix_cache_hits.labels(str(self.group)).inc(plan.cache_hits)
         chunks = [s for s in plan.sequences if s.num_computed_tokens + s.step_tokens < s.num_prefill_tokens]
         self.metrics.prefill_chunks.inc(len(chunks))
 
@@ -340,6 +365,7 @@ class Scheduler:
         if error.timed_out or self.client.restart_group is not None:
             self.client.kill()
         self._replay(str(error))
+        self.on_lost()
         self._update_gauges()
         await self._reconnect()
         self.recovering = False
@@ -394,6 +420,16 @@ class Scheduler:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
+        group, metrics = str(self.group), self.metrics
+        metrics.group_queue_size.labels(group).set(len(self.queue))
+        metrics.group_batch_size.labels(group).set(len(self.running))
+        metrics.group_kv_blocks_total.labels(group).set(self.allocator.num_blocks)
+        metrics.group_kv_blocks_used.labels(group).set(self.allocator.num_blocks - self.allocator.free_blocks)
+        metrics.group_serving.labels(group).set(int(self.serving))
+        self.on_gauges()
+
+    def _set_totals(self) -> None:
+        """The label-less gauges, when this is the only group (Groups sums them over every group otherwise)."""
         self.metrics.queue_size.set(len(self.queue))
         self.metrics.batch_size.set(len(self.running))
         self.metrics.kv_blocks_total.set(self.allocator.num_blocks)

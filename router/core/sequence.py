@@ -53,6 +53,7 @@ class Sequence:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     key: ApiKey = ANONYMOUS  # who made it: its share of the queue, and who may see and cancel it
     request_id: str = ""  # the caller's name for it (X-Request-Id), by which it is listed and cancelled
+    group: int = 0  # the shard group it is placed on (router/core/placement.py); 0 with one group
     status: SequenceStatus = SequenceStatus.WAITING
     # Set by the front door when the client goes away; the loop drops the sequence at its next step.
     cancelled: bool = False

@@ -36,29 +36,29 @@ class AdapterRoutes:
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
 
     async def load(self, request: web.Request) -> web.Response:
-        if (refusal := _refuse_non_admin(request)) is not None:
+        if (refusal := refuse_non_admin(request)) is not None:
             return refusal
         try:
             body = parse(api.LoadAdapterRequest, await request.read())
-            adapter = await self.infer.adapters.load(self.infer.scheduler.client, body.lora_name, body.lora_path)
+            adapter = await self.infer.adapters.load(self.infer.groups.clients, body.lora_name, body.lora_path)
         except REQUEST_ERRORS as exc:
             return error_response(exc)
         loaded: api.AdapterLoaded = {"object": "lora_adapter", "status": "loaded", "adapter": adapter_json(adapter)}
         return web.json_response(loaded)
 
     async def unload(self, request: web.Request) -> web.Response:
-        if (refusal := _refuse_non_admin(request)) is not None:
+        if (refusal := refuse_non_admin(request)) is not None:
             return refusal
         try:
             body = parse(api.UnloadAdapterRequest, await request.read())
-            await self.infer.adapters.unload(self.infer.scheduler.client, body.lora_name)
+            await self.infer.adapters.unload(self.infer.groups.clients, body.lora_name)
         except REQUEST_ERRORS as exc:
             return error_response(exc)
         unloaded: api.AdapterUnloaded = {"object": "lora_adapter", "status": "unloaded", "name": body.lora_name}
         return web.json_response(unloaded)
 
 
-def _refuse_non_admin(request: web.Request) -> web.Response | None:
+def refuse_non_admin(request: web.Request) -> web.Response | None:
     """Adapters change what every tenant's requests may name: an admin key's to change (on an open server,
     everyone is the anonymous admin, as for cancelling any request)."""
     if caller(request).admin:

@@ -14,6 +14,7 @@ from conveyor.router.frontends import openapi
 from conveyor.router.frontends.adapter_routes import AdapterRoutes
 from conveyor.router.frontends.connections import ConnectionLimits, body_deadline_middleware, refuse_large_expectations
 from conveyor.router.frontends.dashboard import Dashboard
+from conveyor.router.frontends.group_routes import GroupRoutes
 from conveyor.router.frontends.middleware import (
     draining_middleware,
     hide_server_version,
@@ -85,6 +86,7 @@ class HttpServer:
         ResponsesRoutes(self.infer, chat).register(app)
         RequestControl(self.infer).register(app)
         AdapterRoutes(self.infer).register(app)
+        GroupRoutes(self.infer).register(app)
         Dashboard(self.infer, self.info).register(app)
         refuse_large_expectations(app, self.payload_limit, refuse_without_key(self.keys))
         return app

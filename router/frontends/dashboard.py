@@ -43,15 +43,15 @@ class Dashboard:
 
     async def state(self, request: web.Request) -> web.Response:
         """Everything the page shows, read at once; the page keeps the history its charts draw."""
-        scheduler, live, key = self.infer.scheduler, self.infer.live, caller(request)
-        waiting = scheduler.queue.by_priority()
+        groups, live, key = self.infer.groups, self.infer.live, caller(request)
+        waiting = groups.queue.by_priority()
         body: api.DashboardState = {
             "model": self.info.model_id,
             "dtype": self.info.model_dtype,
             "device": self.info.device,
             "engine": self.info.engine,
             "num_shard": self.info.num_shard,
-            "status": "recovering" if scheduler.recovering else "serving",
+            "status": "recovering" if groups.recovering else "serving",
             "restarts": int(_counter(self.infer.metrics.shard_restarts)),
             "speculative": {
                 "drafted": int(_counter(self.infer.metrics.speculative_drafted)),
@@ -60,8 +60,9 @@ class Dashboard:
             "adapters": self._adapters(),
             "queue_by_priority": {str(priority): count for priority, count in waiting.items()},
             "queue_length": sum(waiting.values()),
-            "batch_size": len(scheduler.running),
+            "batch_size": len(groups.running),
             "kv": self._kv(),
+            "groups": [groups.describe_group(i) for i in range(len(groups.schedulers))],
             "tokens_per_s": round(live.tokens_per_s(), 2),
             "ttft": live.ttft(),
             "itl": live.itl(),
@@ -83,7 +84,7 @@ class Dashboard:
 
     def _kv(self) -> api.KvBlocks:
         """The pool in three parts that add up: held by requests, cached for prefix hits only, empty."""
-        stats = self.infer.scheduler.allocator.stats
+        stats = self.infer.groups.pool()
         used = stats.num_blocks - stats.free_list - stats.evictable
         dtype = self.info.kv_cache_dtype or self.info.model_dtype
         disk = int(_gauge(self.infer.metrics.kv_offload_bytes))

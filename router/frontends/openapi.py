@@ -48,6 +48,7 @@ SCHEMAS: dict[str, Any] = {
     "RequestList": service.RequestList,
     "Cancelled": service.Cancelled,
     "DashboardState": service.DashboardState,
+    "GroupState": service.GroupState,
     "LoadAdapterRequest": adapters.LoadAdapterRequest,
     "UnloadAdapterRequest": adapters.UnloadAdapterRequest,
     "AdapterLoaded": adapters.AdapterLoaded,
@@ -290,6 +291,30 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
             "/v1/unload_lora_adapter": _adapter_route(
                 "Unload a LoRA adapter no request uses (an admin key's)", "UnloadAdapterRequest", "AdapterUnloaded"
             ),
+            **{
+                f"/admin/groups/{{index}}/{action}": {
+                    "post": {
+                        "summary": summary,
+                        "parameters": [
+                            {"name": "index", "in": "path", "required": True, "schema": {"type": "integer"}}
+                        ],
+                        "responses": {
+                            "200": _json(_ref("GroupState")),
+                            "401": _error("Missing or wrong API key", False),
+                            "403": _error("Not an admin key", False),
+                            "404": _error("No shard group of that index", False),
+                            "409": _error("Draining the only group that serves (it would stop the server)", False),
+                        },
+                    }
+                }
+                for action, summary in (
+                    (
+                        "drain",
+                        "Take a shard group out of placement: its waiting requests move, its running ones finish",
+                    ),
+                    ("resume", "Put a drained shard group back in placement"),
+                )
+            },
             "/dashboard": _get(
                 "The live dashboard: one self-contained HTML page that polls /dashboard/state",
                 {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},

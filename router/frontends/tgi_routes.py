@@ -187,17 +187,15 @@ class TgiRoutes:
         if self.draining():  # a load balancer must stop sending here while in-flight requests finish
             return json_error(503, "server is shutting down", "unavailable")
         try:
-            await self.infer.scheduler.client.health(timeout=2.0)
+            await self.infer.groups.health(timeout=2.0)
         except Exception as exc:  # noqa: BLE001 - any failure means not ready
             return json_error(503, f"unhealthy: {exc}", "healthcheck")
-        if self.infer.scheduler.recovering:
-            return json_error(503, "unhealthy: the shards are being restarted", "healthcheck")
         healthy: api.Health = {"status": "ok"}
         return web.json_response(healthy)
 
     async def get_info(self, request: web.Request) -> web.Response:
         body = self.info.to_json()
-        body.update(self.infer.scheduler.describe())
+        body.update(self.infer.groups.describe())
         adapters = self.infer.adapters
         body["lora_adapters"] = [adapter_json(a) for a in adapters.served.values()]
         body["max_loras"] = adapters.max_loras

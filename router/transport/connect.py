@@ -42,6 +42,12 @@ def shard_address(args: Config) -> str:
     raise SystemExit("conveyor-router needs --shard-address (or --shard-uds-path)")
 
 
+def group_addresses(args: Config) -> list[str]:
+    """Each shard group's address, as `shard_address` names one: the first group's, then --shard-groups."""
+    extra = [a.strip() for a in (args.shard_groups or "").split(";") if a.strip()]
+    return [shard_address(args), *extra]
+
+
 async def first_connect(args: Config, tokenizer, security: Security, group: GroupStore | None = None) -> Connection:
     """The first connection, tried until --startup-timeout: a router started on its own (another container,
     another host) may come up before its shards do. The launcher starts it only once they answer."""

@@ -93,3 +93,20 @@ def test_cancelled_requests_leave_the_line() -> None:
     assert queue.peek() is stays and queue.popleft() is stays
     with pytest.raises(IndexError):
         queue.popleft()
+
+
+def test_each_group_takes_its_own_sequences_and_a_keys_share_is_charged_across_groups() -> None:
+    """Two shard groups draw from one line: each takes only what was placed on it, and a key admitted in one group
+    has its clock moved for the other too, so fair shares hold across groups."""
+    from conveyor.router.core.queue import GroupQueue
+
+    queue = Queue()
+    first, second = GroupQueue(queue, 0), GroupQueue(queue, 1)
+    l0, l1, l2, h0, h1 = request(LIGHT), request(LIGHT), request(LIGHT), request(HEAVY), request(HEAVY)
+    for group, placed in ((first, l0), (first, l1), (second, l2), (second, h0), (first, h1)):
+        group.append(placed)
+    assert (len(first), len(second), len(queue)) == (3, 2, 5)
+    assert second.popleft() is l2  # both clocks at 0: the earlier arrival; light is charged 16 tokens
+    assert first.peek() is h1  # so in the other group heavy goes before light's older l0
+    assert [first.popleft() for _ in range(3)] == [h1, l0, l1] and second.popleft() is h0
+    assert first.peek() is None and second.peek() is None and len(queue) == 0
