@@ -35,6 +35,10 @@ def check_nodes(args: Config) -> Config:
     shared token its router and shards need (every node of several must be given the same one)."""
     if args.num_shard < 1:
         raise SystemExit("--num-shard must be at least 1")
+    if args.replicas < 1:
+        raise SystemExit("--replicas must be at least 1")
+    if args.replicas > 1 and args.nnodes > 1:
+        raise SystemExit("--replicas > 1 runs whole groups on this machine: not with --nnodes > 1")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise SystemExit(f"--node-rank must be in [0, --nnodes), not {args.node_rank} of {args.nnodes}")
     if args.nnodes > 1 and args.listen is None:

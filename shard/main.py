@@ -55,13 +55,14 @@ def check_supported(model_dir: str) -> None:
 def load(args: Config, served_name: str | None = None) -> Engine:
     """The engine for this rank, with its start-time adapters; `served_name`: --model-id as given (before a Hub id
     became a snapshot folder), which an adapter's base model must name."""
-    device = choose_device(args.device, _local_rank())
+    device = choose_device(args.device, _device_index())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("device", extra={"device": str(device)})
     group = initialize(device, args.startup_timeout)
-    # Ranks on one machine share its cores; more threads than cores each would only thrash.
-    if device.type == "cpu" and (threads := threads_per_rank(_local_world_size(group), usable_cores())) is not None:
+    # Ranks on one machine share its cores, with every group's (--replicas); more threads than cores would thrash.
+    local_ranks = _local_world_size(group) * args.replicas
+    if device.type == "cpu" and (threads := threads_per_rank(local_ranks, usable_cores())) is not None:
         torch.set_num_threads(threads)
     try:
         draft = Draft(args.speculate_model, args.speculate_quantize) if args.speculate_model else None
@@ -93,6 +94,12 @@ def _offload(args: Config) -> tuple[Path, int] | None:
 def _local_world_size(group: ProcessGroup) -> int:
     """The ranks on this node (the launcher and torchrun set LOCAL_WORLD_SIZE; without it, the whole group)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size))
+
+
+def _device_index() -> int:
+    """This rank's GPU on its node: its local rank, after the GPUs of the groups before its own (--replicas; the
+    launcher sets the offset)."""
+    return int(os.environ.get("CONVEYOR_DEVICE_OFFSET", "0")) + _local_rank()
 
 
 def _local_rank() -> int:

@@ -6,6 +6,9 @@ from dataclasses import fields, replace
 
 from conveyor import config
 from conveyor.config import Config
+from conveyor.launcher.processes import Deployment
+from conveyor.router.core.placement import PLACEMENTS
+from conveyor.router.transport.connect import group_addresses
 
 
 def test_every_flag_survives_the_hand_over() -> None:
@@ -55,3 +58,27 @@ def test_defaults_are_left_off_and_every_field_is_a_flag() -> None:
     for f in fields(Config):
         assert "--" + f.name.replace("_", "-") in help_text
     assert replace(Config(), prefix_caching=False).to_argv() == ["--no-prefix-caching"]
+
+
+def test_each_replica_gets_its_own_sockets_and_ports_and_the_router_reaches_every_group() -> None:
+    deployment = Deployment(Config(shard_uds_path="/run/c/shard", replicas=3))
+    assert [(g.config.shard_uds_path, g.config.master_port) for g in deployment.groups] == [
+        ("/run/c/shard", 29500),
+        ("/run/c/shard-g1", 29501),
+        ("/run/c/shard-g2", 29502),
+    ]
+    router = deployment.router_config()
+    assert group_addresses(router) == ["unix:///run/c/shard-0", "unix:///run/c/shard-g1-0", "unix:///run/c/shard-g2-0"]
+    # On TCP, a group's ranks take the ports after the group before it; groups on other machines come last.
+    tcp = Config(listen="tcp://127.0.0.1:7000", num_shard=2, replicas=2, shard_groups="tcp://far:9000", shard_token="t")
+    deployment = Deployment(tcp)
+    assert [a.url for a in deployment.addresses] == [f"tcp://127.0.0.1:{p}" for p in (7000, 7001, 7002, 7003)]
+    assert group_addresses(deployment.router_config()) == [
+        "tcp://127.0.0.1:7000",
+        "tcp://127.0.0.1:7002",
+        "tcp://far:9000",
+    ]
+
+
+def test_the_placement_flag_offers_every_placement() -> None:
+    assert tuple(PLACEMENTS) == config.PLACEMENTS
