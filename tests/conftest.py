@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import loopback
 import pytest
@@ -630,3 +631,36 @@ def mistral_chat_server(chat_deployments: Deployments) -> Server:
 def phi4_chat_server(chat_deployments: Deployments) -> Server:
     """Phi-4-mini's template shape: tools between <|tool|> and <|/tool|>, calls after <|tool_call|>."""
     return chat_deployments.get("phi4_chat_server")
+
+
+@dataclass
+class Tls:
+    cert: Path
+    key: Path
+
+    @property
+    def flags(self) -> list[str]:
+        # One self-signed certificate is the CA, the shard's server certificate and the router's client one.
+        return ["--shard-tls-cert", str(self.cert), "--shard-tls-key", str(self.key), "--shard-tls-ca", str(self.cert)]
+
+    def credentials(self, client_certificate: bool = True) -> grpc.ChannelCredentials:
+        cert = self.cert.read_bytes()
+        if not client_certificate:
+            return grpc.ssl_channel_credentials(root_certificates=cert)
+        return grpc.ssl_channel_credentials(cert, self.key.read_bytes(), cert)
+
+
+@pytest.fixture(scope="session")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> Tls:
+    """One self-signed certificate for shards on TCP with mutual TLS (tests/e2e/test_shard_tcp.py, test_replicas.py)."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=conveyor-test"]
+        + ["-keyout", str(key), "-out", str(cert)]
+        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"]
+        + ["-addext", "extendedKeyUsage=serverAuth,clientAuth"],
+        check=True,
+        capture_output=True,
+    )
+    return Tls(cert, key)

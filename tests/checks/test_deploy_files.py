@@ -26,6 +26,7 @@ import yaml
 
 from conveyor import config
 from conveyor.config import SECRET, Config
+from conveyor.router.transport.connect import group_addresses
 from conveyor.shard_channels import parse_tcp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -342,6 +343,13 @@ class Pod:
     spec: dict
     group: str | None = None  # the LeaderWorkerSet it belongs to
     role: str | None = None  # leaderTemplate or workerTemplate
+    kind: str = "Deployment"  # its controller's kind: Deployment, StatefulSet or LeaderWorkerSet
+    name: str = ""  # its controller's name
+
+    @property
+    def pod_name(self) -> str:
+        """A name the pod gets (`metadata.name`): a StatefulSet's first pod, say."""
+        return f"{self.name}-0"
 
 
 def manifests() -> Iterator[tuple[Path, dict]]:
@@ -355,9 +363,10 @@ def pods() -> list[Pod]:
     found = []
     for path, doc in manifests():
         name = doc["metadata"]["name"]
-        if doc["kind"] == "Deployment":
+        if doc["kind"] in ("Deployment", "StatefulSet"):
             meta, spec = doc["spec"]["template"]["metadata"], doc["spec"]["template"]["spec"]
-            found.append(Pod(f"{path.name} Deployment {name}", meta["labels"], meta.get("annotations", {}), spec))
+            where = f"{path.name} {doc['kind']} {name}"
+            found.append(Pod(where, meta["labels"], meta.get("annotations", {}), spec, kind=doc["kind"], name=name))
         elif doc["kind"] == "LeaderWorkerSet":
             for role in ("leaderTemplate", "workerTemplate"):
                 template = doc["spec"]["leaderWorkerTemplate"][role]
@@ -365,11 +374,12 @@ def pods() -> list[Pod]:
                 # LWS labels every pod of the set with its name.
                 labels = {**meta.get("labels", {}), "leaderworkerset.sigs.k8s.io/name": name}
                 where = f"{path.name} {name} {role}"
-                found.append(Pod(where, labels, meta.get("annotations", {}), template["spec"], name, role))
+                annotations = meta.get("annotations", {})
+                found.append(Pod(where, labels, annotations, template["spec"], name, role, "LeaderWorkerSet", name))
     return found
 
 
-def substitute(where: str, value: str, env: dict[str, dict], lws: bool) -> str:
+def substitute(where: str, value: str, env: dict[str, dict], lws: bool, pod_name: str = "conveyor-0") -> str:
     """Kubernetes' own `$(VAR)` expansion in command and args, with a plausible value for each variable. An
     undefined variable would stay `$(VAR)` in the real pod: that is a failure here."""
 
@@ -382,8 +392,9 @@ def substitute(where: str, value: str, env: dict[str, dict], lws: bool) -> str:
         assert "secretKeyRef" not in source.get("valueFrom", {}), f"{where}: the secret {name} on a command line"
         if "value" in source:
             return source["value"]
-        assert source["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", f"{where}: $({name})"
-        return "10.0.0.7"
+        field = source["valueFrom"]["fieldRef"]["fieldPath"]
+        assert field in ("status.podIP", "metadata.name"), f"{where}: $({name})"
+        return "10.0.0.7" if field == "status.podIP" else pod_name
 
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, value)
 
@@ -395,7 +406,7 @@ def container_processes(pod: Pod) -> Iterator[tuple[dict, Process]]:
             continue
         where = f"{pod.where} container {container['name']}"
         env = {e["name"]: e for e in container.get("env", [])}
-        argv = [substitute(where, str(a), env, lws=pod.group is not None) for a in command]
+        argv = [substitute(where, str(a), env, lws=pod.group is not None, pod_name=pod.pod_name) for a in command]
         yield container, parse_process(where, argv)
 
 
@@ -438,6 +449,7 @@ def test_kubernetes_manifests_parse() -> None:
     kinds = {path.name: [doc["kind"] for p, doc in manifests() if p == path] for path in MANIFESTS}
     assert {"Deployment", "Service"} <= set(kinds["deployment.yaml"])
     assert {"LeaderWorkerSet", "Service"} <= set(kinds["leaderworkerset.yaml"])
+    assert {"StatefulSet", "Deployment", "Service", "NetworkPolicy"} <= set(kinds["shard-groups.yaml"])
     lws = next(doc for _, doc in manifests() if doc["kind"] == "LeaderWorkerSet")
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
 
@@ -530,12 +542,18 @@ def test_secrets_come_from_secrets() -> None:
                 assert ref["key"] in secret_keys.get(ref["name"], set()), f"{process.where}: {ref} not in secret.yaml"
         if process.flags.listen:
             assert "CONVEYOR_SHARD_TOKEN" in env, f"{process.where}: shards on TCP need the shared token"
+        if process.script == "conveyor-router" and any(a.startswith("tcp://") for a in group_addresses(process.flags)):
+            assert "CONVEYOR_SHARD_TOKEN" in env, f"{process.where}: a router of shards on TCP needs their token"
 
 
 def test_services_send_only_to_front_doors() -> None:
     """Every Service selects Conveyor pods and targets their HTTP or gRPC front door, never a shard or master
-    port; NetworkPolicies open nothing else to every pod."""
+    port, but for a StatefulSet's headless Service, which balances nothing and only names each pod; NetworkPolicies
+    open nothing else to every pod."""
     processes = all_processes()
+    governing = {
+        doc["spec"]["serviceName"]: doc["metadata"]["name"] for _, doc in manifests() if doc["kind"] == "StatefulSet"
+    }
     for _, doc in manifests():
         if doc["kind"] not in ("Service", "NetworkPolicy"):
             continue
@@ -543,7 +561,17 @@ def test_services_send_only_to_front_doors() -> None:
         selector = doc["spec"]["selector"] if doc["kind"] == "Service" else doc["spec"]["podSelector"]["matchLabels"]
         selected = [(c, p) for pod, c, p in processes if selector.items() <= pod.labels.items()]
         assert selected, f"{where} selects no Conveyor pod"
-        if doc["kind"] == "Service":
+        if doc["kind"] == "Service" and doc["metadata"]["name"] in governing:
+            assert doc["spec"].get("clusterIP") == "None", f"{where}: a StatefulSet's Service is headless"
+            owners = {pod.name for pod, _, _ in processes if selector.items() <= pod.labels.items()}
+            assert owners == {governing[doc["metadata"]["name"]]}, f"{where} selects pods of {sorted(owners)}"
+            for port in doc["spec"]["ports"]:
+                for container, process in selected:
+                    target = port["targetPort"]
+                    if isinstance(target, str):
+                        target = {p.get("name"): p["containerPort"] for p in container["ports"]}[target]
+                    assert target in process.shard_ports, f"{where}: targetPort {port['targetPort']} -> {target}"
+        elif doc["kind"] == "Service":
             serving = [(c, p) for c, p in selected if p.serves_http]
             assert serving == selected, f"{where} selects pods that run no router"
             for port in doc["spec"]["ports"]:
@@ -560,6 +588,62 @@ def test_services_send_only_to_front_doors() -> None:
                 assert "ports" in rule, f"{where}: a rule opens every port to everyone"
                 opened = {p["port"] for p in rule["ports"]}
                 assert opened <= front_doors, f"{where}: opens {sorted(opened - front_doors)} to everyone"
+
+
+def test_one_router_drives_every_shard_group() -> None:
+    """shard-groups.yaml: each pod of the StatefulSet is one shard group, named by its stable DNS name; the one
+    router names every pod, in ordinal order (group i is pod i: /info, /metrics and the drain route say i), by the
+    name each pod advertises, on the port its shard listens on. One router, never two at once (it owns the
+    shards' KV; a router that connects clears them). The shards outlive the router's drain."""
+    path = KUBERNETES / "shard-groups.yaml"
+    docs = [doc for p, doc in manifests() if p == path]
+    (statefulset,) = [doc for doc in docs if doc["kind"] == "StatefulSet"]
+    (deployment,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    name, service = statefulset["metadata"]["name"], statefulset["spec"]["serviceName"]
+    assert statefulset["spec"]["replicas"] >= 2, "several groups"
+    assert statefulset["spec"].get("podManagementPolicy") == "Parallel", "every group loads at once"
+    found = [
+        (pod, container, process) for pod, container, process in all_processes() if pod.where.startswith(path.name)
+    ]
+    (shard,) = [(pod, c, p) for pod, c, p in found if pod.kind == "StatefulSet"]
+    (router,) = [(pod, c, p) for pod, c, p in found if pod.kind == "Deployment"]
+    shard_pod, shard_container, shard_process = shard
+    router_pod, _, router_process = router
+    assert shard_process.script == "conveyor-shard" and shard_process.flags.num_shard == 1, shard_process.where
+    assert router_process.script == "conveyor-router", router_process.where
+
+    # Each pod advertises its own stable name, $(POD_NAME).<serviceName>, POD_NAME being the pod's name.
+    raw = [*shard_container.get("command", []), *shard_container.get("args", [])]
+    advertised = raw[raw.index("--advertise-host") + 1]
+    assert advertised == f"$(POD_NAME).{service}", f"{shard_process.where}: --advertise-host {advertised}"
+    env = {e["name"]: e for e in shard_container["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+    port = shard_process.shard_ports[0]
+    expected = [f"tcp://{name}-{i}.{service}:{port}" for i in range(statefulset["spec"]["replicas"])]
+    assert group_addresses(router_process.flags) == expected, (
+        f"{router_process.where}: --shard-address and --shard-groups name {group_addresses(router_process.flags)}, "
+        f"the StatefulSet's groups are {expected}"
+    )
+    for flag in ("shard_tls_cert", "shard_tls_key", "shard_tls_ca"):  # one TLS set for all, or none
+        assert getattr(router_process.flags, flag) == getattr(shard_process.flags, flag), flag
+    assert router_process.flags.model_id == shard_process.flags.model_id, "validation reads the groups' model"
+
+    assert deployment["spec"]["replicas"] == 1, "one router drives the groups"
+    assert deployment["spec"]["strategy"]["type"] == "Recreate", "never two routers at once, not even in a rollout"
+    drain = pre_stop_seconds(router[1]) + router_process.flags.graceful_termination_timeout + FLUSH_SECONDS
+    assert pre_stop_seconds(shard_container) >= drain, f"{shard_process.where}: stops before the router's drain ends"
+    assert router_pod.annotations.get("prometheus.io/scrape") == "true"
+    # Only the router reaches the shards.
+    for doc in docs:
+        if (
+            doc["kind"] == "NetworkPolicy"
+            and doc["spec"]["podSelector"]["matchLabels"].items() <= shard_pod.labels.items()
+        ):
+            for rule in doc["spec"]["ingress"]:
+                sources = [s["podSelector"]["matchLabels"] for s in rule.get("from", [])]
+                assert sources and all(s.items() <= router_pod.labels.items() for s in sources), doc["metadata"]
+                assert {p["port"] for p in rule["ports"]} <= set(shard_process.shard_ports), doc["metadata"]
 
 
 def test_volume_claims_exist() -> None:

@@ -478,6 +478,29 @@ def test_prefix_restart_measures_both_modes(tiny_model: Path, tmp_path: Path) ->
         assert all(v > 0 for v in figures.values())
 
 
+def test_placement_measures_both_placements(tiny_model: Path, tmp_path: Path) -> None:
+    """benchmarks/placement.py on the tiny model, quick: a two-group deployment of each placement answers every
+    turn of every conversation, and the report names the CPU and gives each one's hit rate, TTFT and tok/s (which
+    placement wins is the benchmark's to say, on a quiet machine)."""
+    flags = ["--model-id", str(tiny_model), "--quick", "--out", str(tmp_path)]
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.placement", *flags], check=True, timeout=600, capture_output=True, text=True
+    ).stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    requests = summary["workload"]["conversations"] * summary["workload"]["turns"]
+    assert [r["placement"] for r in summary["rounds"]] == ["cache-aware", "round-robin"]
+    for run in summary["rounds"]:
+        assert run["requests"] == requests and run["failed"] == 0, run
+        assert 0 <= run["hit_rate"] <= 1 and run["query_tokens"] > 0
+        assert run["ttft_p50_ms"] > 0 and run["output_tok_s"] > 0
+        reasons = {key.split("/")[1] for key in run["placed"]}  # each run placed by its own --placement
+        assert reasons <= ({"round_robin"} if run["placement"] == "round-robin" else {"prefix", "load"}), run
+    assert set(summary["median"]) == {"cache-aware", "round-robin"}
+    for text in (out, (tmp_path / "summary.md").read_text()):
+        assert summary["machine"]["cpu"] in text
+        assert all(column in text for column in ("hit rate", "TTFT p50 ms", "out tok/s"))
+
+
 def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/gpu_check.py as a lent GPU runs it, on the CPU and small (--quick): every section gives its
     figures, so the script a GPU machine gets one call to run has run here first."""

@@ -20,7 +20,7 @@ import httpx
 import loopback
 import psutil
 import pytest
-from conftest import ORACLE_PROMPTS, free_port, greedy_reference, wait_for
+from conftest import ORACLE_PROMPTS, Tls, free_port, greedy_reference, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conveyor.router.main import main as router_main
@@ -33,43 +33,11 @@ TOKEN = "test-shard-token"
 
 
 @dataclass
-class Tls:
-    cert: Path
-    key: Path
-
-    @property
-    def flags(self) -> list[str]:
-        # One self-signed certificate is the CA, the shard's server certificate and the router's client one.
-        return ["--shard-tls-cert", str(self.cert), "--shard-tls-key", str(self.key), "--shard-tls-ca", str(self.cert)]
-
-    def credentials(self, client_certificate: bool = True) -> grpc.ChannelCredentials:
-        cert = self.cert.read_bytes()
-        if not client_certificate:
-            return grpc.ssl_channel_credentials(root_certificates=cert)
-        return grpc.ssl_channel_credentials(cert, self.key.read_bytes(), cert)
-
-
-@dataclass
 class Split:
     shard_port: int
     shard_pid: int
     url: str
     tls: Tls
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> Tls:
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=conveyor-test"]
-        + ["-keyout", str(key), "-out", str(cert)]
-        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"]
-        + ["-addext", "extendedKeyUsage=serverAuth,clientAuth"],
-        check=True,
-        capture_output=True,
-    )
-    return Tls(cert, key)
 
 
 @dataclass

@@ -53,8 +53,16 @@ POST_ROUTES = [
     "/v1/responses",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
+    "/admin/groups/{index}/drain",
+    "/admin/groups/{index}/resume",
 ]
-ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# These generate nothing (a one-group server refuses to drain its only group: the fuzzing leaves it serving).
+NO_GENERATION_ROUTES = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/admin/groups/{index}/drain",
+    "/admin/groups/{index}/resume",
+)
 GET_ROUTES = [
     "/v1/models",
     "/health",
@@ -134,7 +142,7 @@ def _integers(value: Any) -> Any:
 
 def _few_tokens(path: str, body: Any) -> None:
     """Caps what a valid request generates: absent or large token counts become NEW_TOKENS."""
-    if not isinstance(body, dict) or path in ADAPTER_ROUTES:  # these generate nothing
+    if not isinstance(body, dict) or path in NO_GENERATION_ROUTES:  # these generate nothing
         return
     if path == "/v1/responses":
         given = body.get("max_output_tokens")
