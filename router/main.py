@@ -41,7 +41,13 @@ from conveyor.router.metrics import Metrics
 from conveyor.router.pipeline.output_parsers import output_parsers
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
-from conveyor.router.transport.connect import Connection, connect, first_connect, group_addresses
+from conveyor.router.transport.connect import (
+    Connection,
+    check_same_model,
+    connect,
+    first_connect,
+    group_addresses,
+)
 from conveyor.shard_channels import Security
 
 log = logging.getLogger(__name__)
@@ -171,6 +177,8 @@ async def connect_groups(
         group_args = replace(args, shard_address=address)
         group_store = store if index == 0 else None
         connection = await first_connect(group_args, tokenizer, security, group_store)
+        if connections:
+            check_same_model(connections[0].info, connection.info, address)
         connections.append(connection)
 
         def reconnect(a=group_args, s=group_store, first=connection) -> Awaitable[Connection]:

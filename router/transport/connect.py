@@ -48,6 +48,22 @@ def group_addresses(args: Config) -> list[str]:
     return [shard_address(args), *extra]
 
 
+# What every shard group must share with the first: a request validated against the first group's limits may be
+# placed on any of them, and must get the same answer there.
+SAME_MODEL = ("model_type", "dtype", "quantize", "kv_cache_dtype", "max_position_embeddings", "device_type")
+
+
+def check_same_model(first: ShardInfo, other: ShardInfo, address: str) -> None:
+    """Refuses a shard group that serves another model, or the same one otherwise, than the first group."""
+    differ = [
+        f"{name} {getattr(other, name)!r} (the first group: {getattr(first, name)!r})"
+        for name in SAME_MODEL
+        if getattr(other, name) != getattr(first, name)
+    ]
+    if differ:
+        raise ValueError(f"the shard group at {address} serves another model than the first: {', '.join(differ)}")
+
+
 async def first_connect(args: Config, tokenizer, security: Security, group: GroupStore | None = None) -> Connection:
     """The first connection, tried until --startup-timeout: a router started on its own (another container,
     another host) may come up before its shards do. The launcher starts it only once they answer."""

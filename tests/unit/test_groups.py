@@ -4,6 +4,10 @@ group's scheduler admits only what was placed on it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.groups import Groups, load
 from conveyor.router.core.placement import CacheAware, RoundRobin
@@ -13,6 +17,8 @@ from conveyor.router.core.sequence import Sequence
 from conveyor.router.core.step_planner import PlannerConfig
 from conveyor.router.metrics import Metrics
 from conveyor.router.pipeline.request import Parameters, ValidRequest
+from conveyor.router.transport.connect import check_same_model
+from conveyor.router.transport.records import ShardInfo
 
 BLOCK = 16
 
@@ -117,3 +123,10 @@ def test_info_shows_each_group_and_the_pools_together() -> None:
         (0, "serving", 1, 1),
         (1, "serving", 0, 0),
     ]
+
+
+def test_a_group_that_serves_another_model_is_refused() -> None:
+    first = ShardInfo(dtype="float32", model_type="llama", max_position_embeddings=1024, pid=1, instance="a")
+    check_same_model(first, replace(first, pid=2, instance="b", weight_bytes=9), "unix:///run/s-g1-0")  # same model
+    with pytest.raises(ValueError, match="tcp://far:1 serves another model.*dtype 'bfloat16'"):
+        check_same_model(first, replace(first, dtype="bfloat16"), "tcp://far:1")
