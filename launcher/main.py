@@ -141,13 +141,19 @@ def _announce(args: Config, model_dir: Path) -> None:
     if args.api_key or args.api_keys_file:
         headers += " -H 'Authorization: Bearer <your key>'"
     print(
-        f"\nConveyor is serving {model_dir} at {url}\n"
+        f"\nConveyor is serving {model_dir} at {url}{_groups(args)}\n"
         f"Try:\n  curl {url}/generate {headers} -d '{body}'\n"
         f"  curl -N {url}/generate_stream {headers} -d '{body}'\n"
         f"Watch it live: {url}/dashboard\n",
         file=sys.stderr,
         flush=True,
     )
+
+
+def _groups(args: Config) -> str:
+    """How many shard groups serve, when there are several (--replicas, --shard-groups)."""
+    count = args.replicas + len([a for a in (args.shard_groups or "").split(";") if a.strip()])
+    return f" on {count} shard groups" if count > 1 else ""
 
 
 if __name__ == "__main__":
