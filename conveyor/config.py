@@ -244,6 +244,11 @@ class Config:
     log_level: str | None = flag(None, "DEBUG, INFO, WARNING (default; or CONVEYOR_LOG_LEVEL)")
     otlp_endpoint: str | None = flag(None, "export OpenTelemetry spans of router and shards there (OTLP/gRPC)")
 
+    @property
+    def other_groups(self) -> list[str]:
+        """--shard-groups as a list of addresses."""
+        return [a.strip() for a in (self.shard_groups or "").split(";") if a.strip()]
+
     def to_argv(self) -> list[str]:
         """The flags that reproduce this configuration (secrets and defaults left out)."""
         argv: list[str] = []

@@ -152,7 +152,7 @@ def _announce(args: Config, model_dir: Path) -> None:
 
 def _groups(args: Config) -> str:
     """How many shard groups serve, when there are several (--replicas, --shard-groups)."""
-    count = args.replicas + len([a for a in (args.shard_groups or "").split(";") if a.strip()])
+    count = args.replicas + len(args.other_groups)
     return f" on {count} shard groups" if count > 1 else ""
 
 

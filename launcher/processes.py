@@ -256,10 +256,8 @@ class Deployment:
     def router_config(self) -> Config:
         """The router's flags: the first group as --shard-address, the others (then any given) as --shard-groups."""
         others = [group.addresses[0].url for group in self.groups[1:]]
-        given = [self.config.shard_groups] if self.config.shard_groups else []
-        return replace(
-            self.config, shard_address=self.groups[0].addresses[0].url, shard_groups=";".join(others + given) or None
-        )
+        groups = ";".join(others + self.config.other_groups) or None
+        return replace(self.config, shard_address=self.groups[0].addresses[0].url, shard_groups=groups)
 
     def start(self, timeout: float, should_stop: Callable[[], bool]) -> None:
         deadline = time.monotonic() + timeout

@@ -44,8 +44,7 @@ def shard_address(args: Config) -> str:
 
 def group_addresses(args: Config) -> list[str]:
     """Each shard group's address, as `shard_address` names one: the first group's, then --shard-groups."""
-    extra = [a.strip() for a in (args.shard_groups or "").split(";") if a.strip()]
-    return [shard_address(args), *extra]
+    return [shard_address(args), *args.other_groups]
 
 
 # What every shard group must share with the first: a request validated against the first group's limits may be
