@@ -478,6 +478,53 @@ def long_context_section(run: Run) -> list[str]:
     ]
 
 
+# --- placement runs: a folder whose summary.json benchmarks/placement.py wrote -----------------------------------
+
+
+PLACEMENT = "placement"  # the mark placement.py puts in its summary.json
+
+
+def placement_rows(summary: Json) -> list[tuple[str, ...]]:
+    rows = []
+    for r in sorted(summary["rounds"], key=lambda r: (r["placement"], r["round"])):
+        rows.append(_placement_row(r["placement"], str(r["round"]), r))
+    for placement, m in summary["median"].items():
+        rows.append(_placement_row(placement, "median", m))
+    return rows
+
+
+def _placement_row(placement: str, round_: str, r: Json) -> tuple[str, ...]:
+    return (
+        placement,
+        round_,
+        cell(r["requests"], 0),
+        cell(r["hit_rate"], 3),
+        cell(r["ttft_mean_ms"], 0),
+        cell(r["ttft_p50_ms"], 0),
+        cell(r["ttft_p99_ms"], 0),
+        cell(r["output_tok_s"]),
+    )
+
+
+def placement_section(run: Run) -> list[str]:
+    summary = load(RESULTS / run.path / "summary.json")
+    w = summary["workload"]
+    head = ("placement", "round", "requests", "hit rate", "TTFT mean (ms)", "TTFT p50 (ms)", "TTFT p99 (ms)")
+    return [
+        f"### {heading(summary['machine'])}: `{results_path(run.path)}` (placement, {summary['replicas']} groups)",
+        "",
+        f"- CPU (from summary.json): {machine_line(summary['machine'])}",
+        f"- model: `{summary['model']}`, `--replicas {summary['replicas']}`",
+        f"- command: `{run.command}`",
+        f"- {run.note}",
+        f"- workload: {w['conversations']} conversations of {w['turns']} turns behind {w['systems']} system prompts "
+        f"of ~{w['system_len']} tokens, {w['user_len']}-token user messages, {w['answer_len']}-token greedy answers, "
+        f"{w['in_flight']} conversations in flight; a fresh deployment per run, the rounds' order alternated",
+        "",
+        *table(head + ("out tok/s",), placement_rows(summary)),
+    ]
+
+
 # --- speculation runs: one JSON file of {system/workload/streams: row} ------------------------------------------
 
 
@@ -662,9 +709,10 @@ def render() -> str:
 
 
 def folder_section(run: Run) -> list[str]:
-    """A results folder's section: a compare run's, or a long-context run's."""
+    """A results folder's section: a compare run's, a long-context run's or a placement run's."""
     summary = load(RESULTS / run.path / "summary.json")
-    return long_context_section(run) if summary.get("benchmark") == LONG_CONTEXT else compare_section(run)
+    sections = {LONG_CONTEXT: long_context_section, PLACEMENT: placement_section}
+    return sections.get(summary.get("benchmark"), compare_section)(run)
 
 
 def replace_generated(document: str, generated: str) -> str:
