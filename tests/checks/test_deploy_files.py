@@ -567,18 +567,14 @@ def test_services_send_only_to_front_doors() -> None:
             assert owners == {governing[doc["metadata"]["name"]]}, f"{where} selects pods of {sorted(owners)}"
             for port in doc["spec"]["ports"]:
                 for container, process in selected:
-                    target = port["targetPort"]
-                    if isinstance(target, str):
-                        target = {p.get("name"): p["containerPort"] for p in container["ports"]}[target]
+                    target = _target_port(port, container)
                     assert target in process.shard_ports, f"{where}: targetPort {port['targetPort']} -> {target}"
         elif doc["kind"] == "Service":
             serving = [(c, p) for c, p in selected if p.serves_http]
             assert serving == selected, f"{where} selects pods that run no router"
             for port in doc["spec"]["ports"]:
                 for container, process in selected:
-                    target = port["targetPort"]
-                    if isinstance(target, str):
-                        target = {p.get("name"): p["containerPort"] for p in container["ports"]}[target]
+                    target = _target_port(port, container)
                     assert target in process.front_doors, f"{where}: targetPort {port['targetPort']} -> {target}"
         else:
             front_doors = set.union(*(p.front_doors for _, p in selected))
@@ -652,3 +648,11 @@ def test_volume_claims_exist() -> None:
         for volume in pod.spec.get("volumes", []):
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims, pod.where
+
+
+def _target_port(port: dict, container: dict) -> int:
+    """A Service port's targetPort as a number: a name is the container's port of that name."""
+    target = port["targetPort"]
+    if isinstance(target, str):
+        target = {p.get("name"): p["containerPort"] for p in container["ports"]}[target]
+    return target

@@ -166,16 +166,22 @@ def test_staggered_greedy_requests_match_transformers(deployment: Server) -> Non
         assert s.final is not None and s.final["details"]["generated_tokens"] == len(expected)
 
 
-def test_a_cancelled_stream_leaves_the_others_exact(deployment: Server) -> None:
-    streams = [Stream(p, n) for p, n in PROMPTS[:8]]
-    streams[2] = Stream(PROMPTS[2][0], 200, cancel_after=3)  # disconnects after 3 tokens, mid-batch
-    run_staggered(deployment, streams, after_tokens=3)
+def run_with_a_cancelled_stream(server: Server) -> None:
+    """Eight staggered streams, the third of which disconnects after 3 tokens, mid-batch: the others must be exact,
+    and it the start of its own (tests/e2e/test_replicas.py runs it across two shard groups)."""
+    streams = [Stream(p, n) for p, n in ORACLE_PROMPTS[:8]]
+    streams[2] = Stream(ORACLE_PROMPTS[2][0], 200, cancel_after=3)
+    run_staggered(server, streams, after_tokens=3)
     for s in streams:
-        expected = greedy_reference(deployment.model_dir, s.prompt, s.max_new_tokens)
+        expected = greedy_reference(server.model_dir, s.prompt, s.max_new_tokens)
         if s.cancel_after is None:
             assert s.ids == expected, f"prompt {s.prompt!r}"
         else:
             assert s.ids == expected[: len(s.ids)] and len(s.ids) == s.cancel_after
+
+
+def test_a_cancelled_stream_leaves_the_others_exact(deployment: Server) -> None:
+    run_with_a_cancelled_stream(deployment)
     # The deployment is still healthy and serves the next request exactly.
     with deployment.client() as client:
         response = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 5, "details": True}})

@@ -34,7 +34,7 @@ from conftest import (
     start_server,
     wait_for,
 )
-from test_oracle import Stream, run_staggered
+from test_oracle import Stream, run_staggered, run_with_a_cancelled_stream
 
 TOKEN = "test-replicas-token"
 SYSTEM_WORDS = ["river", "stone", "lamp", "orbit", "cedar", "violet", "harbor", "quartz", "meadow", "signal"]
@@ -115,15 +115,7 @@ def test_staggered_requests_across_two_groups_match_transformers(blind: Server) 
 
 
 def test_a_cancelled_stream_on_one_group_leaves_both_exact(blind: Server) -> None:
-    streams = [Stream(p, n) for p, n in ORACLE_PROMPTS[:8]]
-    streams[2] = Stream(ORACLE_PROMPTS[2][0], 200, cancel_after=3)
-    run_staggered(blind, streams, after_tokens=3)
-    for s in streams:
-        expected = greedy_reference(blind.model_dir, s.prompt, s.max_new_tokens)
-        if s.cancel_after is None:
-            assert s.ids == expected, f"prompt {s.prompt!r}"
-        else:
-            assert s.ids == expected[: len(s.ids)] and len(s.ids) == s.cancel_after
+    run_with_a_cancelled_stream(blind)
 
 
 def conversations(server: Server, systems: int = 2, per_system: int = 2, turns: int = 3) -> None:
