@@ -53,6 +53,13 @@ BOTH_MODELS = (  # one sitting that wrote two folders, a model each
 )
 RUNS = (
     Run(
+        "epyc-zen5-placement/smollm2-135m-instruct",
+        ".venv/bin/python -m benchmarks.placement --out benchmarks/results/epyc-zen5-placement/smollm2-135m-instruct",
+        "SmolLM2-135M-Instruct in float32, one sitting on 2026-11-28 at commit 285cf6c, on an AMD EPYC Zen 5 (family "
+        "26): two shard groups of one shard each on the two cores (a torch thread each), one router. The p99 TTFT is "
+        "the first wave's, which finds every system prompt cold under either placement.",
+    ),
+    Run(
         "epyc-zen5-real/smollm2-135m-instruct",
         ".venv/bin/python -m benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
         "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
