@@ -70,9 +70,10 @@ class Scheduler:
         self.planner = StepPlanner(config, allocator, self.queue)
         self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
         self.draining = False  # nothing new is placed here; what runs and waits here finishes (router/core/groups.py)
-        # Set by Groups: after a failure, its waiting sequences go to other groups; the totals over every group.
+        # Set by Groups (router/core/groups.py), which every scheduler serves in, one group or several: after a
+        # failure, its waiting sequences go to other groups; after any change, the label-less totals over all groups.
         self.on_lost: Callable[[], None] = lambda: None
-        self.on_gauges: Callable[[], None] = self._set_totals
+        self.on_gauges: Callable[[], None] = lambda: None
         self._batch: CachedBatch | None = None  # the running batch on the shards
         self._wakeup = asyncio.Event()
         self._batch_ids = itertools.count()
@@ -427,13 +428,6 @@ class Scheduler:
         metrics.group_kv_blocks_used.labels(group).set(self.allocator.num_blocks - self.allocator.free_blocks)
         metrics.group_serving.labels(group).set(int(self.serving))
         self.on_gauges()
-
-    def _set_totals(self) -> None:
-        """The label-less gauges, when this is the only group (Groups sums them over every group otherwise)."""
-        self.metrics.queue_size.set(len(self.queue))
-        self.metrics.batch_size.set(len(self.running))
-        self.metrics.kv_blocks_total.set(self.allocator.num_blocks)
-        self.metrics.kv_blocks_used.set(self.allocator.num_blocks - self.allocator.free_blocks)
 
 
 def new_request(sequence: Sequence) -> NewRequest:
