@@ -57,10 +57,13 @@ class Queue:
         self._clock = 0.0  # the clock of the last admission: where a key that starts waiting joins
 
     def __len__(self) -> int:
-        return sum(1 for s in self._waiting() if not s.cancelled)
+        return len(self.sequences())
 
-    def _waiting(self) -> list[Sequence]:
-        return [s for t in self._tenants.values() for _, s in t.waiting]
+    def sequences(self, group: int | None = None) -> list[Sequence]:
+        """The waiting sequences (those cancelled meanwhile left out), of `group` if one is named, in no particular
+        order."""
+        waiting = (s for t in self._tenants.values() for _, s in t.waiting if not s.cancelled)
+        return [s for s in waiting if group is None or s.group == group]
 
     def append(self, sequence: Sequence) -> None:
         tenant = self._tenants.setdefault(sequence.key.name, _Tenant(sequence.key.weight))
@@ -112,9 +115,9 @@ class Queue:
         entries = [entry for t in self._tenants.values() for entry in t.waiting]
         return [s for _, s in sorted(entries, key=lambda entry: entry[0])]
 
-    def by_priority(self) -> dict[int, int]:
+    def by_priority(self, group: int | None = None) -> dict[int, int]:
         """How many sequences wait at each priority (those cancelled meanwhile are not counted)."""
-        return dict(sorted(Counter(s.priority for s in self._waiting() if not s.cancelled).items()))
+        return dict(sorted(Counter(s.priority for s in self.sequences(group)).items()))
 
     def take_all(self) -> list[Sequence]:
         """Empties the line (the server is stopping): every waiting sequence, in order."""
@@ -149,11 +152,10 @@ class GroupQueue:
         return self.queue.popleft(self.group)
 
     def sequences(self) -> list[Sequence]:
-        """Its waiting sequences (cancelled ones left out), in no particular order."""
-        return [s for s in self.queue._waiting() if s.group == self.group and not s.cancelled]
+        return self.queue.sequences(self.group)
 
     def by_priority(self) -> dict[int, int]:
-        return dict(sorted(Counter(s.priority for s in self.sequences()).items()))
+        return self.queue.by_priority(self.group)
 
     def take_all(self) -> list[Sequence]:
         """Takes every sequence placed on the group out of the line (the server is stopping), in order."""
