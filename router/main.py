@@ -224,7 +224,6 @@ def make_scheduler(
         args.max_request_retries,
         adapters,
         queue=queue,
-        group=queue.group,
     )
 
 

@@ -88,7 +88,7 @@ class Groups:
             sequence.group = placed.group
             self._count(sequence, Placed(placed.group, "moved"))
             self.schedulers[placed.group].wake()
-        self._set_totals()
+        self._update_gauges()
 
     # --- draining -----------------------------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ class Groups:
 
     def resume(self, index: int) -> None:
         self.schedulers[index].draining = False
-        self._set_totals()
+        self._update_gauges()
         log.warning("group serving again", extra={"group": index})
 
     # --- the whole --------------------------------------------------------------------------------------------
@@ -173,6 +173,12 @@ class Groups:
             ),
             "placed": int(placed),
         }
+
+    def _update_gauges(self) -> None:
+        """Every group's gauges at once, when requests moved between them or one left or rejoined placement (not
+        at each group's next step: a drained group may have none to take)."""
+        for scheduler in self.schedulers:
+            scheduler.update_gauges()
 
     def _set_totals(self) -> None:
         metrics = self.metrics

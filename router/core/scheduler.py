@@ -51,13 +51,13 @@ class Scheduler:
         reconnect: Reconnect | None = None,
         max_request_retries: int = 2,
         adapters: Adapters | None = None,
-        queue: Queue | GroupQueue | None = None,
-        group: int = 0,
+        queue: GroupQueue | None = None,
     ) -> None:
-        """`queue`: this group's view of the line several groups share (router/core/groups.py); a line of its
-        own when it is the only group. `group`: its index among them, its label in the metrics."""
+        """`queue`: this group's view of the line several groups share (router/core/groups.py), whose index is
+        the group's label in the metrics; a line of its own, group 0, when none is given."""
         self.client = client
-        self.group = group
+        self.queue = queue if queue is not None else GroupQueue(Queue(), 0)
+        self.group = self.queue.group
         self.adapters = adapters or Adapters()  # the LoRA adapters the shards hold
         self.adapters.in_batch = self.adapters_in_batch
         self.config = config
@@ -65,7 +65,6 @@ class Scheduler:
         self.metrics = metrics
         self.reconnect = reconnect  # warmed-up shards again, after a failed step (None: nothing to recover)
         self.max_request_retries = max_request_retries
-        self.queue = queue if queue is not None else Queue()
         self.settle = Settle()  # how long an idle server waits for a burst to finish arriving
         self.planner = StepPlanner(config, allocator, self.queue)
         self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
@@ -90,7 +89,7 @@ class Scheduler:
 
     def submit(self, sequence: Sequence) -> None:
         self.queue.append(sequence)
-        self._update_gauges()
+        self.update_gauges()
         self.wake()
 
     def wake(self) -> None:
@@ -137,13 +136,13 @@ class Scheduler:
                 await self._idle()
                 continue
             await self._step(plan)
-            self._update_gauges()
+            self.update_gauges()
 
     async def _idle(self) -> None:
         """Nothing to compute: wait for a request, or for a static batch's timeout. Every IDLE_CHECK_SECONDS of
         that the shards are looked at, so that a group restarted meanwhile is found, reconnected and warmed up
         before a request pays for it with a failed step and a replay."""
-        self._update_gauges()
+        self.update_gauges()
         deadline = self.planner.next_deadline()
         until_deadline = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
         try:
@@ -367,7 +366,7 @@ class Scheduler:
             self.client.kill()
         self._replay(str(error))
         self.on_lost()
-        self._update_gauges()
+        self.update_gauges()
         await self._reconnect()
         self.recovering = False
 
@@ -418,9 +417,11 @@ class Scheduler:
             self.planner.remove(sequence)
             if not sequence.is_finished:
                 sequence.fail(message, "unavailable")
-        self._update_gauges()
+        self.update_gauges()
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
+        """Its group-labelled gauges, then (through `on_gauges`) the totals over every group: after each step, and
+        whenever Groups moves or drains what it holds."""
         group, metrics = str(self.group), self.metrics
         metrics.group_queue_size.labels(group).set(len(self.queue))
         metrics.group_batch_size.labels(group).set(len(self.running))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.policies import policy_for
-from conveyor.router.core.queue import Queue
+from conveyor.router.core.queue import GroupQueue, Queue
 from conveyor.router.core.sequence import Sequence, SequenceStatus
 
 
@@ -71,7 +71,7 @@ class StepPlanner:
     order among equals: sequences grow in that order, and the last, the highest priority value and newest among
     equals, is preempted first. When waiting sequences may join is the scheduling policy's to say (`policy`)."""
 
-    def __init__(self, config: PlannerConfig, allocator: BlockAllocator, queue: Queue) -> None:
+    def __init__(self, config: PlannerConfig, allocator: BlockAllocator, queue: Queue | GroupQueue) -> None:
         self.config = config
         self.policy = policy_for(config.scheduling, config.max_batch_size, config.static_batch_timeout)
         self.allocator = allocator

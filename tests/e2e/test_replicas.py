@@ -13,6 +13,7 @@ Two deployments of the tiny model, each with two groups of one shard:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from conftest import (
@@ -143,11 +145,18 @@ def test_cache_aware_placement_finds_more_of_a_conversation_cached_than_round_ro
     assert hits["aware"] > hits["blind"], hits
 
 
+def serving_gauges(server: Server) -> dict[str, float]:
+    """conveyor_group_serving by group, from /metrics."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {g: float(v) for g, v in re.findall(r'^conveyor_group_serving\{group="(\d+)"\} (\S+)$', text, re.M)}
+
+
 def test_a_drained_group_gets_nothing_new_and_the_tcp_group_serves_exactly(aware: Server) -> None:
     with aware.client() as client:
         assert client.post("/admin/groups/7/drain").status_code == 404
         drained = client.post("/admin/groups/0/drain")
         assert drained.status_code == 200 and drained.json()["status"] == "draining"
+        assert serving_gauges(aware) == {"0": 0.0, "1": 1.0}  # at once, without a step on the idle group
         before = placed(aware)
         for prompt, n in ORACLE_PROMPTS[:3]:
             body = {"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}}
@@ -157,6 +166,7 @@ def test_a_drained_group_gets_nothing_new_and_the_tcp_group_serves_exactly(aware
         assert client.post("/admin/groups/1/drain").status_code == 409  # the last one serving: refused
         assert placed(aware) == [before[0], before[1] + 3]  # all on the remote group, over TCP with mutual TLS
         assert client.post("/admin/groups/0/resume").json()["status"] == "serving"
+        assert serving_gauges(aware) == {"0": 1.0, "1": 1.0}
 
 
 def launcher_shard(server: Server) -> psutil.Process:

@@ -24,13 +24,13 @@ BLOCK = 16
 
 
 def groups(count: int, placement) -> Groups:
-    queue = Queue()
+    queue, metrics = Queue(), Metrics()  # one set of metrics, as the router has
     schedulers = [
         Scheduler(
             None,
             PlannerConfig(max_batch_prefill_tokens=1000),
             BlockAllocator(64, BLOCK),
-            Metrics(),
+            metrics,
             queue=GroupQueue(queue, i),
         )
         for i in range(count)
@@ -80,6 +80,12 @@ def test_a_recovering_group_gets_nothing_and_round_robin_ignores_caches() -> Non
     assert [s.group for s in placed] == [0, 1, 0]
 
 
+def gauges(front: Groups, name: str) -> list[float]:
+    """A group-labelled gauge's value for each group, as /metrics would show it now."""
+    gauge = getattr(front.metrics, name)
+    return [gauge.labels(str(i))._value.get() for i in range(len(front.schedulers))]
+
+
 def test_a_failed_or_drained_group_sends_its_waiting_requests_to_the_others() -> None:
     front = groups(3, CacheAware(max_extra_load=10_000))
     waiting = [sequence(n, [100 + n] * 20) for n in range(4)]
@@ -89,13 +95,16 @@ def test_a_failed_or_drained_group_sends_its_waiting_requests_to_the_others() ->
     front.move_waiting(0)  # what Scheduler._recover calls after it put its running sequences back in the line
     assert {s.group for s in waiting} == {1}  # the one group that serves
     front.schedulers[0].recovering = False  # group 0 rejoined
+    assert gauges(front, "group_queue_size") == [0, 4, 0]  # at once, not at each group's next step
     front.drain(1)
     assert {s.group for s in waiting} == {0} and front.schedulers[1].status == "draining"
+    assert gauges(front, "group_queue_size") == [4, 0, 0] and gauges(front, "group_serving") == [1, 0, 0]
     late = sequence(9, [7] * 20)
     front.submit(late)
     assert late.group == 0  # neither the drained nor the recovering group gets new work
     front.resume(1)
-    assert front.schedulers[1].serving
+    assert front.schedulers[1].serving and gauges(front, "group_serving") == [1, 1, 0]
+    assert front.metrics.queue_size._value.get() == 5
     placements = front.metrics.placements
     assert placements.labels("1", "moved")._value.get() == 4 and placements.labels("0", "moved")._value.get() == 4
 
