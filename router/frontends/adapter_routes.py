@@ -13,8 +13,8 @@ from conveyor.router.api import adapters as api
 from conveyor.router.api.base import parse
 from conveyor.router.core.adapter_registry import Adapter
 from conveyor.router.core.infer import Infer
-from conveyor.router.frontends.middleware import caller
-from conveyor.router.frontends.replies import REQUEST_ERRORS, error_response, json_error
+from conveyor.router.frontends.middleware import refuse_non_admin
+from conveyor.router.frontends.replies import REQUEST_ERRORS, error_response
 
 
 def adapter_json(adapter: Adapter) -> api.AdapterInfo:
@@ -56,11 +56,3 @@ class AdapterRoutes:
             return error_response(exc)
         unloaded: api.AdapterUnloaded = {"object": "lora_adapter", "status": "unloaded", "name": body.lora_name}
         return web.json_response(unloaded)
-
-
-def refuse_non_admin(request: web.Request) -> web.Response | None:
-    """Adapters change what every tenant's requests may name: an admin key's to change (on an open server,
-    everyone is the anonymous admin, as for cancelling any request)."""
-    if caller(request).admin:
-        return None
-    return json_error(403, f"{request.path} needs an admin API key", "forbidden")

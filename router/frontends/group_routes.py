@@ -13,7 +13,7 @@ from aiohttp import web
 
 from conveyor.router.core.groups import LastGroup
 from conveyor.router.core.infer import Infer
-from conveyor.router.frontends.adapter_routes import refuse_non_admin
+from conveyor.router.frontends.middleware import refuse_non_admin
 from conveyor.router.frontends.replies import json_error
 
 

@@ -76,6 +76,14 @@ def caller(request: web.Request) -> ApiKey:
     return request["key"]
 
 
+def refuse_non_admin(request: web.Request) -> web.Response | None:
+    """A 403 for a route that changes what every tenant gets (adapters served, shard groups in placement): an admin
+    key's to change (on an open server, everyone is the anonymous admin, as for cancelling any request)."""
+    if caller(request).admin:
+        return None
+    return json_error(403, f"{request.path} needs an admin API key", "forbidden")
+
+
 def key_middleware(keys: KeyRing) -> Middleware:
     """Which API key calls (`Authorization: Bearer <key>`), for POST and DELETE routes and `PRIVATE_GETS`; an open
     server (no key) lets everyone in as "anonymous"."""
