@@ -102,6 +102,7 @@ class ShardGroup:
     With --nnodes > 1 the group spans the nodes and `store` holds its epoch (node 0's launcher hosts it)."""
 
     config: Config
+    security: Security  # the deployment's: every group speaks with the same token and certificates
     index: int = 0
     shards: list[Child] = field(default_factory=list)
     store: GroupStore | None = None
@@ -158,9 +159,8 @@ class ShardGroup:
                 env["CONVEYOR_GROUP_EPOCH"] = str(self.epoch)
             label = f"shard {rank}" if self.index == 0 else f"shard {rank} of group {self.index}"
             self.shards.append(spawn(label, "conveyor.shard.main", argv, env))
-        security = Security.from_config(self.config)
         for shard, address in zip(self.shards, self.addresses):
-            wait(self, shard, lambda url=address.url: shard_healthy(url, security), deadline, should_stop)
+            wait(self, shard, lambda url=address.url: shard_healthy(url, self.security), deadline, should_stop)
 
     def failure(self) -> str | None:
         """Why the group must restart, if it must: a rank of this node died (then, with several nodes, this node
@@ -234,11 +234,10 @@ class Deployment:
     config: Config
     groups: list[ShardGroup] = field(init=False)
     router: Child | None = None
-    security: Security = field(init=False)
 
     def __post_init__(self) -> None:
-        self.security = Security.from_config(self.config)
-        self.groups = [ShardGroup(group_config(self.config, i), i) for i in range(self.config.replicas)]
+        security = Security.from_config(self.config)  # read once: a restart reads no certificate file again
+        self.groups = [ShardGroup(group_config(self.config, i), security, i) for i in range(self.config.replicas)]
 
     @property
     def shards(self) -> list[Child]:
