@@ -86,20 +86,21 @@ def deployments(tiny_model: Path, tls: Tls, remote: Remote) -> Iterator[Deployme
     assert codes == [0] * len(codes)
 
 
+def two_groups_serving(deployments: Deployments, name: str, placement: str) -> Server:
+    server = deployments.get(name)
+    info = server.info()
+    assert info["placement"] == placement and [g["status"] for g in info["groups"]] == ["serving"] * 2
+    return server
+
+
 @pytest.fixture(scope="module")
 def blind(deployments: Deployments) -> Server:
-    server = deployments.get("blind")
-    info = server.info()
-    assert info["placement"] == "round-robin" and [g["status"] for g in info["groups"]] == ["serving"] * 2
-    return server
+    return two_groups_serving(deployments, "blind", "round-robin")
 
 
 @pytest.fixture(scope="module")
 def aware(deployments: Deployments) -> Server:
-    server = deployments.get("aware")
-    info = server.info()
-    assert info["placement"] == "cache-aware" and [g["status"] for g in info["groups"]] == ["serving"] * 2
-    return server
+    return two_groups_serving(deployments, "aware", "cache-aware")
 
 
 def placed(server: Server) -> list[int]:
