@@ -29,7 +29,7 @@ class Placed:
     """The choice and why, for the log and the counters (`conveyor_placements_total{group, reason}`)."""
 
     group: int
-    reason: str  # prefix | load | round_robin
+    reason: str  # prefix | load | round_robin | moved (Groups.move_waiting)
 
 
 class Placement(ABC):
