@@ -91,6 +91,7 @@ class Details:
     top_tokens: list[list[Token]] = field(default_factory=list)
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
     accepted_tokens: int = 0
+    prefill_cached_tokens: int = 0  # prompt tokens served from the server's prefix cache, not computed
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ def _details(d: pb.Details) -> Details:
         top_tokens=[[_token(t) for t in top.tokens] for top in d.top_tokens],
         drafted_tokens=d.drafted_tokens,
         accepted_tokens=d.accepted_tokens,
+        prefill_cached_tokens=d.prefill_cached_tokens,
     )
 
 

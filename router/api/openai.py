@@ -217,10 +217,21 @@ class OpenAIError(TypedDict):
     error_type: str
 
 
+class PromptTokensDetails(TypedDict):
+    cached_tokens: Annotated[
+        int,
+        Field(
+            description="Prompt tokens served from the prefix cache (memory or disk tier) instead of being computed: "
+            "blocks an earlier prompt of the same key or cache_salt left"
+        ),
+    ]
+
+
 class Usage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(TypedDict):

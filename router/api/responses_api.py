@@ -223,7 +223,13 @@ OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(TypedDict):
-    cached_tokens: int
+    cached_tokens: Annotated[
+        int,
+        Field(
+            description="Input tokens served from the prefix cache (memory or disk tier) instead of being computed: "
+            "blocks an earlier prompt of the same key or cache_salt left"
+        ),
+    ]
 
 
 class OutputTokensDetails(TypedDict):

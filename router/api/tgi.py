@@ -189,7 +189,21 @@ class Speculative(TypedDict, total=False):
     acceptance_rate: float
 
 
-class Details(Speculative):
+class CachedPrefill(TypedDict, total=False):
+    """The prefix cache's share of the prompt, when it served any (a Conveyor field: absent means 0, so that an
+    answer without a cache hit has TGI's shape exactly)."""
+
+    prefill_cached_tokens: Annotated[
+        int,
+        Field(
+            description="Prompt tokens whose KV came from the prefix cache (memory or disk tier) instead of being "
+            "computed: blocks an earlier prompt of the same key or cache_salt left (OpenAI's cached_tokens); "
+            "absent when none"
+        ),
+    ]
+
+
+class Details(Speculative, CachedPrefill):
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None
@@ -203,7 +217,7 @@ class GenerateResponse(TypedDict):
     details: NotRequired[Details]
 
 
-class StreamDetails(Speculative):
+class StreamDetails(Speculative, CachedPrefill):
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None

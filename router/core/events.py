@@ -23,6 +23,7 @@ class Finished:
     seed: int | None
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified for the request...
     accepted_tokens: int = 0  # ...and accepted
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (memory or disk), not computed
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,11 @@ def token_list(tokens: Tokens) -> list[Token]:
     ]
 
 
-def events_from_generation(generation: Generation, drafted: int = 0, accepted: int = 0) -> list[TokenEvent]:
+def events_from_generation(
+    generation: Generation, drafted: int = 0, accepted: int = 0, cached: int = 0
+) -> list[TokenEvent]:
     """A step's generation becomes one event per token; the last carries `finished` when the request ended, with
-    the draft tokens verified and accepted over the request's life."""
+    the draft tokens verified and accepted over the request's life and its prompt tokens the prefix cache served."""
     tokens = token_list(generation.tokens)
     prefill = tuple(token_list(generation.prefill_tokens))
     finished = None
@@ -65,6 +68,7 @@ def events_from_generation(generation: Generation, drafted: int = 0, accepted: i
             seed=f.seed,
             drafted_tokens=drafted,
             accepted_tokens=accepted,
+            cached_tokens=cached,
         )
     tops = [tuple(token_list(t)) for t in generation.top_tokens]
     events = []

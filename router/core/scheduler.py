@@ -297,15 +297,24 @@ class Scheduler:
             sequence = by_id.get(generation.request_id)
             if sequence is None:
                 continue
+            if not sequence.generated_ids:
+                self._count_disk_hits(sequence, generation.disk_cached_tokens)
             sequence.generated_ids.extend(generation.tokens.ids)
             if generation.drafted:
                 self._count_drafts(sequence, generation.drafted, len(generation.tokens.ids) - 1)
             if sequence.cancelled:
                 continue
-            for event in events_from_generation(generation, sequence.drafted_tokens, sequence.accepted_tokens):
+            counts = (sequence.drafted_tokens, sequence.accepted_tokens, sequence.cached_prompt_tokens)
+            for event in events_from_generation(generation, *counts):
                 sequence.events.put_nowait(event)
                 if event.finished is not None:
                     sequence.status = SequenceStatus.FINISHED
+
+    @staticmethod
+    def _count_disk_hits(sequence: Sequence, disk_tokens: int) -> None:
+        """Its first token came: the prompt tokens the shards read from their disk tier for it come with it (the
+        planner counted those it found in memory), so usage reports both tiers' hits."""
+        sequence.cached_prompt_tokens = min(sequence.num_prompt_tokens, sequence.cached_prompt_tokens + disk_tokens)
 
     def _count_drafts(self, sequence: Sequence, drafted: int, accepted: int) -> None:
         sequence.drafted_tokens += drafted

@@ -70,6 +70,10 @@ class Sequence:
         0  # tokens to read before it samples: its prompt, plus what it had generated when preempted
     )
     num_preemptions: int = 0
+    # Prompt tokens whose KV the read of its prompt that gave its first token took from the prefix cache (the
+    # router's blocks, then the shards' disk tier) instead of computing: each API's usage reports them (OpenAI's
+    # cached_tokens), so a caller sees what its cache hits saved. A read after a preemption leaves it as it was.
+    cached_prompt_tokens: int = 0
     # Crash recovery: how many failed steps were blamed on it, and whether it was replayed after one and has
     # not yet read its tokens back through a step that succeeded (it then runs beside no other suspect).
     num_replays: int = 0

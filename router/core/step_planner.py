@@ -259,6 +259,8 @@ class StepPlanner:
             return False
         sequence.block_table, sequence.num_cached_blocks = matched, len(matched)  # matched blocks are cached already
         sequence.num_computed_tokens, sequence.num_prefill_tokens = cache_len, len(tokens)
+        if not sequence.generated_ids:  # the read that will give its first token: what usage reports
+            sequence.cached_prompt_tokens = cache_len
         sequence.plan_step(chunk, blocks)
         plan.cache_queries += len(tokens)
         plan.cache_hits += cache_len

@@ -92,6 +92,7 @@ def details_pb(d: Details) -> pb.Details:
         input_length=d.input_length,
         drafted_tokens=d.drafted_tokens,
         accepted_tokens=d.accepted_tokens,
+        prefill_cached_tokens=d.prefill_cached_tokens,
     )
 
 

@@ -182,16 +182,18 @@ class OpenAIRoutes:
             response = await open_sse(request)
             for chunk in fmt.opening(choices):
                 await send_sse(response, chunk)
-            usage = {"prompt_tokens": sum(len(c.request.input_ids) for c in choices), "completion_tokens": 0}
+            completion_tokens = cached_tokens = 0
             async for choice, event in _merge(choices, streams):
                 if isinstance(event, ErrorEvent):
                     await send_sse(response, error_event(event, openai=True))
                     break
-                usage["completion_tokens"] += 1
+                completion_tokens += 1
+                cached_tokens += event.finished.cached_tokens if event.finished is not None else 0
                 await send_sse(response, fmt.chunk(choice, event, logprobs))
             else:
                 if include_usage:
-                    await send_sse(response, fmt.usage_chunk(_usage(usage)))
+                    prompt_tokens = sum(len(c.request.input_ids) for c in choices)
+                    await send_sse(response, fmt.usage_chunk(_usage(prompt_tokens, completion_tokens, cached_tokens)))
                 await response.write(b"data: [DONE]\n\n")
             return response
 
@@ -253,8 +255,15 @@ async def _merge(choices: list[Choice], streams: list[AsyncIterator]) -> AsyncIt
             task.cancel()
 
 
-def _usage(counts: dict[str, int]) -> api.Usage:
-    return {**counts, "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> api.Usage:
+    """OpenAI's usage, `cached_tokens` included: the prompt tokens the prefix cache served, which OpenAI bills
+    for less, so a caller can see what a shared prefix saved."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 class Format:
@@ -276,10 +285,9 @@ class Format:
     def response(self, results: list[tuple[Choice, Response]], logprobs: bool) -> dict:
         body = self._envelope(self.object_name, [self.choice(c, r, logprobs) for c, r in results])
         body["usage"] = _usage(
-            {
-                "prompt_tokens": sum(len(c.request.input_ids) for c, _ in results),
-                "completion_tokens": sum(r.finished.generated_tokens for _, r in results),
-            }
+            sum(len(c.request.input_ids) for c, _ in results),
+            sum(r.finished.generated_tokens for _, r in results),
+            sum(r.finished.cached_tokens for _, r in results),
         )
         return body
 

@@ -116,6 +116,7 @@ class Details:
     top_tokens: tuple[tuple[Token, ...], ...] | None = None  # per token; None unless `top_n_tokens` asked for them
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
     accepted_tokens: int = 0
+    prefill_cached_tokens: int = 0  # prompt tokens served from the prefix cache (memory or disk), not computed
 
 
 def details(
@@ -132,6 +133,7 @@ def details(
         top_tokens=tuple(e.top_tokens for e in events) if valid.parameters.top_n_tokens else None,
         drafted_tokens=finished.drafted_tokens,
         accepted_tokens=finished.accepted_tokens,
+        prefill_cached_tokens=finished.cached_tokens,
     )
 
 

@@ -198,10 +198,11 @@ def _tool_choice(body: api.ResponsesRequest) -> Any:
     return choice or ("auto" if body.tools else "none")
 
 
-def usage(prompt_tokens: int, output_tokens: int) -> api.ResponseUsage:
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> api.ResponseUsage:
+    """The Responses API's usage; `cached_tokens`: the prompt tokens the prefix cache served (memory or disk)."""
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + output_tokens,
@@ -346,9 +347,8 @@ class ResponsesRoutes:
             return error_response(exc, openai=True)
         finished = answer.finished
         output = whole_output(finished.generated_text, choice, _item_status(finished))
-        final = response.json(
-            output, "completed", usage(len(choice.request.input_ids), finished.generated_tokens), finished
-        )
+        counts = usage(len(choice.request.input_ids), finished.generated_tokens, finished.cached_tokens)
+        final = response.json(output, "completed", counts, finished)
         self._keep(key.name, body, final, messages + output.messages())
         return web.json_response(final)
 
@@ -399,7 +399,8 @@ class ResponsesRoutes:
                 if event.finished is not None:
                     for delta in reader.finish():
                         await out.piece(delta)
-                    final = await out.finish(usage(len(choice.request.input_ids), count), event.finished)
+                    counts = usage(len(choice.request.input_ids), count, event.finished.cached_tokens)
+                    final = await out.finish(counts, event.finished)
                     self._keep(key.name, body, final, messages + out.output.messages())
             return sse
 

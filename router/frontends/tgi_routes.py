@@ -53,6 +53,7 @@ def details_json(d: Details) -> api.Details:
     }
     if d.top_tokens is not None:
         body["top_tokens"] = [[token_json(t) for t in top] for top in d.top_tokens]
+    body.update(cached_json(d))
     body.update(speculative_json(d))
     return body
 
@@ -65,8 +66,15 @@ def stream_details_json(d: Details) -> api.StreamDetails:
         "seed": d.seed,
         "input_length": d.input_length,
     }
+    body.update(cached_json(d))
     body.update(speculative_json(d))
     return body
+
+
+def cached_json(d: Details) -> api.CachedPrefill:
+    """Present only for a request whose prompt the prefix cache served in part: an answer without a hit keeps
+    TGI's shape exactly."""
+    return {"prefill_cached_tokens": d.prefill_cached_tokens} if d.prefill_cached_tokens else {}
 
 
 def speculative_json(d: Details) -> api.Speculative:

@@ -91,6 +91,7 @@ class Generation:
     top_tokens: list[Tokens] = field(default_factory=list)  # per token, the most likely alternatives if asked
     finished: GeneratedText | None = None
     drafted: int = 0  # draft tokens verified at this step
+    disk_cached_tokens: int = 0  # with the prompt's first token: prompt tokens the shards read from the disk tier
 
 
 @dataclass(slots=True)

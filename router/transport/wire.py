@@ -118,6 +118,7 @@ def generation(g: pb.Generation) -> Generation:
         top_tokens=[tokens(t) for t in g.top_tokens],
         finished=finished,
         drafted=g.drafted,
+        disk_cached_tokens=g.disk_cached_tokens,
     )
 
 

@@ -48,6 +48,7 @@ class RequestState:
         ""  # whose blocks it may share, as the router's digest (kv_offload/prefix_offload.py keys disk blocks by it)
     )
     offload_keys: list[bytes] = field(default_factory=list)  # its full blocks' disk keys, computed as needed
+    disk_cached_tokens: int = 0  # prompt tokens read from the disk tier, told with its first token (usage)
 
     @property
     def is_decoding(self) -> bool:

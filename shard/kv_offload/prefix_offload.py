@@ -121,6 +121,7 @@ class PrefixOffload:
                 tokens = count * self.block_size
                 state.num_computed_tokens += tokens
                 state.chunk_len -= tokens
+                state.disk_cached_tokens += tokens
                 self.loaded_tokens += tokens
         self.load_ns = time.perf_counter_ns() - start_ns
 

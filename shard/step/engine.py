@@ -343,6 +343,7 @@ class Engine:
         )
         new = self._record(ending, sampler, logits[[e - 1 for e in ends]])
         for state, generation, end, count in zip(ending, new, ends, counts):
+            generation.disk_cached_tokens = state.disk_cached_tokens  # the router reports them in usage
             if state.prefill_logprobs:
                 generation.prefill_tokens.CopyFrom(self.generations.prefill_tokens(state, logits[end - count : end]))
         batch.start_decoding(ending, sampler)

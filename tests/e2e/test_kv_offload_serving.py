@@ -1,12 +1,13 @@
 """`--kv-offload-dir`: a prefix cached on disk outlives the shard. The shard is SIGKILLed with three streams in
 flight, then stopped cleanly; after each restart a request sharing the cached prefix reads it from the disk tier
-(counted in /metrics) and every request yields exactly transformers' greedy tokens."""
+(counted in /metrics, and in the request's `details.prefill_cached_tokens`) and every request yields exactly
+transformers' greedy tokens."""
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,11 +32,15 @@ def offloading(
     assert server.stop() == 0
 
 
-def generate_ids(server: Server, prompt: str, tokens: int) -> list[int]:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": tokens, "details": True}}
+def generate_details(server: Server, prompt: str, tokens: int, **parameters) -> dict:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": tokens, "details": True, **parameters}}
     response = httpx.post(f"{server.url}/generate", json=body, timeout=180)
     assert response.status_code == 200, response.text
-    return [t["id"] for t in response.json()["details"]["tokens"]]
+    return response.json()["details"]
+
+
+def generate_ids(server: Server, prompt: str, tokens: int) -> list[int]:
+    return [t["id"] for t in generate_details(server, prompt, tokens)["tokens"]]
 
 
 def files(folder: Path) -> list[Path]:
@@ -73,15 +78,21 @@ def test_a_cached_prefix_outlives_a_killed_and_a_stopped_shard(tiny_model: Path,
         restart(server, signal.SIGKILL)
         for prompt, result in zip(others, running):
             assert result.result() == greedy_reference(tiny_model, prompt, 120)
-    assert generate_ids(server, first, 12) == want
+    before = server.metric(DISK_HITS)
+    details = generate_details(server, first, 12)
+    assert [t["id"] for t in details["tokens"]] == want
     hits = server.metric(DISK_HITS)
     assert hits > 0  # the restarted shard's memory held nothing: the prefix came from disk
+    # Its answer counts both tiers: the prefix the replayed requests put back in memory, its own blocks from disk.
+    assert details["prefill_cached_tokens"] > 0 and details["prefill_cached_tokens"] >= hits - before
 
     # A clean stop: the files are the same folder's, so the next prefix read is from disk again.
     restart(server, signal.SIGTERM)
     third = PREFIX + "question three:"
-    assert generate_ids(server, third, 12) == greedy_reference(tiny_model, third, 12)
+    details = generate_details(server, third, 12)
+    assert [t["id"] for t in details["tokens"]] == greedy_reference(tiny_model, third, 12)
     assert server.metric(DISK_HITS) > hits
+    assert details["prefill_cached_tokens"] == server.metric(DISK_HITS) - hits  # memory was empty: all from disk
 
 
 def test_a_damaged_file_is_never_served(tiny_model: Path, offloading) -> None:
@@ -104,11 +115,11 @@ def test_a_damaged_file_is_never_served(tiny_model: Path, offloading) -> None:
     assert server.info()["kv_offload_max_bytes"] == 10 * 2**30  # --kv-offload-max-gb's default
 
 
-def salted_ids(server: Server, prompt: str, salt: str) -> list[int]:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "details": True, "cache_salt": salt}}
-    response = httpx.post(f"{server.url}/generate", json=body, timeout=180)
-    assert response.status_code == 200, response.text
-    return [t["id"] for t in response.json()["details"]["tokens"]]
+def salted_ids(server: Server, prompt: str, salt: str, cached: Callable[[int], bool]) -> list[int]:
+    """The tokens of a salted request, whose `details.prefill_cached_tokens` must satisfy `cached`."""
+    details = generate_details(server, prompt, 8, cache_salt=salt)
+    assert cached(details.get("prefill_cached_tokens", 0)), details  # absent when 0: TGI's shape
+    return [t["id"] for t in details["tokens"]]
 
 
 def test_one_scope_never_reads_another_scopes_blocks_from_disk(tiny_model: Path, offloading) -> None:
@@ -118,11 +129,11 @@ def test_one_scope_never_reads_another_scopes_blocks_from_disk(tiny_model: Path,
     prompt = "# Another shared prompt, this one for salted users only, of many blocks too. " * 5 + "Go:"
     want = greedy_reference(tiny_model, prompt, 8)
     before = len(files(folder))
-    assert salted_ids(server, prompt, "user-a") == want
+    assert salted_ids(server, prompt, "user-a", lambda n: n == 0) == want
     wait_for(lambda: len(files(folder)) >= before + 5, 60, "salt a's blocks on disk")
     restart(server, signal.SIGKILL)
     hits = server.metric(DISK_HITS)
-    assert salted_ids(server, prompt, "user-b") == want
+    assert salted_ids(server, prompt, "user-b", lambda n: n == 0) == want
     assert server.metric(DISK_HITS) == hits  # another scope's blocks are not its own
-    assert salted_ids(server, prompt, "user-a") == want
+    assert salted_ids(server, prompt, "user-a", lambda n: n > 0) == want
     assert server.metric(DISK_HITS) > hits

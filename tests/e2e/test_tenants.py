@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +18,8 @@ import pytest
 from conftest import Server, StreamWatcher, read_until_closed, start_server, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from conveyor.client import Client
 
 KEYS = {
     "ops": {"key": "ops-secret-hunter2", "admin": True},
@@ -205,6 +207,142 @@ def test_a_cache_salt_separates_users_of_one_key_and_joins_keys_that_agree(share
     chat = {"messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 1, "cache_salt": "user-c"}
     response = httpx.post(f"{shared.url}/v1/chat/completions", json=chat, headers=auth("tenant"), timeout=120)
     assert response.status_code == 200, response.text  # OpenAI's routes take it too
+
+
+# --- cached prompt tokens in each API's usage --------------------------------------------------------------------
+
+
+BLOCK_SIZE = 16  # tokens in a KV block (shard/step/engine.py): the prefix cache's unit
+
+
+def cached_prompt(name: str) -> str:
+    """A prompt of many 16-token blocks, its own for each test (`name` comes first, so no earlier prompt of this
+    module shares even its first block)."""
+    return f"{name} asks again: " + "the prefix cache keeps every full block of this long prompt, " * 6
+
+
+def post(server: Server, path: str, body: dict, who: str) -> dict:
+    response = httpx.post(f"{server.url}{path}", json=body, headers=auth(who), timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed(server: Server, path: str, body: dict, who: str) -> list[dict]:
+    """Every event of a stream, read to its end."""
+    watcher = StreamWatcher(server, body, path, auth(who))
+    watcher.run()
+    assert watcher.finished
+    return watcher.events
+
+
+def prompt_length(server: Server, prompt: str) -> int:
+    return len(post(server, "/tokenize", {"inputs": prompt}, "ops"))
+
+
+# Each API's count of cached prompt tokens, and of prompt tokens, for one request of `who`'s (`salt`: a cache_salt).
+Ask = Callable[[Server, str, str, dict], tuple[int, int]]
+
+
+def ask_chat(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2, **salt}
+    usage = post(server, "/v1/chat/completions", body, who)["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+
+def ask_chat_stream(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2, **salt}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    *_, last, done = streamed(server, "/v1/chat/completions", body, who)
+    assert done == "[DONE]" and last["choices"] == []
+    return last["usage"]["prompt_tokens_details"]["cached_tokens"], last["usage"]["prompt_tokens"]
+
+
+def ask_completion(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    usage = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, **salt}, who)["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+
+def ask_completion_stream(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}, **salt}
+    *_, last, done = streamed(server, "/v1/completions", body, who)
+    assert done == "[DONE]" and last["choices"] == []
+    return last["usage"]["prompt_tokens_details"]["cached_tokens"], last["usage"]["prompt_tokens"]
+
+
+def ask_responses(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    usage = post(server, "/v1/responses", {"input": prompt, "max_output_tokens": 2, "store": False, **salt}, who)
+    return usage["usage"]["input_tokens_details"]["cached_tokens"], usage["usage"]["input_tokens"]
+
+
+def ask_responses_stream(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    body = {"input": prompt, "max_output_tokens": 2, "store": False, "stream": True, **salt}
+    last = streamed(server, "/v1/responses", body, who)[-1]
+    assert last["type"] in ("response.completed", "response.incomplete"), last
+    usage = last["response"]["usage"]
+    return usage["input_tokens_details"]["cached_tokens"], usage["input_tokens"]
+
+
+def tgi_cached(details: dict) -> int:
+    """TGI's details name the cached prompt tokens only when there are some: without, they keep TGI's shape."""
+    assert details.get("prefill_cached_tokens", 1) > 0, details
+    return details.get("prefill_cached_tokens", 0)
+
+
+def ask_generate(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 2, "details": True, **salt}}
+    return tgi_cached(post(server, "/generate", body, who)["details"]), prompt_length(server, prompt)
+
+
+def ask_generate_stream(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 2, "details": True, **salt}}
+    details = streamed(server, "/generate_stream", body, who)[-1]["details"]
+    return tgi_cached(details), details["input_length"]
+
+
+def ask_grpc(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    with Client(server.grpc, api_key=KEYS[who]["key"], timeout=120) as client:
+        details = client.generate(prompt, max_new_tokens=2, **salt).details
+    assert details is not None
+    return details.prefill_cached_tokens, prompt_length(server, prompt)
+
+
+ASKS: dict[str, Ask] = {
+    "chat": ask_chat,
+    "chat-stream": ask_chat_stream,
+    "completion": ask_completion,
+    "completion-stream": ask_completion_stream,
+    "responses": ask_responses,
+    "responses-stream": ask_responses_stream,
+    "generate": ask_generate,
+    "generate-stream": ask_generate_stream,
+    "grpc": ask_grpc,
+}
+
+
+@pytest.mark.parametrize("api", list(ASKS))
+def test_each_api_reports_the_cached_prompt_tokens_of_a_repeat_and_none_of_another_keys(
+    shared: Server, api: str
+) -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens (streamed usage too), the Responses API's
+    input_tokens_details.cached_tokens, TGI's and gRPC's details.prefill_cached_tokens: 0 the first time, the
+    prompt's full blocks but its last token's the second, and 0 for another key's identical prompt."""
+    ask, prompt = ASKS[api], cached_prompt(api)
+    cached, length = ask(shared, prompt, "ops", {})
+    assert cached == 0 and length > 80  # several blocks, none cached yet
+    cached, length_again = ask(shared, prompt, "ops", {})
+    assert length_again == length and length - BLOCK_SIZE <= cached < length  # the last token is always computed
+    assert ask(shared, prompt, "tenant", {})[0] == 0  # the admin's blocks are not the tenant's
+
+
+def test_cached_prompt_tokens_count_only_the_callers_own_scope(shared: Server) -> None:
+    """The count follows the cache's scopes: a salt separates one key's users and joins keys that agree on it."""
+    prompt, salt_a, salt_b = cached_prompt("salted"), {"cache_salt": "user-a-usage"}, {"cache_salt": "user-b-usage"}
+    assert ask_completion(shared, prompt, "tenant", {})[0] == 0
+    assert ask_completion(shared, prompt, "tenant", salt_a)[0] == 0  # the key's own blocks, but not the salt's
+    assert ask_completion(shared, prompt, "tenant", salt_a)[0] > 0
+    assert ask_completion(shared, prompt, "tenant", salt_b)[0] == 0  # another user of the same key
+    assert ask_completion(shared, prompt, "ops", salt_a)[0] > 0  # keys that agree on a salt share
+    assert ask_completion(shared, prompt, "tenant", {})[0] > 0  # the key's unsalted blocks are still its own
 
 
 # --- chat turns -------------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ class _Request:
     def __init__(self, tokens: list[int], blocks: list[int], scope: str = "scope-a", adapter: str = "") -> None:
         self.input_ids, self.block_table, self.cache_scope, self.adapter = tokens, blocks, scope, adapter
         self.prefill_logprobs, self.offload_keys = False, []
-        self.num_computed_tokens, self.chunk_len = 0, len(tokens)
+        self.num_computed_tokens, self.chunk_len, self.disk_cached_tokens = 0, len(tokens), 0
 
 
 def test_a_prompt_written_by_one_request_is_read_by_the_next_of_its_scope_only(tmp_path: Path) -> None:
@@ -141,6 +141,7 @@ def test_a_prompt_written_by_one_request_is_read_by_the_next_of_its_scope_only(t
     again = _Request(tokens, [5, 4, 3, 2])
     reader.load([again], fresh)
     assert (again.num_computed_tokens, again.chunk_len, reader.loaded_tokens) == (12, 2, 12)
+    assert again.disk_cached_tokens == 12  # the request's own count, which its first token tells the router
     for a, b in zip(cache.keys + cache.values, fresh.keys + fresh.values):
         assert all(torch.equal(a[src], b[dst]) for src, dst in ((0, 5), (1, 4), (2, 3)))
     stranger = _Request(tokens, [5, 4, 3, 2], scope="scope-b")

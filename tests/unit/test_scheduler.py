@@ -321,6 +321,24 @@ def _step(batch_ids: list[int], tokens: dict[int, int], finished: tuple[int, ...
     return StepResult(generations, batch, Timings())
 
 
+def test_the_finished_event_counts_the_prompt_tokens_both_cache_tiers_served() -> None:
+    """The planner counts the memory tier's hit at admission; the shards' disk-tier reads come with the prompt's
+    first token, and only then: a later generation's (a replay's read after a preemption) does not count again."""
+    s = scheduler()
+    a = sequence(0, 40, max_new_tokens=2)
+    s.submit(a)
+    assert s.planner.plan().admitted == [a] and a.cached_prompt_tokens == 0  # an empty cache: nothing in memory
+    first = _step([0], {0: 11})
+    first.generations[0].disk_cached_tokens = 32
+    s._send(first)
+    last = _step([], {0: 12}, finished=(0,))
+    last.generations[0].disk_cached_tokens = 16
+    s._send(last)
+    events = [a.events.get_nowait() for _ in range(a.events.qsize())]
+    assert [e.token.id for e in events] == [11, 12]
+    assert events[-1].finished is not None and events[-1].finished.cached_tokens == 32
+
+
 async def test_a_decode_run_streams_each_step_lets_finished_ones_go_and_stops_for_an_arrival() -> None:
     s = Scheduler(
         None, PlannerConfig(max_batch_prefill_tokens=1000, max_decode_steps=4), BlockAllocator(64, 16), Metrics()

@@ -361,6 +361,7 @@ def test_a_preempted_request_hits_its_own_cached_blocks_when_readmitted() -> Non
     assert work.tokens == 3  # the tail of the prompt and the token it had generated
     assert work.new_blocks == b.block_table[2:]  # the matched blocks were cached already: only the tail is new
     assert b.block_table[:2] == b_full_blocks and b.num_cached_blocks == 2
+    assert b.cached_prompt_tokens == 0  # usage counts the read that gave its first token, all computed
     sim.run()
     assert len(b.generated_ids) == 5
     assert sim.allocator.free_blocks == sim.allocator.num_blocks
@@ -486,6 +487,7 @@ def test_a_shared_three_block_prefix_is_read_from_the_cache(first_finished: bool
     assert second.num_computed_tokens == 52 and second.block_table[:3] == first_blocks[:3]
     assert second.num_cached_blocks == 3
     assert sim.allocator.stats.hit_blocks == 3
+    assert (first.cached_prompt_tokens, second.cached_prompt_tokens) == (0, 48)  # what their usage reports
 
 
 def test_an_identical_prompt_still_computes_its_last_token() -> None:

@@ -103,7 +103,7 @@ class TopTokens(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class Details(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "input_length", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "input_length", "drafted_tokens", "accepted_tokens", "prefill_cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class Details(_message.Message):
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     generated_tokens: int
     seed: int
@@ -122,7 +123,8 @@ class Details(_message.Message):
     input_length: int
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., input_length: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    prefill_cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., input_length: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("generated_text", "details")

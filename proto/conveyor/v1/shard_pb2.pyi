@@ -241,20 +241,22 @@ class GeneratedText(_message.Message):
     def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "finished", "top_tokens", "drafted")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "finished", "top_tokens", "drafted", "disk_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
     finished: GeneratedText
     top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     drafted: int
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted: _Optional[int] = ...) -> None: ...
+    disk_cached_tokens: int
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted: _Optional[int] = ..., disk_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("total_ns", "mask_ns", "disk_loaded_tokens", "disk_load_ns", "disk_bytes", "disk_skipped_files")
