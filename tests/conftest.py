@@ -230,6 +230,17 @@ def eos_probe(tiny_model: Path) -> EosProbe:
     return EosProbe(**json.loads((tiny_model / "eos_probe.json").read_text()))
 
 
+@pytest.fixture(scope="session")
+def text_eos(tiny_model: Path) -> str:
+    """The text of the ordinary token the tiny model declares as a second EOS id (" >="). Where a grammar may end,
+    it allows EOS, and this one, unlike `</s>`, shows in the text: a real model's EOS tokens are special. Where the
+    grammar may not end (inside a JSON string), llguidance reads it as text, and the request goes on."""
+    from transformers import AutoTokenizer
+
+    eos = json.loads((tiny_model / "generation_config.json").read_text())["eos_token_id"][1]
+    return AutoTokenizer.from_pretrained(tiny_model).decode([eos])
+
+
 _GIVEN_PORTS: set[int] = set()
 
 

@@ -245,7 +245,7 @@ class ResponseUsage(TypedDict):
 
 
 class IncompleteDetails(TypedDict):
-    reason: Literal["max_output_tokens"]
+    reason: Literal["max_output_tokens", "stop"]  # stop: it ended before a function call's arguments were whole
 
 
 class Response(TypedDict):

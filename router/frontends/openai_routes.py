@@ -315,9 +315,11 @@ def _text(event: TokenEvent) -> str:
     return "" if ended and event.token.special else event.token.text
 
 
-def _tool_finish(finish_reason: str | None) -> str | None:
-    """A choice that ended with calls ends for them; one cut off by the token limit says so."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def _tool_finish(finish_reason: str | None, whole: bool) -> str | None:
+    """A choice that ended with calls ends for them (`tool_calls`) if none was cut short (`whole`); else it says
+    how it ended, `length` (the token limit) or `stop` (a stop sequence inside a forced call's JSON), so that no
+    client runs a call whose arguments are not JSON."""
+    return "tool_calls" if finish_reason == "stop" and whole else finish_reason
 
 
 class CompletionFormat(Format):
@@ -384,7 +386,7 @@ class ChatFormat(Format):
         finish_reason = _finish_reason(response.finished)
         if parsed.calls:
             message["tool_calls"] = [call.message() for call in parsed.calls]
-            finish_reason = _tool_finish(finish_reason)
+            finish_reason = _tool_finish(finish_reason, parsed.whole)
         return {
             "index": choice.index,
             "message": message,
@@ -418,7 +420,7 @@ class ChatFormat(Format):
         finish_reason = _finish_reason(event.finished)
         if event.finished is not None:
             deltas += output.finish()
-            finish_reason = _tool_finish(finish_reason) if output.called else finish_reason
+            finish_reason = _tool_finish(finish_reason, output.whole()) if output.called else finish_reason
         delta = _chat_delta(deltas, plain=output.tools is None and output.reasoning is None)
         return self._envelope(
             self.chunk_name,

@@ -27,6 +27,7 @@ from conveyor.router.frontends.openai_routes import Choice, OpenAIRoutes
 from conveyor.router.frontends.replies import REQUEST_ERRORS, error_response, json_error, open_sse
 from conveyor.router.frontends.response_store import ResponseStore
 from conveyor.router.pipeline.chat_output import Delta
+from conveyor.router.pipeline.tools import whole_arguments
 from conveyor.router.pipeline.validation import check_limits
 
 
@@ -98,6 +99,7 @@ class Output:
 
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
+        self.whole = True  # no call was cut short (ChatOutput.whole), as known when the output ends
 
     def reasoning(self) -> dict[str, Any]:
         item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []}
@@ -135,8 +137,8 @@ class Output:
         return [{**message, "tool_calls": calls} if calls else message]
 
 
-def whole_output(text: str, choice: Choice, status: str) -> Output:
-    """A finished generation's items: its reasoning, its message, its calls."""
+def whole_output(text: str, choice: Choice, finished: Finished) -> Output:
+    """A finished generation's items: its reasoning, its message, its calls, each with its status at the end."""
     parsed = choice.output.parse(text)
     output = Output()
     if parsed.reasoning:
@@ -146,9 +148,10 @@ def whole_output(text: str, choice: Choice, status: str) -> Output:
         message["content"].append({"type": "output_text", "text": parsed.content or "", "annotations": []})
     for call in parsed.calls:
         output.call(call.id, call.name)["arguments"] = call.arguments
+    output.whole = parsed.whole
     for item in output.items:
         if "status" in item:
-            item["status"] = status
+            item["status"] = _item_status(finished, output.whole)
     return output
 
 
@@ -163,7 +166,7 @@ class ResponseObject:
         self, output: Output, status: str, usage: api.ResponseUsage | None, finished: Finished | None = None
     ) -> dict[str, Any]:
         body = self.body
-        incomplete = finished is not None and finished.finish_reason == "length"
+        incomplete = _incomplete_reason(output, finished)
         return {
             "id": self.id,
             "object": "response",
@@ -173,7 +176,7 @@ class ResponseObject:
             "output": output.items,
             "output_text": output.text(),
             "usage": usage,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
             "error": None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
@@ -252,9 +255,11 @@ class ResponseEvents:
                 self.open["arguments"] += delta.arguments
                 await self.send("response.function_call_arguments.delta", **self._at(self.open), delta=delta.arguments)
 
-    async def finish(self, usage_: api.ResponseUsage, finished: Finished) -> dict[str, Any]:
+    async def finish(self, usage_: api.ResponseUsage, finished: Finished, whole: bool) -> dict[str, Any]:
+        """The last events, once the output ended; `whole`: no call was cut short (ChatOutput.whole)."""
+        self.output.whole = whole
         if self.open is not None and "status" in self.open:
-            self.open["status"] = _item_status(finished)  # the item the limit cut
+            self.open["status"] = _item_status(finished, whole)  # the item the output ended in
         await self._close()
         if not self.output.items:  # nothing at all was said: an empty message, as a whole answer has
             await self._item("message")
@@ -290,7 +295,7 @@ class ResponseEvents:
             await self.send(done, **self._at(item), content_index=0, text=text, **_logprobs(item))
             await self.send("response.content_part.done", **self._at(item), content_index=0, part=item["content"][0])
         if item.get("status") == "in_progress":
-            item["status"] = "completed"
+            item["status"] = "completed" if _whole_call(item) else "incomplete"
         await self.send("response.output_item.done", output_index=self._index(item), item=item)
 
     def _index(self, item: dict[str, Any]) -> int:
@@ -346,7 +351,7 @@ class ResponsesRoutes:
         except REQUEST_ERRORS as exc:
             return error_response(exc, openai=True)
         finished = answer.finished
-        output = whole_output(finished.generated_text, choice, _item_status(finished))
+        output = whole_output(finished.generated_text, choice, finished)
         counts = usage(len(choice.request.input_ids), finished.generated_tokens, finished.cached_tokens)
         final = response.json(output, "completed", counts, finished)
         self._keep(key.name, body, final, messages + output.messages())
@@ -400,7 +405,7 @@ class ResponsesRoutes:
                     for delta in reader.finish():
                         await out.piece(delta)
                     counts = usage(len(choice.request.input_ids), count, event.finished.cached_tokens)
-                    final = await out.finish(counts, event.finished)
+                    final = await out.finish(counts, event.finished, reader.whole())
                     self._keep(key.name, body, final, messages + out.output.messages())
             return sse
 
@@ -418,9 +423,26 @@ class ResponsesRoutes:
         return web.json_response(deleted)
 
 
-def _item_status(finished: Finished) -> str:
-    """The last item's status: cut by the token limit, or complete."""
-    return "incomplete" if finished.finish_reason == "length" else "completed"
+def _item_status(finished: Finished, whole: bool) -> str:
+    """The status of the item the output ended in: incomplete if the token limit cut it, or a call in it was cut
+    short otherwise (not `whole`); else completed."""
+    return "incomplete" if finished.finish_reason == "length" or not whole else "completed"
+
+
+def _whole_call(item: dict[str, Any]) -> bool:
+    """Not a function call, or one whose arguments are whole JSON (a call broken off mid-stream is not)."""
+    return item["type"] != "function_call" or whole_arguments(item["arguments"])
+
+
+def _incomplete_reason(output: Output, finished: Finished | None) -> str | None:
+    """Why the response is incomplete, None if it is not (or not finished yet): the token limit cut it
+    (`max_output_tokens`), or it ended before a call's arguments were whole JSON (`stop`: a stop sequence, or a
+    grammar that failed), and a call cut short is not answered as made."""
+    if finished is None:
+        return None
+    if finished.finish_reason == "length":
+        return "max_output_tokens"
+    return None if output.whole else "stop"
 
 
 def _ends(event: Any) -> bool:

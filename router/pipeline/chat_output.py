@@ -16,7 +16,7 @@ from conveyor.router.pipeline.reasoning import Piece, Reasoning
 from conveyor.router.pipeline.tool_parsers.family import ToolFormat
 from conveyor.router.pipeline.tool_parsers.readers import answer_reader
 from conveyor.router.pipeline.tool_parsers.registry import FALLBACK
-from conveyor.router.pipeline.tools import ToolCall, ToolUse
+from conveyor.router.pipeline.tools import ToolCall, ToolUse, whole_arguments
 
 __all__ = ["ChatOutput", "Delta", "Parsed"]
 
@@ -29,14 +29,15 @@ class Parsed:
     reasoning: str | None
     content: str | None
     calls: list[ToolCall] = field(default_factory=list)
+    whole: bool = True  # no call was cut short (`ChatOutput.whole`)
 
     @classmethod
-    def of(cls, deltas: list[Delta]) -> Parsed:
+    def of(cls, deltas: list[Delta], whole: bool = True) -> Parsed:
         reasoning = "".join(d.reasoning for d in deltas)
         content = "".join(d.content for d in deltas)
         calls = _calls(deltas)
         empty = not content and bool(calls or reasoning)
-        return cls(reasoning or None, None if empty else content, calls)
+        return cls(reasoning or None, None if empty else content, calls, whole)
 
 
 class ChatOutput:
@@ -52,6 +53,8 @@ class ChatOutput:
         self.splitter = reasoning.splitter() if reasoning is not None else None
         self.reader = answer_reader(tools, family)
         self.called = False  # a call has begun in the stream (it ends for tool calls)
+        self.answer = ""  # the answer read so far (what follows any reasoning)
+        self.arguments: dict[int, str] = {}  # each call's arguments read so far, by call index
 
     def feed(self, text: str) -> list[Delta]:
         """The pieces this text completes (none while it may still be the start of a marker)."""
@@ -69,8 +72,17 @@ class ChatOutput:
         fresh = self.fresh()
         pieces = fresh.splitter.feed(text) + fresh.splitter.finish() if fresh.splitter else [("answer", text)]
         deltas = [Delta(reasoning=t) for kind, t in pieces if kind == "reasoning"]
-        answer = "".join(t for kind, t in pieces if kind == "answer")
-        return Parsed.of(deltas + fresh.reader.feed(answer, final=True))
+        fresh.answer = "".join(t for kind, t in pieces if kind == "answer")
+        deltas += fresh._seen(fresh.reader.feed(fresh.answer, final=True))
+        return Parsed.of(deltas, fresh.whole())
+
+    def whole(self) -> bool:
+        """Whether the output read so far holds no call cut short, by the token limit or a stop sequence: a forced
+        call's answer is the JSON its grammar writes (tools.py), and every call's arguments are JSON. A call cut
+        short is not a call made: the routes answer it as cut (`stop` or `length`, an incomplete response)."""
+        forced = self.tools is not None and self.tools.choice in ("named", "required")
+        calls = all(whole_arguments(a) for a in self.arguments.values())
+        return calls and (not forced or whole_arguments(self.answer))
 
     def fresh(self) -> ChatOutput:
         """A new reader of the same kind (same tools, reasoning start and family), at the output's start."""
@@ -78,11 +90,15 @@ class ChatOutput:
 
     def _seen(self, deltas: list[Delta]) -> list[Delta]:
         self.called = self.called or any(d.call_id is not None for d in deltas)
+        for d in deltas:
+            if d.call_index is not None:
+                self.arguments[d.call_index] = self.arguments.get(d.call_index, "") + d.arguments
         return deltas
 
     def _read(self, pieces: list[Piece]) -> list[Delta]:
         out: list[Delta] = []
         for kind, text in pieces:
+            self.answer += text if kind == "answer" else ""
             out += [Delta(reasoning=text)] if kind == "reasoning" else self.reader.feed(text)
         return out
 

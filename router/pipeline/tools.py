@@ -12,6 +12,7 @@ calls out of the output is the tool-call parsers' (tool_parsers/, through chat_o
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,17 @@ class ToolCall:
         entry: dict[str, Any] = {"id": self.id, "type": "function"}
         entry["function"] = {"name": self.name, "arguments": self.arguments}
         return entry if index is None else {"index": index, **entry}
+
+
+def whole_arguments(arguments: str) -> bool:
+    """Whether a call's arguments are whole JSON, so that it may be answered as a call made (`tool_calls`, a
+    completed item). They are a JSON object (a forced `required` answer a list), and what a token limit or a stop
+    sequence leaves of one is a prefix that never parses."""
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):  # RecursionError: JSON text nested thousands deep
+        return False
+    return True
 
 
 @dataclass(frozen=True)

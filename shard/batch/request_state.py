@@ -76,7 +76,10 @@ class RequestState:
                 eos_token_ids=eos_token_ids,
                 max_new_tokens=max(1, stop.max_new_tokens),
                 stop_sequences=list(stop.stop_sequences),
-                ignore_eos=stop.ignore_eos_token,
+                # A constrained request ends where its grammar does (`step`), not at every EOS id: llguidance reads
+                # an EOS id that is an ordinary token (the test model's " >=") as text where the grammar cannot end,
+                # as inside a JSON string, and ending there would cut the JSON short.
+                ignore_eos=stop.ignore_eos_token or bool(request.grammar),
             ),
             detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
             prefill_logprobs=request.prefill_logprobs,
@@ -139,7 +142,8 @@ class RequestState:
         self._advance_grammar(token_id)
 
     def _advance_grammar(self, token_id: int) -> bool:
-        """Feeds the token to the matcher; True when the grammar is complete (nothing may follow)."""
+        """Feeds the token to the matcher; True when the grammar is complete (nothing may follow) or has failed
+        (a token it refused: llguidance then allows only EOS). An EOS id completes it only where it may end."""
         if self.matcher is None:
             return False
         if not self.matcher.consume_token(token_id):

@@ -16,6 +16,15 @@ import pytest
 from conftest import Server
 from pydantic import BaseModel, Field
 
+from conveyor.router.api import responses_api as api
+from conveyor.router.api.base import parse
+from conveyor.router.api.openai import ChatRequest
+from conveyor.router.core.events import Finished
+from conveyor.router.frontends.openai_routes import Choice
+from conveyor.router.frontends.responses_api_routes import ResponseObject, chat_body, messages_of, whole_output
+from conveyor.router.pipeline.chat_output import ChatOutput
+from conveyor.router.pipeline.tools import tool_use
+
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -81,6 +90,8 @@ def test_a_required_function_tool_is_called_with_arguments_that_fit(client: open
 
 
 def test_a_streamed_function_call_arrives_in_argument_pieces(client: openai.OpenAI) -> None:
+    """Greedy, so that it writes the same string every time (sampled, it once wrote the ordinary EOS id the test
+    model declares inside the string: issue 60, `test_a_forced_call_goes_on_past_an_eos_id_in_its_json`)."""
     kinds: list[str] = []
     with client.responses.stream(
         model="demo",
@@ -88,6 +99,7 @@ def test_a_streamed_function_call_arrives_in_argument_pieces(client: openai.Open
         tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"},
         max_output_tokens=60,
+        temperature=0,
     ) as stream:
         for event in stream:
             kinds.append(event.type)
@@ -97,6 +109,60 @@ def test_a_streamed_function_call_arrives_in_argument_pieces(client: openai.Open
     (call,) = [item for item in final.output if item.type == "function_call"]
     assert call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+
+def test_a_forced_call_goes_on_past_an_eos_id_in_its_json(client: openai.OpenAI, text_eos: str) -> None:
+    """Issue 60: a streamed forced call ended `response.completed` with arguments `{"city": ") >=`, cut where the
+    model sampled, inside the string, the ordinary token the test model declares as an EOS id. Here the grammar
+    writes that token's text four times as the argument (llguidance forces it as the token itself), created and
+    streamed: the grammar reads the EOS id as text there, and the call ends when its JSON is whole."""
+    parameters = {"type": "object", "properties": {"op": {"const": text_eos * 4}}, "required": ["op"]}
+    tool = {"type": "function", "name": "compare", "parameters": parameters}
+    named = {"type": "function", "name": "compare"}
+    forced = dict(
+        model="demo", input="Compare them.", tools=[tool], tool_choice=named, temperature=0, max_output_tokens=40
+    )
+    created = client.responses.create(**forced)
+    with client.responses.stream(**forced) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert kinds[-1] == "response.completed"
+    for response in (created, streamed):
+        (call,) = response.output
+        assert response.status == "completed" and call.status == "completed"
+        assert json.loads(call.arguments) == {"op": text_eos * 4}
+
+
+CUT_SHORT = [  # how an output ended, its text, and why the response is incomplete (None: it is not)
+    ("eos_token", '{"city": "Paris"}', None),
+    ("eos_token", '{"city": ") >=', "stop"),
+    ("stop_sequence", '{"city": ") >=', "stop"),
+    ("length", '{"city": ") >=', "max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+@pytest.mark.parametrize(("reason", "arguments", "incomplete"), CUT_SHORT)
+def test_a_call_whose_arguments_are_not_json_is_incomplete(
+    choice: str, reason: str, arguments: str, incomplete: str | None
+) -> None:
+    """Whatever ends an output before a forced call's arguments are whole JSON, the call is not answered as made:
+    the response and its item are incomplete, for `max_output_tokens` (the limit) or `stop` (any other end). No
+    server: a forced call's grammar no longer ends early (`test_a_forced_call_goes_on_past_an_eos_id_in_its_json`),
+    so the route's functions are given the outputs."""
+    named = {"type": "function", "name": "get_weather"}
+    body = parse(api.ResponsesRequest, {"input": "x", "tools": [WEATHER], "tool_choice": named})
+    text = arguments
+    if choice == "required":
+        body = body.model_copy(update={"tool_choice": "required"})
+        text = '[{"name": "get_weather", "arguments": ' + arguments + ("}]" if incomplete is None else "")
+    output = ChatOutput(tool_use(parse(ChatRequest, chat_body(body, messages_of(body)))))
+    finished = Finished(text, reason, generated_tokens=9, seed=None)
+    items = whole_output(text, Choice(0, request=None, output=output), finished)  # type: ignore[arg-type]
+    final = ResponseObject(body, "demo").json(items, "completed", None, finished)
+    assert final["status"] == ("incomplete" if incomplete else "completed")
+    assert final["incomplete_details"] == ({"reason": incomplete} if incomplete else None)
+    assert [item["status"] for item in final["output"]] == [final["status"]]
 
 
 def test_a_json_schema_shapes_the_text_created_and_streamed(client: openai.OpenAI) -> None:

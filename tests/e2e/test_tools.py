@@ -3,9 +3,9 @@ demo template's (Hermes) calls.
 
 The tiny model's weights are random: it never writes a `<tool_call>` on its own, so auto mode's parser is
 tested on hand-written output (each family's through the server too: test_chat_families.py). Schemas here are
-bounded (enums, integer ranges, short lists) so that constrained outputs finish within a few dozen tokens. They
-avoid free-text strings too: the test model declares an ordinary token (" >=") as a second EOS id (see conftest),
-which a grammar allows inside a string and which then ends the request mid-JSON.
+bounded (enums, integer ranges, short lists) so that constrained outputs finish within a few dozen tokens. The test
+model declares an ordinary token (" >=") as a second EOS id (see conftest), which a grammar allows inside a string:
+there it is text, and a forced call goes on to whole JSON (`test_a_forced_call_goes_on_past_an_eos_id_in_its_json`).
 """
 
 from __future__ import annotations
@@ -81,16 +81,6 @@ def client(server: Server) -> openai.OpenAI:
 
 def _model(server: Server) -> str:
     return str(server.model_dir)
-
-
-@pytest.fixture(scope="module")
-def text_eos(server: Server) -> str:
-    """The text of the ordinary token the test model declares as a second EOS id. Where a grammar may end, it
-    allows EOS, and this one, unlike `</s>`, shows in the text: a real model's EOS tokens are special."""
-    from transformers import AutoTokenizer
-
-    eos = json.loads((server.model_dir / "generation_config.json").read_text())["eos_token_id"][1]
-    return AutoTokenizer.from_pretrained(server.model_dir).decode([eos])
 
 
 # --- structured output ---------------------------------------------------------------------------------------
@@ -207,6 +197,50 @@ def test_forced_tool_calls(client: openai.OpenAI, server: Server, forced: dict, 
         assert len(calls) == 1
     if isinstance(forced["tool_choice"], dict):
         assert calls[0]["name"] == "get_weather"
+
+
+def _eos_call(server: Server, text_eos: str) -> dict[str, Any]:
+    """A greedy chat forced to call a function whose one argument the grammar writes as the text of the test
+    model's ordinary EOS token, four times: llguidance forces that text as the token itself, so the request samples
+    that EOS id inside a JSON string. Its tokens come with logprobs."""
+    parameters = {"type": "object", "properties": {"op": {"const": text_eos * 4}}, "required": ["op"]}
+    tool = {"type": "function", "function": {"name": "compare", "parameters": parameters}}
+    named = {"type": "function", "function": {"name": "compare"}}
+    return dict(model=_model(server), messages=MESSAGES, tools=[tool], tool_choice=named, temperature=0, logprobs=True)
+
+
+def _forced_call(client: openai.OpenAI, stream: bool, **request: Any) -> tuple[list[dict], str | None, list[str]]:
+    """A chat's calls, its finish reason and its tokens' texts, streamed or whole (the request asks for logprobs)."""
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **request))
+        calls, finish = _streamed_calls(chunks)
+        logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        return calls, finish, [t.token for lp in logprobs for t in lp.content]
+    choice = client.chat.completions.create(**request).choices[0]
+    calls = [{"id": c.id, **c.function.model_dump()} for c in choice.message.tool_calls]
+    return calls, choice.finish_reason, [t.token for t in choice.logprobs.content]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_goes_on_past_an_eos_id_in_its_json(
+    client: openai.OpenAI, server: Server, text_eos: str, stream: bool
+) -> None:
+    """Issue 60: a forced call ended with `tool_calls` and arguments `{"city": ") >=`, cut where the model sampled
+    the ordinary token the test model declares as an EOS id inside the string. The grammar reads it as text there,
+    so the request goes on, and ends when the JSON is whole."""
+    calls, finish, tokens = _forced_call(client, stream, max_tokens=40, **_eos_call(server, text_eos))
+    assert tokens.count(text_eos) == 4  # the EOS id, sampled inside the string each time
+    assert finish == "tool_calls" and [json.loads(c["arguments"]) for c in calls] == [{"op": text_eos * 4}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stop_sequence_inside_a_forced_call_ends_it_with_stop(
+    client: openai.OpenAI, server: Server, text_eos: str, stream: bool
+) -> None:
+    """A stop sequence met inside a forced call's JSON leaves its arguments cut short: the choice ends with `stop`,
+    not `tool_calls`, which would tell the client to run a call whose arguments are not JSON."""
+    calls, finish, _ = _forced_call(client, stream, max_tokens=40, stop=[text_eos * 2], **_eos_call(server, text_eos))
+    assert finish == "stop" and [c["arguments"] for c in calls] == ['{"op": "' + text_eos * 2]
 
 
 def test_a_tool_round_trip(client: openai.OpenAI, server: Server) -> None:
