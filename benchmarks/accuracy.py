@@ -16,6 +16,11 @@ float32 model on the same tokens:
 
     python -m benchmarks.accuracy --model-id DIR --quantize int8 int4 --kv-cache-dtype int8
 
+Then each mode's greedy answers to a few chat questions (`CHAT_QUESTIONS`), beside float32's: an average KL hides
+a near tie that a quantization tips (rounding x to int8 in blocks once turned "What is the capital of France?" into
+"L'Etoile, ..."), and a greedy answer shows it. Run it once per kernel variant (`CONVEYOR_CPU_VARIANT=avx2`, ...)
+to see every CPU kind's answers.
+
 `--kv-cache-dtype int8` adds the mode `kv-int8`: float32 weights over an int8 KV cache (shard/layers/kv_quant.py).
 Each window is one prompt, so its tokens attend to the cache's 8-bit rows of the tokens before them, as a served
 prompt does once it is cached (llama.cpp's `-ctk q8_0 -ctv q8_0` reads its cache the same way).
@@ -38,6 +43,19 @@ from benchmarks.progress import note
 
 TEXT = Path(__file__).with_name("data") / "accuracy.txt"
 WINDOW = 512
+# Chat questions whose greedy answers each mode gives beside float32's (tests/unit/test_real_model_accuracy.py holds
+# int8's and kv-int8's to float32's opening tokens).
+CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "What is 2 + 2?",
+    "Name a primary color.",
+    "What is the largest planet in our solar system?",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    "Translate 'hello' into Spanish.",
+    "What language is spoken in Brazil?",
+)
+ANSWER_TOKENS = 24
 QUANTIZATIONS = ("int8", "int4")
 KV_MODE = "kv-int8"  # float32 weights, --kv-cache-dtype int8
 
@@ -77,6 +95,55 @@ class Scorer:
         every = torch.arange(len(ids))
         logits = offline.forward(self.engine, self.cache, [(ids, list(range(self.blocks)), 0)], every)
         return torch.log_softmax(logits.float(), dim=-1)
+
+    def chat_prompt(self, question: str) -> list[int]:
+        """One user turn in the model's chat template, ready for the assistant's answer."""
+        tokenizer = self.engine.tokenizer
+        chat = [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+
+    @torch.inference_mode()
+    def greedy(self, question: str, max_new: int = ANSWER_TOKENS) -> list[int]:
+        """The greedy answer's tokens to one chat question (the model's chat template), decoded a token a step
+        over the cache as a shard decodes, up to `max_new` or the end of the turn."""
+        from conveyor.shard import offline
+
+        tokenizer = self.engine.tokenizer
+        table, feed, length, answer = list(range(self.blocks)), self.chat_prompt(question), 0, []
+        while len(answer) < max_new:
+            logits = offline.forward(self.engine, self.cache, [(feed, table, length)], torch.tensor([len(feed) - 1]))
+            token = int(logits[0].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            answer.append(token)
+            length, feed = length + len(feed), [token]
+        return answer
+
+
+def answers(scorers: dict[str, Scorer], questions: tuple[str, ...] = CHAT_QUESTIONS) -> dict[str, list[list[int]]]:
+    """Each mode's greedy answer tokens to each question."""
+    out = {}
+    for mode, scorer in scorers.items():
+        note(f"accuracy: greedy answers, {mode}")
+        out[mode] = [scorer.greedy(q) for q in questions]
+    return out
+
+
+def answers_table(scorers: dict[str, Scorer], found: dict[str, list[list[int]]]) -> str:
+    """Each question, then each mode's answer and how many of its first tokens are float32's."""
+    tokenizer = scorers["float32"].engine.tokenizer
+    lines = []
+    for i, question in enumerate(CHAT_QUESTIONS):
+        lines.append(question)
+        reference = found["float32"][i]
+        for mode, answer in ((m, a[i]) for m, a in found.items()):
+            same = next(
+                (k for k, (a, b) in enumerate(zip(answer, reference)) if a != b), min(len(answer), len(reference))
+            )
+            text = tokenizer.decode(answer, skip_special_tokens=True)
+            lines.append(f"  {mode:<10} {same:>2}/{len(reference):<2} same: {text!r}")
+    return "\n".join(lines)
 
 
 def windows(ids: list[int], window: int, limit: int | None = None) -> list[list[int]]:
@@ -250,12 +317,17 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model_id = prepare()
     kv_int8 = args.kv_cache_dtype == "int8"
-    scores = compare(args.model_id, args.quantize, args.text.read_text(), args.window, args.max_windows, kv_int8)
+    scorers = load(args.model_id, args.quantize, args.window, kv_int8)
+    scores = score(scorers, args.text.read_text(), args.window, args.max_windows)
     if args.llamacpp_kv and args.max_windows is None:
         windows = scores[0].tokens // (args.window // 2 - 1)  # float32's: every window's scored tokens
         if (theirs := llamacpp_kv(args.model_id, args.text, args.window, windows)) is not None:
             scores.append(theirs)
-    print(json.dumps([asdict(s) for s in scores], indent=2) if args.json else table(scores))
+    found = answers(scorers)
+    if args.json:
+        print(json.dumps({"scores": [asdict(s) for s in scores], "answers": found}, indent=2))
+    else:
+        print(table(scores) + "\n\n" + answers_table(scorers, found))
 
 
 if __name__ == "__main__":

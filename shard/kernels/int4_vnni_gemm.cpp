@@ -182,6 +182,15 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
 
 #endif  // CONVEYOR_VNNI
 
+// Whether this library's CPU kind has the integer kernel (shard/layers/gemm.py's `vnni`).
+bool int8_vnni_available() {
+#ifdef CONVEYOR_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 // x [M, in] (float32, bf16 or fp16), packed uint8 [out, in / 2], scales float16 [out, in / 32], bias or none.
 at::Tensor int4_vnni_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& bias) {
@@ -204,6 +213,8 @@ at::Tensor int4_vnni_gemm(const at::Tensor& x, const at::Tensor& weight, const a
 }
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("int8_vnni_available() -> bool");
+  m.impl("int8_vnni_available", c10::DispatchKey::CatchAll, &int8_vnni_available);
   m.def("int4_vnni_gemm(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.impl("int4_vnni_gemm", c10::DispatchKey::CPU, &int4_vnni_gemm);
 }

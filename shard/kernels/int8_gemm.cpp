@@ -1,13 +1,17 @@
-// x @ dequant(W).T (+ b) for weights quantized to int8 per output channel (`--quantize int8`).
+// x @ dequant(W).T (+ b) for int8 weights with a float16 scale per block of 32 inputs (`--quantize int8`, llama.cpp's
+// q8_0 weights), on every CPU kind: x stays in float.
 //
-// A weight row is int8 [in] with one float scale, factored out of the dot product: each int8 is widened to float
-// as it is read and multiplied into four rows of x at once, and the scale multiplies each sum once. The weight row
-// is read from memory once per call whatever the row count (from L1 for the next four rows): a quarter of
-// float32's bytes, half of bf16's, which is what decides a decode step with few rows. With many rows the work is
-// the dot products, in float, with no register blocking across weight rows: oneDNN's packed float kernels are
-// faster there (demo small's layers at 32 rows, AMD EPYC Zen 4; no benchmark times the kernel alone, `make bench
-// ARGS="--quantized int8"` on a CPU without VNNI measures a whole int8 deployment on it). CPUs with AVX-512 VNNI
-// take int8_vnni_gemm.cpp instead.
+// Why x is not rounded to int8 too (as q8_0 x q8_0 and VNNI's vpdpbusd would have it): on SmolLM2-135M-Instruct that
+// rounding alone, a scale per 32 inputs, turned float32's greedy answer to "What is the capital of France?" into
+// "L'Etoile, la Cite, ..." (the first token is a near tie; a torch emulation of the integer kernel on an AVX2 machine
+// gave the same answer as AVX-512 VNNI machines), while these same weights against float x answer as float32 does on
+// every chat question of tests/unit/test_real_model_accuracy.py. Answers then do not depend on the CPU kind.
+// Why a scale per block and not per row: an outlier weight coarsens only its block (a scale per row changed the
+// answer to "Translate 'hello' into Spanish" from float32's, and measures a larger KL: benchmarks/accuracy.py).
+//
+// Each block of 32 weights is widened and scaled once, into float, then multiplied into up to four rows of x at
+// once: the weight row is read from memory once per call whatever the row count (a quarter of float32's bytes,
+// half of bf16's, which is what decides a decode step with few rows), and the products are float FMAs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,19 +30,53 @@
 // Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
 namespace conveyor::int8_gemm_kernel {
 
+using conveyor::kRowsAtOnce;
 using conveyor::widen;
 
-// out[m, o] for o in [begin, end) and every m; x is float [count, in]. The row's scale multiplies each sum once.
+constexpr int64_t kBlock = 32, kLanes = 16;  // inputs per scale; float partial sums per row of x
+
+// sums[m] = x_m . dequant(row) for kRows rows of x (float, [kRows, in]), each block's weights widened and scaled
+// once for all of them. A last block cut short (in % 32) runs element by element.
+template <int kRows>
+inline void dots(const float* x, int64_t in, const int8_t* w, const c10::Half* scales, float* sums) {
+  float acc[kRowsAtOnce][kLanes] = {};
+  const int64_t whole = in / kBlock;
+  for (int64_t b = 0; b < whole; ++b) {
+    const float scale = widen(scales[b]);
+    const int8_t* wb = w + b * kBlock;
+    float ws[kBlock];
+#pragma omp simd
+    for (int64_t j = 0; j < kBlock; ++j) ws[j] = scale * static_cast<float>(wb[j]);
+    for (int m = 0; m < kRows; ++m) {
+      const float* xb = x + m * in + b * kBlock;
+      float* a = acc[m];
+#pragma omp simd
+      for (int64_t j = 0; j < kLanes; ++j) a[j] += xb[j] * ws[j] + xb[j + kLanes] * ws[j + kLanes];
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < kLanes; ++j) sum += acc[m][j];
+    if (whole * kBlock < in) {
+      const float scale = widen(scales[whole]);
+      for (int64_t k = whole * kBlock; k < in; ++k) sum += x[m * in + k] * (scale * static_cast<float>(w[k]));
+    }
+    sums[m] = sum;
+  }
+}
+
+// out[m, o] for o in [begin, end) and every m; x is float [count, in].
 template <typename scalar_t>
-void rows(const float* x, int64_t count, const int8_t* w, const float* scales, const scalar_t* bias, scalar_t* out,
-          int64_t in, int64_t out_features, int64_t begin, int64_t end) {
-  float sums[conveyor::kRowsAtOnce];
+void rows(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
+          scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
+  float sums[kRowsAtOnce];
+  const int64_t blocks = (in + kBlock - 1) / kBlock;
   for (int64_t o = begin; o < end; ++o) {
-    const float scale = scales[o], b = bias ? widen(bias[o]) : 0.f;
+    const float b = bias ? widen(bias[o]) : 0.f;
     conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
       constexpr int kRows = decltype(chunk)::value;
-      conveyor::dot_rows<kRows>(x + m * in, in, w + o * in, sums);
-      for (int j = 0; j < kRows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] * scale + b);
+      dots<kRows>(x + m * in, in, w + o * in, scales + o * blocks, sums);
+      for (int j = 0; j < kRows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] + b);
     });
   }
 }
@@ -50,18 +88,21 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
   const std::vector<float> xf = conveyor::widened<scalar_t>(x);
   const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    rows<scalar_t>(xf.data(), count, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), b,
+    rows<scalar_t>(xf.data(), count, weight.data_ptr<int8_t>(), scales.data_ptr<c10::Half>(), b,
                    out.data_ptr<scalar_t>(), in, out_features, begin, end);
   });
 }
 
-// x [M, in] (float32, bf16 or fp16), weight int8 [out, in], scales float32 [out], bias [out] in x's dtype or none.
+// x [M, in] (float32, bf16 or fp16), weight int8 [out, in], scales float16 [out, ceil(in / 32)], bias [out] in x's
+// dtype or none.
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "int8_gemm runs on CPU");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, in] and weight [out, in]");
   TORCH_CHECK(weight.scalar_type() == at::kChar, "an int8 weight");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0), "float32 scales [out]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == weight.size(0) &&
+                  scales.size(1) == (weight.size(1) + kBlock - 1) / kBlock,
+              "float16 scales [out, ceil(in / 32)]");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous(), "contiguous inputs");
   conveyor::check_bias(bias, weight.size(0), x.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());

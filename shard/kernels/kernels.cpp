@@ -5,7 +5,6 @@
 #include "int4_gemm.cpp"
 #include "int4_vnni_gemm.cpp"
 #include "int8_gemm.cpp"
-#include "int8_vnni_gemm.cpp"
 #include "kv_quant.cpp"
 #include "paged_attention.cpp"
 #include "prefill_attention.cpp"

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor import cpu
-from conveyor.shard.layers.quantize import Int4Weight, Int8BlockWeight, Int8Weight, QuantizationUnavailable
+from conveyor.shard.layers.quantize import Int4Weight, Int8BlockWeight, QuantizationUnavailable
 
 BACKENDS = ("auto", "onednn", "torch")
 SMALL_ROWS_AVX512 = 4  # rows up to which the kernel's AVX-512 loop beats oneDNN: all it takes (see above)
@@ -96,13 +96,10 @@ def small_rows_kernel(weight: torch.Tensor) -> bool:
 
 
 def vnni() -> bool:
-    """Whether quantized layers round their input to int8, a scale per block of 32 inputs, and take the integer
-    kernels (AVX-512 VNNI built in; int8 weights then have a scale per block of 32 too, `Int8BlockWeight`), rather
-    than widening the weights to x's dtype (`int8_gemm`, `int4_gemm`): faster from one row to a whole prefill, and
-    than oneDNN's float32 kernels too. Scales per block of 32 cost the integer kernels little at one row and more
-    at many (int8 more than int4; `int8_vnni_gemm.cpp` says why), and bring int8's output much closer to float32's
-    than a scale per row: `python -m benchmarks.accuracy --quantize int8 int4` measures that, and
-    `make bench ARGS="--quantized int8,int4"` the speed (the one-stream and saturated rows of each quantization)."""
+    """Whether int4 layers round their input to int8, a scale per block of 32 inputs, and take the integer kernel
+    (AVX-512 VNNI built in), rather than widening the weights to x's dtype (`int4_gemm`): faster from one row to a
+    whole prefill (`make bench ARGS="--quantized int4"`). int8 layers widen on every CPU kind (`int8_gemm.cpp` says
+    why: rounding x to int8 changed the real model's greedy answers)."""
     from conveyor.shard.kernels import library
 
     return library.load() and torch.ops.conveyor.int8_vnni_available()
@@ -161,9 +158,9 @@ class Gemm:
     def __init__(self, weight: torch.Tensor, plain_copy: bool = True, quantize: str | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.int8: Int8Weight | Int8BlockWeight | None = None  # per block of 32 for the integer kernel, else per row
+        self.int8: Int8BlockWeight | None = None
         self.int4: Int4Weight | None = None
-        self.vnni = False  # quantized: x rounded to int8 too, integer kernels (see vnni())
+        self.vnni = False  # int4: x rounded to int8 too, the integer kernel (see vnni())
         if quantize is not None:
             self._quantize(weight, quantize)
             return
@@ -186,10 +183,10 @@ class Gemm:
 
         if not library.load():
             raise QuantizationUnavailable(f"--quantize {quantize} needs Conveyor's C++ kernels, which did not build")
-        self.vnni = vnni()
         if quantize == "int8":
-            self.int8 = (Int8BlockWeight if self.vnni else Int8Weight).quantize(weight)
+            self.int8 = Int8BlockWeight.quantize(weight)
         else:
+            self.vnni = vnni()
             self.int4 = Int4Weight.quantize(weight)
         self.packed, self.plain, self.weight, self.wide = False, None, None, None
         self.small_rows = 0
@@ -213,8 +210,6 @@ class Gemm:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], self.out_features)
         if self.int8 is not None:
-            if self.vnni:
-                return torch.ops.conveyor.int8_vnni_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
             return torch.ops.conveyor.int8_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
         if self.int4 is not None:
             int4_gemm = torch.ops.conveyor.int4_vnni_gemm if self.vnni else torch.ops.conveyor.int4_gemm
