@@ -8,10 +8,21 @@ import re
 import sys
 from collections.abc import Iterable
 
-# A credential in a header line that something quoted (aiohttp's parse errors quote the raw line): the word after
-# `Bearer`, whatever the case, escapes included (a quoted NUL, `\x00`, once ended the match and left the rest of the
-# key in the log).
-_BEARER = re.compile(r"(?i)(bearer\s+)(?:\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}|.)|[^\s'\"\\])+")
+# One character of a credential as it reaches a log line: a byte as Python's repr quotes it (aiohttp's parse errors
+# quote the raw header line; a quoted NUL, `\x00`, once ended the match and left the rest of the key in the log), or
+# any other character but a line break (a real one, or a quoted `\r` or `\n`).
+_ESCAPED = r"\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}|[^rn])"
+# A header that carries a credential: its name, its separator (`Authorization: `, `'authorization': '`, a grpc
+# metadata tuple's `', '`) and the scheme word if it is a known one (kept: it tells what kind was sent). All that
+# follows, to the end of the line or of the quoted line, is the credential, whatever bytes it holds: a `Basic`
+# credential is base64 of `user:key`, and redacting only a word after `Bearer` let a key through encoded.
+_CREDENTIAL_HEADER = re.compile(
+    r"(?i)((?:proxy-)?authorization|x-api-key|api-key)(['\"]?\s*[:=]\s*['\"]?|['\"]\s*,\s*['\"])"
+    r"((?:basic|bearer|digest|negotiate|ntlm|token)\s+)?"
+    rf"(?:{_ESCAPED}|[^\r\n\\])+"
+)
+# A credential after its scheme word where no header name comes before it (a header name with a NUL in it).
+_SCHEME = re.compile(rf"(?i)\b((?:bearer|basic)\s+)(?:{_ESCAPED}|[^\s'\"\\])+")
 _SECRETS: set[str] = set()  # the API keys this process knows: never written out, wherever they turn up
 REDACTED = "<redacted>"
 
@@ -22,9 +33,11 @@ def add_secrets(secrets: Iterable[str | None]) -> None:
 
 
 def redact(text: str) -> str:
-    """`text` without any bearer credential or known secret: what every log line goes through, aiohttp's and
-    grpc's own records and their tracebacks included."""
-    text = _BEARER.sub(rf"\1{REDACTED}", text)
+    """`text` without any credential (an `Authorization` or `X-Api-Key` header's value, a `Bearer` or `Basic`
+    one) or known secret: what every log line goes through, aiohttp's and grpc's own records and their tracebacks
+    included."""
+    text = _CREDENTIAL_HEADER.sub(lambda m: f"{m[1]}{m[2]}{m[3] or ''}{REDACTED}", text)
+    text = _SCHEME.sub(rf"\1{REDACTED}", text)
     for secret in _SECRETS:
         if secret in text:
             text = text.replace(secret, REDACTED)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import Field
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from conveyor.router.api.base import Schema
 
@@ -38,7 +38,9 @@ class UnloadAdapterRequest(Schema):
 
 class AdapterInfo(TypedDict):
     name: str
-    source: Annotated[str, Field(description="Where it was read from: a directory or a Hub id")]
+    source: NotRequired[
+        Annotated[str, Field(description="Where it was read from, a directory or a Hub id: shown to an admin key only")]
+    ]
     rank: Annotated[int, Field(description="Its LoRA rank r")]
     weight_bytes: Annotated[int, Field(description="What its weights take on rank 0")]
     live: Annotated[bool, Field(description="Loaded through the API (false: --lora-adapters)")]

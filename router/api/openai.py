@@ -356,7 +356,9 @@ class ModelCard(TypedDict):
     object: Literal["model"]
     created: int
     owned_by: str
-    root: NotRequired[Annotated[str, Field(description="An adapter's source: a directory or a Hub id")]]
+    root: NotRequired[
+        Annotated[str, Field(description="An adapter's source, a directory or a Hub id: shown to an admin key only")]
+    ]
     parent: NotRequired[Annotated[str, Field(description="An adapter's base model: the first card's id")]]
 
 

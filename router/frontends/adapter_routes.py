@@ -17,14 +17,18 @@ from conveyor.router.frontends.middleware import refuse_non_admin
 from conveyor.router.frontends.replies import REQUEST_ERRORS, error_response
 
 
-def adapter_json(adapter: Adapter) -> api.AdapterInfo:
-    return {
+def adapter_json(adapter: Adapter, with_source: bool) -> api.AdapterInfo:
+    """An adapter as the API shows it; `with_source` (an admin key's answer, or the load that named it) adds where
+    it was read from, a path on the shards' machines that an open route must not tell anyone."""
+    info: api.AdapterInfo = {
         "name": adapter.name,
-        "source": adapter.source,
         "rank": adapter.rank,
         "weight_bytes": adapter.weight_bytes,
         "live": adapter.live,
     }
+    if with_source:
+        info["source"] = adapter.source
+    return info
 
 
 class AdapterRoutes:
@@ -43,7 +47,8 @@ class AdapterRoutes:
             adapter = await self.infer.adapters.load(self.infer.groups.clients, body.lora_name, body.lora_path)
         except REQUEST_ERRORS as exc:
             return error_response(exc)
-        loaded: api.AdapterLoaded = {"object": "lora_adapter", "status": "loaded", "adapter": adapter_json(adapter)}
+        info = adapter_json(adapter, with_source=True)  # the admin named the path: it may read it back
+        loaded: api.AdapterLoaded = {"object": "lora_adapter", "status": "loaded", "adapter": info}
         return web.json_response(loaded)
 
     async def unload(self, request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from conveyor.router.frontends.adapter_routes import AdapterRoutes
 from conveyor.router.frontends.connections import ConnectionLimits, body_deadline_middleware, refuse_large_expectations
 from conveyor.router.frontends.dashboard import Dashboard
 from conveyor.router.frontends.group_routes import GroupRoutes
+from conveyor.router.frontends.malformed import quiet_malformed_requests
 from conveyor.router.frontends.middleware import (
     draining_middleware,
     hide_server_version,
@@ -64,6 +65,7 @@ class HttpServer:
 
     def app(self) -> web.Application:
         json_protocol_errors()
+        quiet_malformed_requests()
         app = web.Application(
             client_max_size=self.payload_limit,
             middlewares=[

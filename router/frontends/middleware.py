@@ -76,6 +76,14 @@ def caller(request: web.Request) -> ApiKey:
     return request["key"]
 
 
+def holds_admin_key(request: web.Request) -> bool:
+    """Whether the request came with an admin key. An open GET route runs for callers with no key or a wrong one
+    (no `caller` then), and on an open server nobody holds one: the anonymous caller may manage everything, but what
+    only an admin key may read on an open route (where adapters live on disk) is shown to no one there."""
+    key: ApiKey | None = request.get("key")
+    return key is not None and key.admin and key.secret is not None
+
+
 def refuse_non_admin(request: web.Request) -> web.Response | None:
     """A 403 for a route that changes what every tenant gets (adapters served, shard groups in placement): an admin
     key's to change (on an open server, everyone is the anonymous admin, as for cancelling any request)."""
@@ -184,12 +192,13 @@ async def json_errors_middleware(request: web.Request, handler: Handler) -> web.
         return json_error(500, "internal error", "internal", openai)
 
 
-def _unquoted(message: str | None) -> str:
+def unquoted_reason(message: str | None) -> str:
     """aiohttp's parse error without the bytes it quotes: those are the client's header line, Authorization
-    included, which must not be echoed back (nor logged: see conveyor.log.redact)."""
+    included, which must not be echoed back nor logged (the answer and router/frontends/malformed.py's log line
+    keep this reason; conveyor.log.redact catches a credential that anything else quotes)."""
     lines = (message or "").strip().splitlines()
     first = lines[0] if lines else ""
-    return re.split(r":?\s*b['\"]", first, maxsplit=1)[0].rstrip(": ")
+    return re.split(r":?\s*(?:bytearray\()?b['\"]", first, maxsplit=1)[0].rstrip(": ")
 
 
 def json_protocol_errors() -> None:
@@ -205,7 +214,7 @@ def json_protocol_errors() -> None:
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
         response = original(self, request, status, exc, message)
         if status < 500:
-            body = error_body(_unquoted(message) or response.reason, "bad_request")
+            body = error_body(unquoted_reason(message) or response.reason, "bad_request")
         else:
             body = error_body("internal error" if status == 500 else response.reason, "internal")
         json_response = web.json_response(body, status=status, headers={"Server": SERVER})

@@ -31,7 +31,7 @@ from conveyor.router.api.openai import (
 )
 from conveyor.router.core.events import ErrorEvent, Finished, Token, TokenEvent
 from conveyor.router.core.infer import Infer, Response
-from conveyor.router.frontends.middleware import caller, request_id
+from conveyor.router.frontends.middleware import caller, holds_admin_key, request_id
 from conveyor.router.frontends.replies import (
     REQUEST_ERRORS,
     error_event,
@@ -79,10 +79,12 @@ class OpenAIRoutes:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
 
     async def models(self, request: web.Request) -> web.Response:
-        """The base model, then each LoRA adapter served (vLLM's shape: `parent` names the base model)."""
+        """The base model, then each LoRA adapter served (vLLM's shape: `parent` names the base model). `root`, the
+        adapter's source, is a path on the shards' machines: only an admin key's answer has it (the route is open)."""
         model: api.ModelCard = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "conveyor"}
+        with_source = holds_admin_key(request)
         adapters: list[api.ModelCard] = [
-            {**model, "id": a.name, "root": a.source, "parent": self.model_id}
+            {**model, "id": a.name, "parent": self.model_id, **({"root": a.source} if with_source else {})}
             for a in self.infer.adapters.served.values()
         ]
         models: api.Models = {"object": "list", "data": [model, *adapters]}

@@ -17,7 +17,7 @@ from conveyor.router.api.tgi import GenerateRequest
 from conveyor.router.core.events import ErrorEvent, Token, TokenEvent
 from conveyor.router.core.infer import Infer, Response
 from conveyor.router.frontends.adapter_routes import adapter_json
-from conveyor.router.frontends.middleware import caller, request_id
+from conveyor.router.frontends.middleware import caller, holds_admin_key, request_id
 from conveyor.router.frontends.replies import (
     REQUEST_ERRORS,
     Details,
@@ -205,6 +205,7 @@ class TgiRoutes:
         body = self.info.to_json()
         body.update(self.infer.groups.describe())
         adapters = self.infer.adapters
-        body["lora_adapters"] = [adapter_json(a) for a in adapters.served.values()]
+        with_source = holds_admin_key(request)
+        body["lora_adapters"] = [adapter_json(a, with_source) for a in adapters.served.values()]
         body["max_loras"] = adapters.max_loras
         return web.json_response(body)

@@ -368,3 +368,26 @@ def test_a_crash_replays_the_request_with_its_live_adapter(
     wait_for(lambda: keyed.health() == 200, 180, "the restarted shards to be healthy")
     assert token_ids(generate(keyed, prompt, 5, "survivor", auth("tenant"))) == stream.ids[:5]
     assert unload(keyed, "survivor").status_code == 200
+
+
+def test_where_adapters_live_on_disk_is_shown_to_an_admin_key_only(
+    servers: tuple[Server, Server], lora_adapters: dict[str, Path]
+) -> None:
+    """`/v1/models` and `/info` are open routes: without an admin key they name the adapters, not their folders (an
+    adapter card has no `root`, an adapter in `/info` no `source`), on a keyed server and on an open one alike."""
+    keyed, open_server = servers
+    paths = [str(path) for path in lora_adapters.values()]
+    callers = [(keyed, {}), (keyed, auth("tenant")), (keyed, {"Authorization": "Bearer not-a-key"}), (open_server, {})]
+    for server, headers in callers:
+        models = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=30)
+        info = httpx.get(f"{server.url}/info", headers=headers, timeout=30)
+        assert models.status_code == 200 and info.status_code == 200
+        assert not [path for path in paths if path in models.text or path in info.text], (models.text, info.text)
+        cards = {m["id"]: m for m in models.json()["data"]}
+        assert all(set(cards[name]) == {"id", "object", "created", "owned_by", "parent"} for name in lora_adapters)
+        assert all("source" not in adapter for adapter in info.json()["lora_adapters"])
+    cards = {m["id"]: m for m in httpx.get(f"{keyed.url}/v1/models", headers=auth("ops"), timeout=30).json()["data"]}
+    info = httpx.get(f"{keyed.url}/info", headers=auth("ops"), timeout=30).json()
+    sources = {adapter["name"]: adapter["source"] for adapter in info["lora_adapters"]}
+    for name, path in lora_adapters.items():  # an admin key's answer keeps them
+        assert cards[name]["root"] == sources[name] == str(path)
