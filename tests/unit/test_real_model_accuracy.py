@@ -66,18 +66,26 @@ def held_prefix(scorer: accuracy.Scorer, question: str, answer: list[int]) -> in
     return min(ANSWER_PREFIX, len(answer), int(ties[0]) if len(ties) else len(answer))
 
 
+@pytest.fixture(scope="module")
+def float32_answers(scorers: dict[str, accuracy.Scorer]) -> list[tuple[str, list[int], int]]:
+    """Each chat question, float32's greedy answer and how many of its tokens the others are held to, worked out
+    once for every mode's test."""
+    reference = scorers["float32"]
+    answers = [(question, reference.greedy(question)) for question in accuracy.CHAT_QUESTIONS]
+    return [(question, answer, held_prefix(reference, question, answer)) for question, answer in answers]
+
+
 @pytest.mark.parametrize("mode", ["int8", accuracy.KV_MODE])
-def test_greedy_answers_are_float32s(scorers: dict[str, accuracy.Scorer], mode: str) -> None:
+def test_greedy_answers_are_float32s(
+    scorers: dict[str, accuracy.Scorer], float32_answers: list[tuple[str, list[int], int]], mode: str
+) -> None:
     tokenizer = scorers["float32"].engine.tokenizer
-    held = 0
-    for question in accuracy.CHAT_QUESTIONS:
-        want = scorers["float32"].greedy(question)
-        n = held_prefix(scorers["float32"], question, want)
+    for question, want, n in float32_answers:
         got = scorers[mode].greedy(question)
         assert got[:n] == want[:n], (
             f"{mode} on {question!r}: {tokenizer.decode(got)!r}, float32: {tokenizer.decode(want)!r} (first {n} held)"
         )
-        held += n
+    held = sum(n for _, _, n in float32_answers)
     assert held >= 5 * len(accuracy.CHAT_QUESTIONS), held  # ties excused on a question or two, not on most
 
 
