@@ -24,7 +24,7 @@ KERNELS := shard/kernels/built/manifest.json
 # The kernel and layer tests, run a second time as on an AVX2-only CPU (see `test`).
 KERNEL_TESTS := tests/unit/test_cpu.py tests/unit/test_kernel_build.py tests/unit/test_small_gemm.py \
 	tests/unit/test_attention.py tests/unit/test_paged_kernel.py tests/unit/test_prefill_kernel.py tests/unit/test_norm_kernel.py \
-	tests/unit/test_kv_quant.py tests/unit/test_real_model_accuracy.py \
+	tests/unit/test_kv_quant.py tests/unit/test_real_model_accuracy.py tests/unit/test_decode_stack.py \
 	tests/unit/test_fused_kernels.py tests/unit/test_rotary.py tests/e2e/test_quantize.py -k 'not serving'
 AS_AVX2 := CONVEYOR_CPU_VARIANT=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 

@@ -12,3 +12,5 @@
 #include "rotary.cpp"
 #include "silu_mul.cpp"
 #include "small_gemm.cpp"
+// Last: it calls the kernels above.
+#include "decode_stack.cpp"

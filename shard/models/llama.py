@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache, Metadatas, attend, paged_attention
+from conveyor.shard.layers.decode_stack import DecodeStack, LayerParts
 from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.shard.layers.norm import RMSNorm
@@ -116,6 +117,13 @@ class DecoderLayer(torch.nn.Module):
         attended = self.attention(normed, cos, sin, key_cache, value_cache, meta)
         return self.mlp(self.post_attention_norm.add_forward(hidden, attended))
 
+    def parts(self) -> LayerParts:
+        """What the decode stack binds of this layer."""
+        attention, mlp = self.attention, self.mlp
+        qk = None if attention.qk_norms is None else tuple(norm.weight for norm in attention.qk_norms)
+        norms = (self.input_norm.weight, self.post_attention_norm.weight, qk)
+        return LayerParts(*norms, attention.qkv, attention.o_proj, mlp.gate_up, mlp.down)
+
 
 class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, config, weights: Weights) -> None:
@@ -140,6 +148,14 @@ class LlamaForCausalLM(torch.nn.Module):
             raise WeightError(f"layers of several attention kinds ({sorted(kinds)}) are not supported yet")
         self.sliding_window: int | None = window if uses_window else None
         self.windows: tuple[int | None, ...] = (self.sliding_window,)  # the attention metadata the engine builds
+        self.decode_stack = self._decode_stack(weights)
+
+    def _decode_stack(self, weights: Weights) -> DecodeStack | None:
+        """The layers bound for decode steps in one C++ call (shard/layers/decode_stack.py), where it serves."""
+        shape, scale = self.shape, self.layers[0].attention.scale
+        heads = (shape.heads_per_rank, shape.kv_heads_per_rank, shape.head_dim)
+        parts = [layer.parts() for layer in self.layers]
+        return DecodeStack.build(parts, *heads, self.config.rms_norm_eps, scale, weights.group, weights.device)
 
     def forward(
         self,
@@ -155,6 +171,9 @@ class LlamaForCausalLM(torch.nn.Module):
         hidden, delta = self.embed(input_ids), None  # the residual stream is added to in place from here on
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, reach)
         meta = metas[self.sliding_window]
-        for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
-            delta = layer(hidden, delta, cos, sin, key_cache, value_cache, meta)
+        if self.decode_stack is not None and self.decode_stack.serves(hidden.shape[0], meta.groups):
+            delta = self.decode_stack(hidden, cos, sin, cache, meta.slots, meta.groups[0])
+        else:
+            for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
+                delta = layer(hidden, delta, cos, sin, key_cache, value_cache, meta)
         return self.lm_head(self.norm(hidden[logits_index] + delta[logits_index])).float()
