@@ -1,7 +1,8 @@
 """The aiohttp middlewares every route shares: the trace of each generation call, the API key (which tenant
-calls) and the request's id, the JSON Content-Type of request bodies, and JSON bodies for the errors aiohttp
-raises itself (an oversized body, an unknown route, a body that does not decompress, a request it cannot even
-parse), so that every error has one shape."""
+calls: `Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`) and the request's id, the JSON
+Content-Type of request bodies, and JSON bodies for the errors aiohttp raises itself (an oversized body, an unknown
+route, a body that does not decompress, a request it cannot even parse), so that every error has one shape: the
+route's API's (`shaped_error`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
 from conveyor.keys import ApiKey, KeyRing
-from conveyor.router.frontends.replies import UNAUTHORIZED, error_body, json_error
+from conveyor.router.frontends.replies import UNAUTHORIZED, anthropic_error, error_body, json_error
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,22 @@ def refuse_non_admin(request: web.Request) -> web.Response | None:
     return json_error(403, f"{request.path} needs an admin API key", "forbidden")
 
 
+def credential(request: web.Request) -> str:
+    """The key a request presents, as an `Authorization` value: that header, or else Anthropic's `x-api-key`
+    (what Anthropic's SDKs and Claude Code send)."""
+    authorization = request.headers.get("Authorization")
+    if authorization is None and (api_key := request.headers.get("x-api-key")) is not None:
+        return f"Bearer {api_key}"
+    return authorization or ""
+
+
 def key_middleware(keys: KeyRing) -> Middleware:
-    """Which API key calls (`Authorization: Bearer <key>`), for POST and DELETE routes and `PRIVATE_GETS`; an open
-    server (no key) lets everyone in as "anonymous"."""
+    """Which API key calls (`credential`), for POST and DELETE routes and `PRIVATE_GETS`; an open server (no key)
+    lets everyone in as "anonymous"."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        key = keys.identify(request.headers.get("Authorization", ""))
+        key = keys.identify(credential(request))
         if key is None and needs_key(request):
             return key_required(request)
         request["key"] = key
@@ -111,7 +121,7 @@ def refuse_without_key(keys: KeyRing) -> Callable[[web.Request], web.Response | 
     """`key_middleware`'s refusal alone, for the `Expect: 100-continue` handler, which runs before any middleware."""
 
     def refuse(request: web.Request) -> web.Response | None:
-        missing = needs_key(request) and keys.identify(request.headers.get("Authorization", "")) is None
+        missing = needs_key(request) and keys.identify(credential(request)) is None
         return key_required(request) if missing else None
 
     return refuse
@@ -124,8 +134,8 @@ def needs_key(request: web.Request) -> bool:
 
 
 def key_required(request: web.Request) -> web.Response:
-    message = "a valid API key is required: Authorization: Bearer <key>"
-    return json_error(UNAUTHORIZED.status, message, UNAUTHORIZED.error_type, openai=_openai(request))
+    message = "a valid API key is required: Authorization: Bearer <key>, or x-api-key: <key>"
+    return shaped_error(request, UNAUTHORIZED.status, message, UNAUTHORIZED.error_type)
 
 
 def draining_middleware(draining: Callable[[], bool]) -> Middleware:
@@ -135,7 +145,7 @@ def draining_middleware(draining: Callable[[], bool]) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method == "POST" and draining():
-            return json_error(503, "server is shutting down", "unavailable", openai=_openai(request))
+            return shaped_error(request, 503, "server is shutting down", "unavailable")
         return await handler(request)
 
     return middleware
@@ -146,6 +156,21 @@ def _openai(request: web.Request) -> bool:
     return request.path.startswith("/v1/")
 
 
+ANTHROPIC_PATH = "/v1/messages"  # Anthropic's routes: /v1/messages and what is under it
+
+
+def anthropic_route(request: web.Request) -> bool:
+    return request.path == ANTHROPIC_PATH or request.path.startswith(ANTHROPIC_PATH + "/")
+
+
+def shaped_error(request: web.Request, status: int, message: str, error_type: str) -> web.Response:
+    """An error in the shape of the route's API: Anthropic's on its routes, OpenAI's on the other `/v1/` routes,
+    Conveyor's elsewhere."""
+    if anthropic_route(request):
+        return anthropic_error(status, message, error_type)
+    return json_error(status, message, error_type, openai=_openai(request))
+
+
 @web.middleware
 async def json_body_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every POST body is JSON: a body declared as something else (text/plain, a form) is refused with 415
@@ -154,7 +179,7 @@ async def json_body_middleware(request: web.Request, handler: Handler) -> web.St
     declared = request.headers.get("Content-Type")
     if request.method == "POST" and declared is not None and not _is_json(declared):
         message = f"Content-Type must be application/json (with charset utf-8, if any). Given: {declared[:100]}"
-        return json_error(415, message, "unsupported_media_type", openai=_openai(request))
+        return shaped_error(request, 415, message, "unsupported_media_type")
     return await handler(request)
 
 
@@ -168,28 +193,30 @@ def _is_json(content_type: str) -> bool:
 
 @web.middleware
 async def json_errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    openai = _openai(request)
+    def error(status: int, message: str, error_type: str) -> web.Response:
+        return shaped_error(request, status, message, error_type)
+
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge as exc:
-        return json_error(413, f"request body too large: {exc.text}", "payload_too_large", openai)
+        return error(413, f"request body too large: {exc.text}", "payload_too_large")
     except web.HTTPNotFound:
-        return json_error(404, f"no route {request.method} {request.path}", "not_found", openai)
+        return error(404, f"no route {request.method} {request.path}", "not_found")
     except web.HTTPMethodNotAllowed as exc:
-        response = json_error(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed", openai)
+        response = error(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed")
         response.headers["Allow"] = exc.headers.get("Allow", "")
         return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return json_error(exc.status, exc.text or exc.reason, "bad_request" if exc.status < 500 else "internal", openai)
+        return error(exc.status, exc.text or exc.reason, "bad_request" if exc.status < 500 else "internal")
     except (RequestPayloadError, HttpProcessingError) as exc:  # a body that does not decode (bad gzip), a bad chunk
         cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
         message = cause.message if isinstance(cause, HttpProcessingError) else str(cause)
-        return json_error(400, f"the request body could not be read: {message}", "bad_request", openai)
+        return error(400, f"the request body could not be read: {message}", "bad_request")
     except Exception:  # a bug, never the client's fault: still one JSON shape, and the trace in the log
         log.exception("unhandled error", extra={"path": request.path})
-        return json_error(500, "internal error", "internal", openai)
+        return error(500, "internal error", "internal")
 
 
 def unquoted_reason(message: str | None) -> str:

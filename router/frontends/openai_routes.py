@@ -310,7 +310,7 @@ def _finish_reason(finished: Finished | None) -> str | None:
     return None if finished is None else FINISH[finished.finish_reason]
 
 
-def _text(event: TokenEvent) -> str:
+def token_text(event: TokenEvent) -> str:
     """A streamed token's text; the special token that ended the output is not part of it (as in the answer's
     whole text), though its logprob entry still names it."""
     ended = event.finished is not None and event.finished.finish_reason == "eos_token"
@@ -355,7 +355,7 @@ class CompletionFormat(Format):
             [
                 {
                     "index": choice.index,
-                    "text": _text(event),
+                    "text": token_text(event),
                     "logprobs": self._logprobs([event]) if logprobs else None,
                     "finish_reason": _finish_reason(event.finished),
                 }
@@ -418,7 +418,7 @@ class ChatFormat(Format):
         it may be the start of a marker), and at the end what is still owed."""
         output = choice.output
         assert output is not None
-        deltas = output.feed(_text(event))
+        deltas = output.feed(token_text(event))
         finish_reason = _finish_reason(event.finished)
         if event.finished is not None:
             deltas += output.finish()

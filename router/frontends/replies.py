@@ -94,6 +94,41 @@ def error_response(exc: Exception, openai: bool = False) -> web.Response:
     return web.json_response(error_body(error, failure.error_type), status=failure.status)
 
 
+# Anthropic's error types by status: a 4xx it does not list is an invalid_request_error, a 5xx an api_error.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    424: "api_error",  # a generation that failed: the server's fault, not the request's
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(status: int, message: str, error_type: str) -> web.Response:
+    """An error in Anthropic's shape, `error_type` beside it. Anthropic answers an invalid request 400, not 422;
+    the answer remembers `error_type` (`response["error_type"]`) so that refusals are counted as on every route."""
+    status = 400 if status == VALIDATION.status else status
+    body = {"type": "error", "error": anthropic_error_detail(status, message), "error_type": error_type}
+    response = web.json_response(body, status=status)
+    response["error_type"] = error_type
+    return response
+
+
+def anthropic_error_detail(status: int, message: str) -> dict[str, str]:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": kind, "message": message}
+
+
+def anthropic_error_response(exc: Exception) -> web.Response:
+    """The answer to one of `REQUEST_ERRORS` on Anthropic's routes."""
+    failure = failure_of(exc)
+    return anthropic_error(failure.status, str(exc), failure.error_type)
+
+
 def error_event(event: ErrorEvent, openai: bool = False) -> dict[str, Any]:
     """The last event of a stream that failed after its 200 went out, so the error can only travel in the body."""
     error = {"message": event.message, "type": GENERATION.openai_type} if openai else event.message
@@ -169,5 +204,7 @@ async def open_sse(request: web.Request, proxy_buffering: bool = True) -> web.St
     return response
 
 
-async def send_sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+async def send_sse(response: web.StreamResponse, payload: dict[str, Any], event: str | None = None) -> None:
+    """One event; `event` names it on an `event:` line (Anthropic's and the Responses API's streams)."""
+    named = f"event: {event}\n".encode() if event is not None else b""
+    await response.write(named + b"data: " + json.dumps(payload).encode() + b"\n\n")

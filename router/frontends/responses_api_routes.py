@@ -9,7 +9,6 @@ response keeps the conversation so far, which `previous_response_id` continues (
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -23,8 +22,8 @@ from conveyor.router.api.openai import ChatRequest
 from conveyor.router.core.events import ErrorEvent, Finished
 from conveyor.router.core.infer import Infer
 from conveyor.router.frontends.middleware import caller, request_id
-from conveyor.router.frontends.openai_routes import Choice, OpenAIRoutes
-from conveyor.router.frontends.replies import REQUEST_ERRORS, error_response, json_error, open_sse
+from conveyor.router.frontends.openai_routes import Choice, OpenAIRoutes, token_text
+from conveyor.router.frontends.replies import REQUEST_ERRORS, error_response, json_error, open_sse, send_sse
 from conveyor.router.frontends.response_store import ResponseStore
 from conveyor.router.pipeline.chat_output import Delta
 from conveyor.router.pipeline.tools import whole_arguments
@@ -228,7 +227,7 @@ class ResponseEvents:
     async def send(self, kind: str, **fields: Any) -> None:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        await self.sse.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+        await send_sse(self.sse, event, kind)
 
     async def start(self) -> None:
         snapshot = self.response.json(Output(), "in_progress", None)
@@ -399,7 +398,7 @@ class ResponsesRoutes:
                     await out.fail(event.message, event.error_type)
                     return sse
                 count += 1
-                for delta in reader.feed(event.token.text if not _ends(event) else ""):
+                for delta in reader.feed(token_text(event)):
                     await out.piece(delta)
                 if event.finished is not None:
                     for delta in reader.finish():
@@ -443,11 +442,6 @@ def _incomplete_reason(output: Output, finished: Finished | None) -> str | None:
     if finished.finish_reason == "length":
         return "max_output_tokens"
     return None if output.whole else "stop"
-
-
-def _ends(event: Any) -> bool:
-    """The special token that ended the output is not part of its text."""
-    return event.finished is not None and event.finished.finish_reason == "eos_token" and event.token.special
 
 
 class PreviousResponseMissing(LookupError):
