@@ -12,6 +12,7 @@ from conveyor.keys import ApiKey, KeyRing
 from conveyor.router.core.infer import Infer
 from conveyor.router.frontends import openapi
 from conveyor.router.frontends.adapter_routes import AdapterRoutes
+from conveyor.router.frontends.anthropic_routes import AnthropicRoutes
 from conveyor.router.frontends.connections import ConnectionLimits, body_deadline_middleware, refuse_large_expectations
 from conveyor.router.frontends.dashboard import Dashboard
 from conveyor.router.frontends.group_routes import GroupRoutes
@@ -86,6 +87,7 @@ class HttpServer:
         chat = OpenAIRoutes(self.infer, self.validation, self.info.model_id)
         chat.register(app)
         ResponsesRoutes(self.infer, chat).register(app)
+        AnthropicRoutes(self.infer, chat).register(app)
         RequestControl(self.infer).register(app)
         AdapterRoutes(self.infer).register(app)
         GroupRoutes(self.infer).register(app)
@@ -95,9 +97,13 @@ class HttpServer:
 
     @web.middleware
     async def _count_refusals(self, request: web.Request, handler) -> web.StreamResponse:
-        """Requests refused before they reach the queue (the queue and streams count the rest)."""
+        """Requests refused before they reach the queue (the queue and streams count the rest). Anthropic's routes
+        answer a refusal with its own status (400, not 422) and keep Conveyor's `error_type` on the answer."""
         response = await handler(request)
-        if (outcome := _UNQUEUED_REFUSALS.get(response.status)) is not None:
+        outcome = _UNQUEUED_REFUSALS.get(response.status)
+        if outcome is None and response.get("error_type") in _UNQUEUED_REFUSALS.values():
+            outcome = response["error_type"]
+        if outcome is not None:
             self.infer.metrics.requests.labels(outcome).inc()
         return response
 

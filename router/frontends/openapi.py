@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
-from conveyor.router.api import adapters, openai, responses_api, service, tgi
+from conveyor.router.api import adapters, anthropic, openai, responses_api, service, tgi
 from conveyor.router.api.base import LIMIT
 from conveyor.router.limits import Limits
 
@@ -57,6 +57,12 @@ SCHEMAS: dict[str, Any] = {
     "Response": responses_api.Response,
     "ResponseDeleted": responses_api.ResponseDeleted,
     "ResponseStreamEvent": responses_api.StreamEvent,
+    "MessagesRequest": anthropic.MessagesRequest,
+    "CountTokensRequest": anthropic.CountTokensRequest,
+    "AnthropicMessage": anthropic.AnthropicMessage,
+    "MessageTokensCount": anthropic.MessageTokensCount,
+    "AnthropicError": anthropic.AnthropicError,
+    "MessageStreamEvent": anthropic.MessageStreamEvent,
 }
 
 
@@ -162,9 +168,22 @@ def _errors(openai: bool) -> dict:
     }
 
 
-def _post(summary: str, request: str, ok: dict, openai: bool = False) -> dict:
+def _anthropic_errors() -> dict:
+    """Anthropic's routes answer every error in Anthropic's shape, and an invalid request 400 (not 422)."""
+    errors = {status: _json(_ref("AnthropicError"), answer["description"]) for status, answer in _errors(True).items()}
+    del errors["422"]
+    errors["400"] = _json(
+        _ref("AnthropicError"),
+        "Invalid input, a prompt too long in tokens for the limits, or a body that could not be read",
+    )
+    errors["404"] = _json(_ref("AnthropicError"), "The request names a LoRA adapter the server does not serve")
+    return errors
+
+
+def _post(summary: str, request: str, ok: dict, openai: bool = False, errors: dict | None = None) -> dict:
     body = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
-    return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok, **_errors(openai)}}}
+    answers = errors if errors is not None else _errors(openai)
+    return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok, **answers}}}
 
 
 def _get(summary: str, ok: dict, **extra: dict) -> dict:
@@ -214,9 +233,10 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
         "info": {
             "title": "Conveyor",
             "version": version,
-            "description": "LLM text generation with continuous batching: TGI's API and OpenAI's. Request bodies "
-            "are JSON (Content-Type application/json, or none). The schemas are the server's own types, with this "
-            "deployment's limits; what they cannot state is a 422 too: a prompt of more tokens than "
+            "description": "LLM text generation with continuous batching: TGI's API, OpenAI's and Anthropic's "
+            "Messages. Request bodies are JSON (Content-Type application/json, or none). The schemas are the server's "
+            "own types, with this deployment's limits; what they cannot state is a 422 too (a 400 on Anthropic's "
+            "routes): a prompt of more tokens than "
             "max_input_tokens, inputs + new tokens beyond max_total_tokens, and the rules between fields given in "
             "each request's description. An integer is a JSON integer: 5.0 is refused where one is expected. A "
             "null in an optional field is the same as leaving the field out.",
@@ -269,6 +289,22 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
                     _events(_ref("ResponseStreamEvent")),
                 ),
                 openai=True,
+            ),
+            "/v1/messages": _post(
+                "Anthropic's Messages API: a message in answer to a conversation, with client tools",
+                "MessagesRequest",
+                _either(
+                    "The message, or its events (server-sent) when `stream` is true",
+                    _ref("AnthropicMessage"),
+                    _events(_ref("MessageStreamEvent")),
+                ),
+                errors=_anthropic_errors(),
+            ),
+            "/v1/messages/count_tokens": _post(
+                "The prompt tokens /v1/messages would run for these messages, system prompt and tools",
+                "CountTokensRequest",
+                _json(_ref("MessageTokensCount")),
+                errors=_anthropic_errors(),
             ),
             "/v1/responses/{id}": {
                 method: {
