@@ -310,6 +310,28 @@ def ask_responses_stream(server: Server, prompt: str, who: str, salt: dict) -> t
     return usage["input_tokens_details"]["cached_tokens"], usage["input_tokens"]
 
 
+def anthropic_counts(usage: dict) -> tuple[int, int]:
+    """Anthropic's usage splits the prompt: `input_tokens` computed, `cache_read_input_tokens` from the cache."""
+    return usage["cache_read_input_tokens"], usage["input_tokens"] + usage["cache_read_input_tokens"]
+
+
+def ask_messages(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    """With the key as Anthropic's clients send it, `x-api-key`."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2, **salt}
+    headers = {"x-api-key": KEYS[who]["key"]}
+    response = httpx.post(f"{server.url}/v1/messages", json=body, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    return anthropic_counts(response.json()["usage"])
+
+
+def ask_messages_stream(server: Server, prompt: str, who: str, salt: dict) -> tuple[int, int]:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "stream": True, **salt}
+    watcher = StreamWatcher(server, body, "/v1/messages", {"x-api-key": KEYS[who]["key"]})
+    watcher.run()
+    assert watcher.finished and watcher.events[-1]["type"] == "message_stop"
+    return anthropic_counts(watcher.events[-2]["usage"])
+
+
 def tgi_cached(details: dict) -> int:
     """TGI's details name the cached prompt tokens only when there are some: without, they keep TGI's shape."""
     assert details.get("prefill_cached_tokens", 1) > 0, details
@@ -341,6 +363,8 @@ ASKS: dict[str, Ask] = {
     "completion-stream": ask_completion_stream,
     "responses": ask_responses,
     "responses-stream": ask_responses_stream,
+    "messages": ask_messages,
+    "messages-stream": ask_messages_stream,
     "generate": ask_generate,
     "generate-stream": ask_generate_stream,
     "grpc": ask_grpc,
@@ -352,7 +376,8 @@ def test_each_api_reports_the_cached_prompt_tokens_of_a_repeat_and_none_of_anoth
     shared: Server, api: str
 ) -> None:
     """OpenAI's usage.prompt_tokens_details.cached_tokens (streamed usage too), the Responses API's
-    input_tokens_details.cached_tokens, TGI's and gRPC's details.prefill_cached_tokens: 0 the first time, the
+    input_tokens_details.cached_tokens, Anthropic's cache_read_input_tokens, TGI's and gRPC's
+    details.prefill_cached_tokens: 0 the first time, the
     prompt's full blocks but its last token's the second, and 0 for another key's identical prompt."""
     ask, prompt = ASKS[api], cached_prompt(api)
     cached, length = ask(shared, prompt, "ops", {})
@@ -415,8 +440,22 @@ def test_a_flood_of_huge_prompts_is_refused_before_tokenizing_and_others_are_ser
 
 
 # Every request header the router reads (middleware, connections, metrics), and the routes that read them.
-READ_HEADERS = [b"Authorization", b"X-Request-Id", b"Content-Type", b"Expect", b"traceparent", b"tracestate"]
-HEADER_ROUTES = [b"POST /generate", b"POST /v1/chat/completions", b"GET /v1/requests", b"GET /metrics"]
+READ_HEADERS = [
+    b"Authorization",
+    b"x-api-key",
+    b"X-Request-Id",
+    b"Content-Type",
+    b"Expect",
+    b"traceparent",
+    b"tracestate",
+]
+HEADER_ROUTES = [
+    b"POST /generate",
+    b"POST /v1/chat/completions",
+    b"POST /v1/messages",
+    b"GET /v1/requests",
+    b"GET /metrics",
+]
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
@@ -429,7 +468,7 @@ def test_no_header_bytes_get_a_5xx(shared: Server, header: bytes, route: bytes, 
     """Whatever bytes a header holds (not UTF-8, NUL, a line break that ends it early): a 4xx at worst, or the
     answer the route gives (before, a `\\xe9` in Authorization was a UnicodeEncodeError and a 500, with no key)."""
     body = b'{"inputs": "x", "parameters": {"max_new_tokens": 1}}'
-    if route.endswith(b"completions"):
+    if route.endswith((b"completions", b"messages")):
         body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}'
     request = (
         route
