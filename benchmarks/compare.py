@@ -54,7 +54,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bare, deploy, real_model
+from benchmarks import bare, deploy, real_model, roofline
 from benchmarks.compare_report import (
     BARE,
     BARE_ONE,
@@ -67,6 +67,7 @@ from benchmarks.compare_report import (
     TRANSFORMERS,
     VLLM,
     Outcome,
+    one_stream_bandwidth,
     print_report,
     summary_dict,
 )
@@ -587,11 +588,19 @@ def compare_model(args: argparse.Namespace) -> bool:
     """One model's whole comparison, written to its folder and printed; whether any system failed."""
     note(f"model {args.model_dir.name}: {args.model_dir}")
     check_model(args)
+    read = roofline.read_bandwidth()  # this sitting's plain read, which one stream's weight reads are held to
+    note(f"plain read: {read / 1e9:.1f} GB/s")
     workloads = build_workloads(args, load_tokenizer(str(args.model_dir)))
     at_batch_1: dict[str, bare.BareResult | str] = {}
     outcomes = run_systems(args, workloads, deploy.launcher_flags(), at_batch_1)
     ceilings = {**run_ceilings(args, workloads["throughput"]), **at_batch_1}
     summary = summary_dict(args, outcomes, ceilings, workloads)
+    weights = roofline.streamed_weights(args.model_dir)
+    summary["one_stream_bandwidth"] = {
+        "read_gb_s": read / 1e9,
+        "weights": weights,
+        "systems": one_stream_bandwidth(outcomes, weights, read),
+    }
     write_outputs(args, outcomes, summary)
     print_report(args, outcomes, ceilings, summary, workloads)
     return any(o.status == "failed" for o in outcomes)

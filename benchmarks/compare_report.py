@@ -431,6 +431,55 @@ def machine_line(m: dict[str, Any]) -> str:
     return f"machine: {m['cpu']}, {m['cores']} cores, {units}, torch {m['torch']}"
 
 
+def weight_width(system: str) -> str:
+    """The width of the weights a system's name says it read (benchmarks/roofline.py's BYTES_PER_WEIGHT keys)."""
+    for quantize, suffix in QUANTIZED.items():
+        if system.endswith(suffix):
+            return quantize
+    return "bfloat16" if system.endswith(BF16) else "float32"
+
+
+def one_stream_bandwidth(outcomes: list[Outcome], weights: int, read_bytes_per_s: float) -> list[dict[str, Any]]:
+    """Each system's one stream, drafts off, as weight bytes read per second and as a share of a plain read in
+    the same sitting: how near the memory roofline its decode step runs (`weights`: the parameters a step reads)."""
+    from benchmarks.roofline import BYTES_PER_WEIGHT
+
+    rows = []
+    for o in outcomes:
+        run = o.run(NO_DRAFTS) or (None if o.system.startswith("conveyor-") else o.run("single"))
+        if run is None or not run.latencies["tpot"].median:
+            continue
+        width = weight_width(o.system)
+        per_s = weights * BYTES_PER_WEIGHT[width] / (run.latencies["tpot"].median / 1000)
+        rows.append(
+            {
+                "system": o.system,
+                "width": width,
+                "tpot_ms": run.latencies["tpot"].median,
+                "weight_gb_s": per_s / 1e9,
+                "of_read": per_s / read_bytes_per_s,
+            }
+        )
+    return rows
+
+
+def _bandwidth_lines(summary: dict[str, Any]) -> list[str]:
+    measured = summary.get("one_stream_bandwidth")
+    if not measured:
+        return []
+    lines = [
+        "",
+        f"one stream, drafts off, against a plain read of {measured['read_gb_s']:.1f} GB/s "
+        f"({measured['weights'] / 1e9:.3f}B weights a step)",
+    ]
+    for row in measured["systems"]:
+        lines.append(
+            f"  {row['system']:<36} TPOT {row['tpot_ms']:6.2f} ms  weights {row['weight_gb_s']:5.1f} GB/s"
+            f"  {100 * row['of_read']:4.0f}% of the read"
+        )
+    return lines
+
+
 def _single_rows(outcomes: list[Outcome]) -> list[tuple[str, RateResult | str]]:
     rows = []
     for o in outcomes:
@@ -479,6 +528,7 @@ def print_report(
         lines += [""] + _table("single workload: one stream at a time (latencies in ms)", single)
     if sweep := _sweep_rows(outcomes):
         lines += [""] + _table("sweep workload (latencies in ms)", sweep)
+    lines += _bandwidth_lines(summary)
     itl = summary["long_prompts_short_streams"]
     if itl:
         lines += [

@@ -298,6 +298,12 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
     assert verdicts["bare decode step at the full batch / 82 ms"] is not None
     assert verdicts["one stream: continuous-int8 / best float dtype, out tok/s"] is not None  # both measured
     assert verdicts["one stream: continuous-int8 / llama.cpp-int8, median ITL"] is None
+    bandwidth = summary["one_stream_bandwidth"]  # each one stream's weight reads against this sitting's plain read
+    assert bandwidth["read_gb_s"] > 0 and bandwidth["weights"] > 0
+    widths = {row["system"]: row["width"] for row in bandwidth["systems"]}
+    assert widths == {"conveyor-continuous": "float32", "conveyor-continuous-int8": "int8"}
+    assert all(0 < row["of_read"] for row in bandwidth["systems"])
+    assert "one stream, drafts off, against a plain read of" in out
     # The single workload again with drafts off, against the bare forward at batch 1 in the same weights.
     for suffix in ("", "-int8"):
         assert (
