@@ -77,9 +77,15 @@ def test_int4_rounds_each_group_to_its_own_scale() -> None:
 
 
 # Each format's kernel and its inputs: int8 on an odd input size (a last block cut short), int4 on a multiple of its
-# group of 32.
+# group of 32. int8's loops by name too (the AVX2 one is what an AVX2-only CPU runs; every build has both).
 KERNELS = {
     "int8": (Int8BlockWeight, 131, lambda x, q, b: torch.ops.conveyor.int8_gemm(x, q.values, q.scales, b)),
+    "int8-portable": (
+        Int8BlockWeight,
+        131,
+        lambda x, q, b: torch.ops.conveyor.int8_gemm_portable(x, q.values, q.scales, b),
+    ),
+    "int8-avx2": (Int8BlockWeight, 131, lambda x, q, b: torch.ops.conveyor.int8_gemm_avx2(x, q.values, q.scales, b)),
     "int4": (Int4Weight, 128, lambda x, q, b: torch.ops.conveyor.int4_gemm(x, q.packed, q.scales, b)),
 }
 
