@@ -60,20 +60,24 @@ def _linear_args(gemm: Gemm, bias: torch.Tensor | None) -> tuple:
     return DENSE, gemm.plain, gemm.small_rows, gemm.weight, gemm.packed, None, bias
 
 
+@dataclass(frozen=True)
+class StackShape:
+    """One rank's attention heads and the constants every layer shares."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float  # the norms'
+    scale: float  # the attention scores'
+
+
 class DecodeStack:
     """The bound layers of one model on one rank, and when they may serve a step."""
 
-    def __init__(
-        self,
-        parts: list[LayerParts],
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
-        group: ProcessGroup,
-    ) -> None:
-        self.stack = torch.classes.conveyor.DecodeStack(heads, kv_heads, head_dim, eps, scale)
+    def __init__(self, parts: list[LayerParts], shape: StackShape, group: ProcessGroup) -> None:
+        self.stack = torch.classes.conveyor.DecodeStack(
+            shape.heads, shape.kv_heads, shape.head_dim, shape.eps, shape.scale
+        )
         self.parts = parts
         self.group = group
         # With several ranks a row-parallel bias is added after the all-reduce, here; with one, in the GEMM.
@@ -87,20 +91,12 @@ class DecodeStack:
 
     @classmethod
     def build(
-        cls,
-        parts: list[LayerParts],
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
-        group: ProcessGroup,
-        device: torch.device,
+        cls, parts: list[LayerParts], shape: StackShape, group: ProcessGroup, device: torch.device
     ) -> DecodeStack | None:
         """The stack, or None where it cannot serve: off the CPU, without the kernels, or switched off."""
         if chosen() != "fused" or not kernels.serves(device):
             return None
-        return cls(parts, heads, kv_heads, head_dim, eps, scale, group)
+        return cls(parts, shape, group)
 
     def serves(self, rows: int, groups: list) -> bool:
         """Whether a step of `rows` tokens with these attention groups runs here."""

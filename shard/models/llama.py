@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.attention import AttentionMetadata, KVCache, Metadatas, attend, paged_attention
-from conveyor.shard.layers.decode_stack import DecodeStack, LayerParts
+from conveyor.shard.layers.decode_stack import DecodeStack, LayerParts, StackShape
 from conveyor.shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.shard.layers.norm import RMSNorm
@@ -152,10 +152,16 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def _decode_stack(self, weights: Weights) -> DecodeStack | None:
         """The layers bound for decode steps in one C++ call (shard/layers/decode_stack.py), where it serves."""
-        shape, scale = self.shape, self.layers[0].attention.scale
-        heads = (shape.heads_per_rank, shape.kv_heads_per_rank, shape.head_dim)
+        shape = self.shape
+        stack_shape = StackShape(
+            shape.heads_per_rank,
+            shape.kv_heads_per_rank,
+            shape.head_dim,
+            self.config.rms_norm_eps,
+            self.layers[0].attention.scale,
+        )
         parts = [layer.parts() for layer in self.layers]
-        return DecodeStack.build(parts, *heads, self.config.rms_norm_eps, scale, weights.group, weights.device)
+        return DecodeStack.build(parts, stack_shape, weights.group, weights.device)
 
     def forward(
         self,
