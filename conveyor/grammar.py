@@ -11,6 +11,7 @@ and the shards share this module: the router compiles each distinct constraint o
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -65,7 +66,9 @@ class Constraint:
 
     @classmethod
     def grammar_text(cls, lark: Any) -> Constraint:
-        if not isinstance(lark, str) or not lark.strip():
+        # The schemas' rule (`\S`, as JSON Schema's regexes read it): Python's str.strip() also drops control
+        # characters such as \x1e, which a schema-valid grammar may hold (then the grammar's parser judges it).
+        if not isinstance(lark, str) or not re.search(r"\S", lark, re.ASCII):
             raise GrammarError("a grammar must be a non-empty string (Lark syntax)")
         return cls("grammar", _sized(lark))
 
