@@ -19,6 +19,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "attention_simd.h"
 #include "float_types.h"
 #include "row_dots.h"
 
@@ -26,10 +27,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 // Named rather than anonymous: kernels.cpp compiles every kernel in one translation unit.
 namespace conveyor::int8_gemm_kernel {
@@ -74,12 +71,6 @@ inline void dots(const float* x, int64_t in, const int8_t* w, const c10::Half* s
 // vectors, and each row of x's vectors used for every weight row, so that kRows * kOut accumulators run side by side.
 // The loop above, left to the compiler, waited on its one accumulator chain and its stack round trip: on an AVX2 EPYC
 // (Zen 3, 2 threads) a decode step's int8 layers read their weights at about a third of a plain read.
-inline float sum8(__m256 v) {
-  const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 twice = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
-  return _mm_cvtss_f32(_mm_add_ss(twice, _mm_shuffle_ps(twice, twice, 1)));
-}
-
 inline __m256 widened8(__m128i bytes, __m256 scale) {  // the low 8 int8 of `bytes`, as floats times the scale
   return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
 }
@@ -112,7 +103,7 @@ inline void dots_avx2(const float* x, int64_t in, const int8_t* w, const c10::Ha
   }
   for (int m = 0; m < kRows; ++m)
     for (int r = 0; r < kOut; ++r) {
-      float sum = sum8(acc[m][r]);
+      float sum = conveyor::simd::Avx2::reduce_add(acc[m][r]);
       if (whole * kBlock < in) {
         const float scale = widen(scales[r * blocks + whole]);
         for (int64_t k = whole * kBlock; k < in; ++k) sum += x[m * in + k] * (scale * static_cast<float>(w[r * in + k]));
