@@ -268,12 +268,21 @@ class Deployment:
                 self.config.master_addr, self.config.master_port, self.config.node_rank == 0, timeout
             )
             group.epoch = group.store.epoch
+        # On one node the router starts beside the shards: its imports and tokenizer load overlap theirs, and it
+        # connects (retrying until --startup-timeout) once they answer. Across nodes it waits for node 0's ranks,
+        # whose start may be overtaken by a new epoch (ShardGroup.start).
+        early = self.config.nnodes == 1
+        if early:
+            self._spawn_router()
         for group in self.groups:
             group.start(deadline, self._wait, should_stop)
         if self.config.node_rank == 0:
-            argv = self.router_config().to_argv()
-            self.router = spawn("router", "conveyor.router.main", argv, dict(os.environ))
+            if not early:
+                self._spawn_router()
             self._wait(None, self.router, lambda: _http_ok(f"{self.router_url}/health"), deadline, should_stop)
+
+    def _spawn_router(self) -> None:
+        self.router = spawn("router", "conveyor.router.main", self.router_config().to_argv(), dict(os.environ))
 
     def _wait(
         self,

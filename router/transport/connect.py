@@ -65,7 +65,7 @@ def check_same_model(first: ShardInfo, other: ShardInfo, address: str) -> None:
 
 async def first_connect(args: Config, tokenizer, security: Security, group: GroupStore | None = None) -> Connection:
     """The first connection, tried until --startup-timeout: a router started on its own (another container,
-    another host) may come up before its shards do. The launcher starts it only once they answer."""
+    another host) may come up before its shards do, and the launcher starts it beside them."""
     deadline = time.monotonic() + args.startup_timeout
     while True:
         try:
