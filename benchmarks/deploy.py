@@ -2,8 +2,7 @@
 vLLM's CPU build and llama.cpp's `llama-server` (each of those two in its own venv).
 
 Each is a context manager that yields the base URL once /health answers and always stops the process, keeping
-its output in a log file whose tail explains any failure. The launcher helpers (ports, health polling, ordered
-SIGTERM) are `shards.py`'s.
+its output in a log file whose tail explains any failure.
 """
 
 from __future__ import annotations
@@ -14,21 +13,85 @@ import io
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
-from benchmarks import shards
-from benchmarks.shards import DeploymentFailed  # noqa: F401 - callers catch it from here
+from benchmarks.progress import note
 from conveyor.paths import cache_root
+
+STOP_TIMEOUT_S = 180.0  # the launcher gives in-flight requests 60 s, then stops each shard (10 s each at most)
+LOG_TAIL_LINES = 60
 
 # The peers serve local directories and send nothing off this machine (benchmarks, like tests, send traffic to
 # loopback only): no Hub lookups, and none of the usage statistics vLLM reports by default.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+class DeploymentFailed(RuntimeError):
+    """A system that did not start; the message carries the end of its output."""
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel picks (bind to port 0); all sockets are held open together so the ports are distinct."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The end of the system's output, verbatim: what explains a failure is nearly always there."""
+    text = log_path.read_text(errors="replace").rstrip("\n").splitlines()
+    return "\n".join(text[-lines:]) if text else "(the process wrote nothing)"
+
+
+def healthy(url: str) -> bool:
+    """GET /health answers 200 only once the system is ready (Conveyor's: the router and every shard)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:  # refused while starting, or 503 (HTTPError) until ready
+        return False
+
+
+def wait_healthy(process: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
+    """Polls /health until the deadline, failing at once (with the process's output) if it exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise DeploymentFailed(
+                f"it exited with code {process.returncode} while starting; its output ({log_path}):\n"
+                f"{log_tail(log_path)}"
+            )
+        if healthy(url):
+            return
+        time.sleep(0.5)
+    raise DeploymentFailed(f"not healthy after {timeout:.0f} s; its output ({log_path}):\n{log_tail(log_path)}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM lets Conveyor's launcher stop router and shards in order; SIGKILL only if it hangs."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        note(f"  pid {process.pid} ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s; killing it")
+        process.kill()
+        process.wait()
 
 
 def launcher_flags() -> set[str]:
@@ -59,25 +122,29 @@ def _serve(
     """Runs `command`, yields its URL once healthy, stops it; the log is kept only when something failed."""
     url = f"http://127.0.0.1:{port}"
     with _logged(name) as (log_path, log):
-        shards.progress(f"starting {name} on port {port} (output: {log_path})")
+        note(f"starting {name} on port {port} (output: {log_path})")
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     failed = True
     try:
-        shards.wait_healthy(process, url, timeout, log_path)
+        wait_healthy(process, url, timeout, log_path)
         yield url
         failed = False
     finally:
-        shards.stop(process)
+        stop(process)
         if not failed:
             log_path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def conveyor(spec: ConveyorSpec, timeout: float) -> Iterator[str]:
-    port, master_port = shards.free_ports(2)
-    launcher_args = SimpleNamespace(model_id=str(spec.model_dir), max_batch_total_tokens=None, launcher_arg=spec.flags)
-    command = shards.launcher_command(launcher_args, 1, port, master_port)
-    yield from _serve(command, spec.name, port, timeout)
+    port, master_port = free_ports(2)
+    yield from _serve(launcher_command(str(spec.model_dir), port, master_port, spec.flags), spec.name, port, timeout)
+
+
+def launcher_command(model_id: str, port: int, master_port: int, flags: list[str]) -> list[str]:
+    """Conveyor's launcher from this Python; `flags` come last, so that they win."""
+    command = [sys.executable, "-m", "conveyor.launcher.main", "--model-id", model_id, "--port", str(port)]
+    return [*command, "--master-port", str(master_port), *flags]
 
 
 def transformers_cli() -> str | None:
@@ -103,7 +170,7 @@ def transformers_serve(
     model_dir: Path, num_blocks: int, block_size: int, max_batch_tokens: int, timeout: float, dtype: str = "float32"
 ) -> Iterator[str]:
     """`transformers serve DIR --continuous-batching` on CPU, pinned to the model (it then serves only that)."""
-    (port,) = shards.free_ports(1)
+    (port,) = free_ports(1)
     command = [
         transformers_cli() or "transformers",
         "serve",
@@ -160,7 +227,7 @@ def vllm_env(binding: str) -> dict[str, str]:
 def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float, max_model_len: int = 2048) -> Iterator[str]:
     """vLLM's OpenAI server on CPU for the model directory (served under its path, as `transformers serve`);
     `max_model_len` bounds a request's tokens (its KV space is set apart by VLLM_CPU_KVCACHE_SPACE)."""
-    (port,) = shards.free_ports(1)
+    (port,) = free_ports(1)
     command = [
         str(vllm_python()),
         "-m",
@@ -234,11 +301,11 @@ def gguf(model_dir: Path, dtype: str) -> Path:
     if GGUF_TYPES[dtype] in REQUANTIZED:
         source, server = gguf(model_dir, "float32"), llamacpp_server()
         assert isinstance(server, Path), server
-        shards.progress(f"quantizing {source.name} to {GGUF_TYPES[dtype]} with llama-quantize")
+        note(f"quantizing {source.name} to {GGUF_TYPES[dtype]} with llama-quantize")
         command = [str(server.with_name("llama-quantize")), str(source), str(partial), GGUF_TYPES[dtype]]
         subprocess.run(command, check=True, capture_output=True, env=_offline_env())
     else:
-        shards.progress(f"converting {model_dir} to GGUF ({GGUF_TYPES[dtype]}) with llama.cpp's converter")
+        note(f"converting {model_dir} to GGUF ({GGUF_TYPES[dtype]}) with llama.cpp's converter")
         script = Path(__file__).with_name("gguf.py")
         command = [str(llamacpp_python()), str(script), str(llamacpp_converter()), str(model_dir), str(partial)]
         subprocess.run([*command, "--outtype", GGUF_TYPES[dtype]], check=True, capture_output=True, env=_offline_env())
@@ -260,7 +327,7 @@ def llamacpp_serve(
     server = llamacpp_server()
     assert isinstance(server, Path), server
     model = gguf(model_dir, dtype)
-    (port,) = shards.free_ports(1)
+    (port,) = free_ports(1)
     command = [
         str(server),
         "--model",

@@ -23,12 +23,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import aiohttp
 import psutil
 
-from benchmarks import shards
+from benchmarks import deploy
+from benchmarks.progress import note
 
 DEMO = "demo"
 
@@ -88,22 +88,21 @@ async def one_kill(url: str, launcher_pid: int, rank: int, args: argparse.Namesp
 
 
 def measure(args: argparse.Namespace, num_shard: int) -> list[dict[str, float]]:
-    port, master_port = shards.free_ports(2)
-    launcher = SimpleNamespace(model_id=args.model_id, max_batch_total_tokens=None, launcher_arg=[])
-    command = shards.launcher_command(launcher, num_shard, port, master_port)
+    port, master_port = deploy.free_ports(2)
+    command = deploy.launcher_command(args.model_id, port, master_port, ["--num-shard", str(num_shard)])
     url, results = f"http://127.0.0.1:{port}", []
     with tempfile.NamedTemporaryFile(prefix="conveyor-recovery-", suffix=".log", delete=False) as log:
-        shards.progress(f"starting {num_shard} shard(s) on port {port} (output: {log.name})")
+        note(f"starting {num_shard} shard(s) on port {port} (output: {log.name})")
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        shards.wait_healthy(process, url, args.startup_timeout, Path(log.name))
+        deploy.wait_healthy(process, url, args.startup_timeout, Path(log.name))
         for kill in range(args.kills):
             result = asyncio.run(one_kill(url, process.pid, num_shard - 1, args))
-            shards.progress(f"  kill {kill + 1}: first resumed token after {result['first']:.2f} s")
+            note(f"  kill {kill + 1}: first resumed token after {result['first']:.2f} s")
             results.append(result)
-            shards.wait_healthy(process, url, args.startup_timeout, Path(log.name))
+            deploy.wait_healthy(process, url, args.startup_timeout, Path(log.name))
     finally:
-        shards.stop(process)
+        deploy.stop(process)
     return results
 
 

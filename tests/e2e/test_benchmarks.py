@@ -16,83 +16,9 @@ from benchmarks.backends import RequestOptions, backend
 from benchmarks.client import RequestRecord, sse_data
 from benchmarks.metrics import LATENCIES, STATISTICS, BenchmarkResult, summarize
 from benchmarks.serve import load_tokenizer
-from benchmarks.shards import RATIO_LABEL, Outcome, print_report
-from benchmarks.shards import parse_args as parse_shards_args
-from benchmarks.shards import streams as shards_streams
 from benchmarks.workload import LengthSpec, Prompt, arrival_offsets, build_prompts, count_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
-Row = shards_streams.Row  # the class shards.py builds its rows from (streams.py, loaded by path)
-
-
-def test_streams_benchmark_prints_its_table(server: Server) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "streams.py"),
-            "--url",
-            server.url,
-            "--requests",
-            "4",
-            "--concurrency",
-            "1,2",
-            "--max-new-tokens",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
-    lines = [line.split() for line in out.strip().splitlines()]
-    assert lines[0][:2] == ["streams", "requests"]
-    assert [row[:3] for row in lines[1:]] == [["1", "4", "12"], ["2", "4", "12"]]
-
-
-def test_shards_benchmark_prints_its_grid(tiny_model) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "shards.py"),
-            "--model-id",
-            str(tiny_model),
-            "--shards",
-            "1",
-            "--requests",
-            "2",
-            "--concurrency",
-            "1,2",
-            "--max-new-tokens",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
-    lines = [line.split() for line in out.splitlines()]
-    assert ["shards", "1", "streams", "2", "streams"] in lines
-    rows = {cells[0]: cells[1:] for cells in lines if cells[:1] == ["1"]}
-    assert set(rows) == {"1"}
-    assert len(rows["1"]) == 2 and all(float(c) > 0 for c in rows["1"])
-    assert RATIO_LABEL not in out  # one shard count only: nothing to compare
-
-
-def _table_tail(capsys: pytest.CaptureFixture[str], outcomes: list[Outcome]) -> list[list[str]]:
-    """The last three lines of shards.py's report (the two deployments and the ratio row), split into cells."""
-    print_report(parse_shards_args(["--shards", "1,2", "--concurrency", "1,2"]), outcomes)
-    *rows, ratio = capsys.readouterr().out.splitlines()[-3:]
-    assert ratio.startswith(RATIO_LABEL)
-    return [row.split() for row in rows] + [ratio[len(RATIO_LABEL) :].split()]
-
-
-def test_shards_benchmark_ratio_row(capsys: pytest.CaptureFixture[str]) -> None:
-    """The 2-shard / 1-shard row, from made-up rates: starting two deployments here would cost minutes."""
-    one = Outcome(1, {1: Row(1, 4, 8, 1.0, 0.0, 0.0), 2: Row(2, 4, 8, 0.5, 0.0, 0.0)})  # 8 and 16 tok/s
-    two = Outcome(2, {1: Row(1, 4, 8, 0.5, 0.0, 0.0), 2: Row(2, 4, 8, 0.5, 0.0, 0.0)})  # 16 and 16 tok/s
-    failed = Outcome(2, status="failed", error="the launcher exited")
-    assert _table_tail(capsys, [one, two]) == [["1", "8.0", "16.0"], ["2", "16.0", "16.0"], ["2.00x", "1.00x"]]
-    assert _table_tail(capsys, [one, failed]) == [["1", "8.0", "16.0"], ["2", "failed", "failed"], ["n/a", "n/a"]]
 
 
 # --- the load generator and compare (benchmarks/serve.py, benchmarks/compare.py) ------------------------------
