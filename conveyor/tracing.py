@@ -65,7 +65,7 @@ def span(
     """A span under `parent` (a span, a context, or the current span when None). With no tracer provider set
     (no `--otlp-endpoint`), the no-op tracer's span would be its parent's context again, unrecorded: the parent
     is yielded as it is, which saves what the no-op tracer takes to make it on the hot paths (a request's
-    validation, whose cost benchmarks/validation.py measures; every step, in the router and in each shard)."""
+    validation; every step, in the router and in each shard)."""
     if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         yield parent if isinstance(parent, Span) else trace.get_current_span(parent)
         return

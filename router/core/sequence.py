@@ -37,8 +37,8 @@ class CacheScope:
     adapter: str | None = None  # an adapter's KV is not the base model's, nor another adapter's
 
     def digest(self) -> str:
-        """The scope as the shards get it (kv_offload.py keys disk blocks by it): one-way, so that no key name or
-        salt travels or lands in a file name, and field by field, as the comparison is."""
+        """The scope as the shards get it (shard/kv_offload/prefix_offload.py keys disk blocks by it): one-way, so
+        that no key name or salt travels or lands in a file name, and field by field, as the comparison is."""
         h = hashlib.sha256()
         for part in (self.owner, self.name, self.adapter or ""):
             data = part.encode()
