@@ -186,7 +186,8 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
     assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
     assert second.previous_response_id == first.id
     assert client.responses.retrieve(first.id).output_text == first.output_text
-    assert client.responses.delete(first.id) is None or True  # the SDK returns None for a 200
+    deleted = client.responses.with_raw_response.delete(first.id)  # the SDK's delete() returns None
+    assert deleted.http_response.json() == {"id": first.id, "object": "response", "deleted": True}
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
     refused = httpx.post(
