@@ -71,6 +71,7 @@ from benchmarks.compare_report import (
     print_report,
     summary_dict,
 )
+from benchmarks.docs_tables import write_sitting
 from benchmarks.metrics import BenchmarkResult
 from benchmarks.plot import plot_results
 from benchmarks.progress import note
@@ -385,6 +386,7 @@ def write_outputs(args: argparse.Namespace, outcomes: list[Outcome], summary: di
         for name, result in o.results.items():
             result.write(args.out / f"{o.system}-{name}.json", detailed=name == "long")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_sitting(args.out, "benchmarks.compare")
     sweeps = [o.results["sweep"].to_dict() for o in outcomes if "sweep" in o.results]
     if sweeps:
         plot_results(sweeps, args.out / "sweep.png", "Latency and throughput against request rate (same prompts)")

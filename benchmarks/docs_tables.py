@@ -16,9 +16,12 @@ workload; older ones are in git's history.
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +69,21 @@ def sittings() -> list[Run]:
         else:
             runs.append(Run(folder, record["command"], record["note"], record["committed"]))
     return sorted(runs, key=lambda run: run.committed, reverse=True)
+
+
+def write_sitting(folder: Path, module: str) -> None:
+    """Records the command that wrote `folder` and when, unless a sitting.json is there already (its note may have
+    been written since): `module` is the benchmark's, run as `python -m`. The note says only the commit; what the
+    sitting was for, and what to keep in mind reading it, is for whoever commits the results to add."""
+    path = folder / SITTING
+    if path.exists():
+        return
+    command = shlex.join([".venv/bin/python", "-m", module, *sys.argv[1:]])
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    commit = head.stdout.strip() or "unknown"
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    record = {"command": command, "note": f"One sitting at commit {commit}.", "committed": when}
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def cell(value: Any, digits: int = 1) -> str:

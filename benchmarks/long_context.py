@@ -34,6 +34,7 @@ from typing import Any
 
 from benchmarks import deploy, real_model
 from benchmarks.compare_report import machine, machine_line
+from benchmarks.docs_tables import write_sitting
 from benchmarks.metrics import BenchmarkResult, RateResult
 from benchmarks.progress import note
 from benchmarks.serve import BenchmarkConfig, load_tokenizer, run
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         "systems": figures,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_sitting(args.out, "benchmarks.long_context")
     print(text)
 
 

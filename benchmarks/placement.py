@@ -39,6 +39,7 @@ from benchmarks import deploy, real_model
 from benchmarks.backends import CompletionsBackend, RequestOptions
 from benchmarks.client import sse_data
 from benchmarks.compare_report import machine, machine_line
+from benchmarks.docs_tables import write_sitting
 from benchmarks.metrics import Summary
 from benchmarks.progress import note
 from benchmarks.serve import load_tokenizer
@@ -395,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     text = report(args, runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary(args, runs), indent=2) + "\n")
+    write_sitting(args.out, "benchmarks.placement")
     (args.out / "summary.md").write_text(text)
     print(text, end="")
 

@@ -203,6 +203,9 @@ def test_compare_quick_runs_and_reports_what_it_skipped(tiny_model: Path, tmp_pa
     results = tmp_path / tiny_model.name  # the model's own folder under --out
     summary = json.loads((results / "summary.json").read_text())
     assert summary["model"] == tiny_model.name
+    sitting = json.loads((results / "sitting.json").read_text())  # what docs_tables needs beside the JSON
+    assert sitting["command"].startswith(f".venv/bin/python -m benchmarks.compare --quick --model-id {tiny_model} ")
+    assert str(tmp_path) in sitting["command"] and sitting["note"].startswith("One sitting at commit ")
     assert {s: v["status"] for s, v in summary["systems"].items()} == {
         "conveyor-continuous": "ok",
         "vllm-cpu": "skipped",
