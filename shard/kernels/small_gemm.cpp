@@ -16,6 +16,7 @@
 
 #include "float_types.h"
 #include "row_dots.h"
+#include "row_dots_avx2.h"
 #include "row_dots_avx512.h"
 
 #include <cstdint>
@@ -79,6 +80,44 @@ void rows_avx512(const float* x, const scalar_t* x_raw, int64_t count, const sca
 }
 #endif
 
+#ifdef CONVEYOR_AVX2_DOTS
+// The same blocks in AVX2 (row_dots_avx2.h): what a CPU without AVX-512 runs, float32 and bfloat16 widened.
+template <int kRows, int kOut, typename scalar_t>
+void rows_avx2_block(const float* x, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in,
+                     int64_t out_features, int64_t m, int64_t o) {
+  float sums[kRows * kOut];
+  conveyor::avx2::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
+  for (int j = 0; j < kRows; ++j)
+    for (int r = 0; r < kOut; ++r) {
+      const float b = bias ? widen(bias[o + r]) : 0.f;
+      out[(m + j) * out_features + o + r] = static_cast<scalar_t>(sums[j * kOut + r] + b);
+    }
+}
+
+// Each block of weight rows is read from memory once and dotted with every row of x, four rows at a time, while
+// it is still in L1.
+template <int kOut, typename scalar_t>
+void rows_avx2_blocks(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out,
+                      int64_t in, int64_t out_features, int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + kOut <= end; o += kOut)
+    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+      rows_avx2_block<decltype(chunk)::value, kOut>(x, w, bias, out, in, out_features, m, o);
+    });
+  for (; o < end; ++o)
+    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+      rows_avx2_block<decltype(chunk)::value, 1>(x, w, bias, out, in, out_features, m, o);
+    });
+}
+
+template <typename scalar_t>
+void rows_avx2(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in,
+               int64_t out_features, int64_t begin, int64_t end) {
+  if (count <= 2) return rows_avx2_blocks<conveyor::avx2::kOutFor<2>>(x, count, w, bias, out, in, out_features, begin, end);
+  rows_avx2_blocks<conveyor::avx2::kOutFor<4>>(x, count, w, bias, out, in, out_features, begin, end);
+}
+#endif
+
 // Whether this build has a vector path for the weight's dtype (float and bfloat16 with AVX-512).
 template <typename scalar_t>
 constexpr bool vectorized() {
@@ -89,9 +128,19 @@ constexpr bool vectorized() {
 #endif
 }
 
-// Which loop a call takes: the fastest this build has, the plain C++ loop, or the AVX-512 loop that widens bfloat16
-// weights to float (what a CPU without the bfloat16 dot product runs). The tests call each on any machine that has it.
-enum class Path { kBest, kPortable, kWidening };
+// Which loop a call takes: the fastest this build has, the plain C++ loop, the AVX-512 loop that widens bfloat16
+// weights to float (what a CPU without the bfloat16 dot product runs), or the AVX2 loop (what a CPU without AVX-512
+// runs). The tests call each on any machine that has it.
+enum class Path { kBest, kPortable, kWidening, kAvx2 };
+
+template <typename scalar_t>
+constexpr bool avx2_vectorized() {
+#ifdef CONVEYOR_AVX2_DOTS
+  return std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
 
 template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& out,
@@ -105,20 +154,32 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
 #ifdef CONVEYOR_AVX512_DOTS
     if constexpr (vectorized<scalar_t>()) {
-      if (path != Path::kPortable)
+      if (path == Path::kBest || path == Path::kWidening)
         return rows_avx512<scalar_t>(xf.data(), x_raw, count, w, b, o, in, out_features, begin, end,
                                      path == Path::kWidening);
+    }
+    constexpr bool avx2_best = false;
+#else
+    constexpr bool avx2_best = true;
+#endif
+#ifdef CONVEYOR_AVX2_DOTS
+    if constexpr (avx2_vectorized<scalar_t>()) {
+      if (path == Path::kAvx2 || (avx2_best && path == Path::kBest))
+        return rows_avx2<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
     }
 #endif
     rows<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
   });
 }
 
-// x [M, in] with 1 <= M <= 4, weight [out, in], bias [out] or none, all one dtype and contiguous. Returns [M, out].
+// The most rows a call takes: a verifying step of one sequence with 4 drafts is 5, and a few such at once more.
+constexpr int64_t kMostRows = 8;
+
+// x [M, in] with 1 <= M <= kMostRows, weight [out, in], bias [out] or none, all one dtype and contiguous. Returns [M, out].
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, Path path) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_gemm runs on CPU");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, in] and weight [out, in]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "small_gemm takes 1 to 4 rows, not ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMostRows, "small_gemm takes 1 to ", kMostRows, " rows, not ", x.size(0));
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight share a dtype");
   conveyor::check_bias(bias, weight.size(0), weight.scalar_type());
@@ -139,6 +200,10 @@ at::Tensor small_gemm_widening(const at::Tensor& x, const at::Tensor& weight, co
   return gemm(x, weight, bias, Path::kWidening);
 }
 
+at::Tensor small_gemm_avx2(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return gemm(x, weight, bias, Path::kAvx2);
+}
+
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("small_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm", c10::DispatchKey::CPU, &small_gemm);
@@ -146,6 +211,8 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.impl("small_gemm_portable", c10::DispatchKey::CPU, &small_gemm_portable);
   m.def("small_gemm_widening(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm_widening", c10::DispatchKey::CPU, &small_gemm_widening);
+  m.def("small_gemm_avx2(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("small_gemm_avx2", c10::DispatchKey::CPU, &small_gemm_avx2);
 }
 
 }  // namespace conveyor::small_gemm_kernel

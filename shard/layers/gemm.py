@@ -14,9 +14,14 @@ rows go to Conveyor's own `small_gemm` kernel (`shard/kernels/small_gemm.cpp`) o
 Where the weight is packed that is a second copy of it: kept only while both copies fit in a share of the memory
 (`plain_copy_fits`, decided once per model by the engine). How many rows the kernel takes depends on its loop
 (`small_rows`): the AVX-512 one, which prefetches the weight and dots bfloat16 natively, shortens the bare decode
-step up to the kernel's most rows, 4, in float32 and bfloat16; the portable loop only at 1 and 2, oneDNN being as
-fast or faster from 3 there. The bare forward measures it (benchmarks/bare.py's loop at batch 1 to 4 with
-`SMALL_ROWS_AVX512` at 2 against 4, or `gemm="auto"` against `gemm="onednn"`, its median full decode step).
+step up to 4 rows in float32 and bfloat16 (measured on Intel Xeon and AMD Zen 4/5; more rows there are unmeasured).
+The AVX2 one, which blocks 2-4 weight rows against 4 rows of x in registers, up to the kernel's most rows, 8: on an
+AMD EPYC Zen 3 (AVX2 only, 2 vCPUs, SmolLM2-135M-Instruct's bare decode step, `SMALL_ROWS_AVX2` 8 against oneDNN
+from 3 rows, 2 interleaved rounds) float32 at 4 rows took 30-36 ms instead of 41-42, at 5 rows 29-34 instead of
+41-46, at 8 rows 37-41 instead of 47-54 (1 row: 24-25 either way), and bfloat16, which oneDNN computes slowly on
+such a CPU, 20 ms instead of 94 at 4 rows and 30 instead of 128 at 8. The portable loop (no AVX2) only at 1 and 2,
+oneDNN being as fast or faster from 3 there. The bare forward measures it (benchmarks/bare.py's loop at batch 1 to 8,
+or `gemm="auto"` against `gemm="onednn"`, its median full decode step).
 
 bfloat16 halves what a step reads, which is what a decode step is bound by, but on an Intel Xeon without AMX's
 tiles it computes no faster: where a step is bound by computing (a prompt), oneDNN's avx512_core_bf16 matmuls run
@@ -48,8 +53,9 @@ from conveyor import cpu
 from conveyor.shard.layers.quantize import Int4Weight, Int8BlockWeight, QuantizationUnavailable
 
 BACKENDS = ("auto", "onednn", "torch")
-SMALL_ROWS_AVX512 = 4  # rows up to which the kernel's AVX-512 loop beats oneDNN: all it takes (see above)
-SMALL_ROWS_PORTABLE = 2  # ...and its portable loop, on a CPU without AVX-512
+SMALL_ROWS_AVX512 = 4  # rows up to which the kernel's AVX-512 loop beats oneDNN (see above)
+SMALL_ROWS_AVX2 = 8  # ...its AVX2 loop, on a CPU without AVX-512: all the kernel takes
+SMALL_ROWS_PORTABLE = 2  # ...and its portable loop, on a CPU without AVX2
 PLAIN_COPY_SHARE = 0.25  # of the available memory, that a model's weights twice over may take
 WIDE_ROWS = 64  # tokens from which a step's bf16 layers compute in float32 where the CPU widens (see above)
 
@@ -107,10 +113,11 @@ def vnni() -> bool:
 
 def small_rows(found: cpu.Cpu) -> int:
     """Rows up to which a layer takes the small-rows kernel on this kind of CPU (the kernel's AVX-512 loop needs
-    AVX512F, BW and VL, as the library of each AVX-512 kind is built with; `found` is what `cpu.probe` reports, so
-    CONVEYOR_CPU_VARIANT=avx2 gives the AVX2 library's answer)."""
-    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= found.flags
-    return SMALL_ROWS_AVX512 if avx512 else SMALL_ROWS_PORTABLE
+    AVX512F, BW and VL, as the library of each AVX-512 kind is built with, its AVX2 loop AVX2 and FMA; `found` is
+    what `cpu.probe` reports, so CONVEYOR_CPU_VARIANT=avx2 gives the AVX2 library's answer)."""
+    if {"avx512f", "avx512bw", "avx512vl"} <= found.flags:
+        return SMALL_ROWS_AVX512
+    return SMALL_ROWS_AVX2 if {"avx2", "fma"} <= found.flags else SMALL_ROWS_PORTABLE
 
 
 @functools.cache

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conveyor import cpu
 from conveyor.shard import offline
 from conveyor.shard.kernels import library as kernels
-from conveyor.shard.layers import decode_stack
+from conveyor.shard.layers import decode_stack, gemm
 from conveyor.shard.layers.attention import build_per_window
 
 ARCHITECTURES = ["tiny_model", "qwen2_model", "qwen3_model", "mistral_model", "phi3_model"]
@@ -62,7 +63,7 @@ def test_one_call_gives_the_modules_bits(built, request, architecture: str, vari
     assert stack is not None, "the stack binds every Llama-family model"
     calls = []
     monkeypatch.setattr(type(stack), "__call__", _counting(type(stack).__call__, calls))
-    for rows in (1, 3):
+    for rows in (1, 3, gemm.small_rows(cpu.probe()) + 1):  # the last past the small-rows kernel: oneDNN's
         fused = _decode_logits(engine, rows, fused=True)
         assert calls, "the fused step served the decode rows"
         calls.clear()

@@ -26,17 +26,18 @@ def built() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("shape", [(48, 64), (37, 131), (1000, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("op", ["small_gemm", "small_gemm_portable", "small_gemm_widening"])
+@pytest.mark.parametrize("op", ["small_gemm", "small_gemm_portable", "small_gemm_widening", "small_gemm_avx2"])
 def test_kernel_equals_f_linear(
     built, dtype: torch.dtype, rows: int, shape: tuple[int, int], with_bias: bool, op: str
 ) -> None:
     """Odd sizes leave a remainder past the vector width (and out rows past the AVX-512 path's blocks of four);
     each output row is a sum in float of widened products, so it matches float64 up to the output dtype's
-    rounding. `small_gemm_portable` is the plain C++ loop, which a CPU without AVX-512 runs, and
-    `small_gemm_widening` the AVX-512 loop a CPU without the bfloat16 dot product runs: both tested here too."""
+    rounding. `small_gemm_portable` is the plain C++ loop, which a CPU without AVX2 runs, `small_gemm_avx2` the AVX2
+    loop a CPU without AVX-512 runs (float16 takes the plain loop there), and `small_gemm_widening` the AVX-512 loop a
+    CPU without the bfloat16 dot product runs: all tested here too."""
     generator = torch.Generator().manual_seed(rows * 1000 + shape[1])
     out_features, in_features = shape
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
@@ -51,8 +52,8 @@ def test_kernel_equals_f_linear(
 
 def test_kernel_refuses_what_it_does_not_compute(built) -> None:
     weight = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        torch.ops.conveyor.small_gemm(torch.randn(5, 16), weight, None)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        torch.ops.conveyor.small_gemm(torch.randn(9, 16), weight, None)
     with pytest.raises(RuntimeError, match="share a dtype"):
         torch.ops.conveyor.small_gemm(torch.randn(1, 16, dtype=torch.bfloat16), weight, None)
     with pytest.raises(RuntimeError, match=r"x \[M, in\]"):
@@ -71,7 +72,7 @@ def test_gemm_sends_few_rows_to_the_kernel(built, monkeypatch: pytest.MonkeyPatc
     layer = Gemm(weight, plain_copy)
     assert layer.packed  # float32 on CPU: oneDNN everywhere
     assert (layer.plain is not None) is plain_copy
-    for rows in range(1, 6):
+    for rows in range(1, 10):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert calls == (list(range(1, gemm.small_rows(cpu.probe()) + 1)) if plain_copy else [])
@@ -80,11 +81,13 @@ def test_gemm_sends_few_rows_to_the_kernel(built, monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_the_kernel_takes_more_rows_where_its_avx512_loop_runs() -> None:
-    """Every CPU kind's answer, on any machine: the AVX-512 loop needs F, BW and VL, as the kernel's build does."""
+def test_the_kernel_takes_as_many_rows_as_its_loop_wins() -> None:
+    """Every CPU kind's answer, on any machine: the AVX-512 loop needs F, BW and VL, as the kernel's build does, the
+    AVX2 one AVX2 and FMA."""
     kind = lambda *flags: cpu.Cpu("fake", 2, frozenset(flags), False)  # noqa: E731
-    assert gemm.small_rows(kind("avx2", "fma")) == gemm.SMALL_ROWS_PORTABLE == 2
-    assert gemm.small_rows(kind("avx2", "avx512f")) == gemm.SMALL_ROWS_PORTABLE
+    assert gemm.small_rows(kind("sse4_2")) == gemm.SMALL_ROWS_PORTABLE == 2
+    assert gemm.small_rows(kind("avx2", "fma")) == gemm.SMALL_ROWS_AVX2 == 8
+    assert gemm.small_rows(kind("avx2", "fma", "avx512f")) == gemm.SMALL_ROWS_AVX2
     assert gemm.small_rows(kind("avx2", "avx512f", "avx512bw", "avx512vl")) == gemm.SMALL_ROWS_AVX512 == 4
 
 
