@@ -77,7 +77,7 @@ def test_int4_rounds_each_group_to_its_own_scale() -> None:
 
 
 # Each format's kernel and its inputs: int8 on an odd input size (a last block cut short), int4 on a multiple of its
-# group of 32. int8's loops by name too (the AVX2 one is what an AVX2-only CPU runs; every build has both).
+# group of 32. Each one's loops by name too (the AVX2 one is what an AVX2-only CPU runs; every build has both).
 KERNELS = {
     "int8": (Int8BlockWeight, 131, lambda x, q, b: torch.ops.conveyor.int8_gemm(x, q.values, q.scales, b)),
     "int8-portable": (
@@ -87,6 +87,8 @@ KERNELS = {
     ),
     "int8-avx2": (Int8BlockWeight, 131, lambda x, q, b: torch.ops.conveyor.int8_gemm_avx2(x, q.values, q.scales, b)),
     "int4": (Int4Weight, 128, lambda x, q, b: torch.ops.conveyor.int4_gemm(x, q.packed, q.scales, b)),
+    "int4-portable": (Int4Weight, 128, lambda x, q, b: torch.ops.conveyor.int4_gemm_portable(x, q.packed, q.scales, b)),
+    "int4-avx2": (Int4Weight, 128, lambda x, q, b: torch.ops.conveyor.int4_gemm_avx2(x, q.packed, q.scales, b)),
 }
 
 
