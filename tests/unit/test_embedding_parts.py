@@ -1,0 +1,121 @@
+"""The pieces of embeddings and rerank that need no deployment: the checkpoint's pooling, the task, the request
+shapes, the vectors' wire forms and Qwen3-Reranker's prompt."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+
+from conveyor.pooling import PoolingConfigError, PoolingSpec, default_task, read_pooling, resolve_task
+from conveyor.router.api.base import ValidationError, parse
+from conveyor.router.api.embeddings import (
+    EmbeddingRequest,
+    RerankRequest,
+    TEIRerankRequest,
+    embedding_list,
+    encode_vector,
+    matryoshka,
+    ranked,
+)
+from conveyor.router.pipeline.rerank_prompt import rerank_pairs, rerank_prompt
+
+
+def _sentence_transformers_dir(tmp_path: Path, pooling: dict, normalize: bool) -> Path:
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **pooling}))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("flag", "mode"),
+    [("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls")],
+)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_pooling_is_read_from_the_checkpoint(tmp_path: Path, flag: str, mode: str, normalize: bool) -> None:
+    model_dir = _sentence_transformers_dir(tmp_path, {flag: True, "pooling_mode_max_tokens": False}, normalize)
+    assert read_pooling(model_dir) == PoolingSpec(mode=mode, normalize=normalize)
+    assert default_task(model_dir) == "embed"
+
+
+def test_unserved_pooling_is_refused(tmp_path: Path) -> None:
+    model_dir = _sentence_transformers_dir(tmp_path, {"pooling_mode_max_tokens": True}, normalize=True)
+    with pytest.raises(PoolingConfigError, match="pooling_mode_max_tokens"):
+        read_pooling(model_dir)
+
+
+def test_a_plain_checkpoint_generates_and_pools_the_last_token(tmp_path: Path) -> None:
+    assert default_task(tmp_path) == "generate"
+    assert read_pooling(tmp_path) == PoolingSpec(mode="last", normalize=True)
+    assert resolve_task("rerank", tmp_path) == "rerank"
+    with pytest.raises(ValueError, match="--task"):
+        resolve_task("classify", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("value", "inputs"),
+    [("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]])],
+)
+def test_embedding_inputs_take_every_openai_shape(value: object, inputs: list) -> None:
+    assert parse(EmbeddingRequest, {"input": value}).inputs == inputs
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": []},
+        {"input": ""},
+        {"input": "a", "encoding_format": "int8"},
+        {"input": "a", "dimensions": 0},
+        {"input": [-1]},
+        {"input": "a", "what": 1},
+    ],
+)
+def test_bad_embedding_requests_are_refused(body: dict) -> None:
+    with pytest.raises(ValidationError):
+        parse(EmbeddingRequest, body)
+
+
+def test_matryoshka_renormalizes_only_normalized_vectors() -> None:
+    vector = [0.6, 0.0, 0.8]
+    assert matryoshka(vector, None, True) == vector
+    assert matryoshka(vector, 2, False) == [0.6, 0.0]
+    assert matryoshka(vector, 2, True) == pytest.approx([1.0, 0.0])
+
+
+def test_base64_is_little_endian_float32() -> None:
+    encoded = encode_vector([1.5, -2.0], "base64")
+    assert isinstance(encoded, str)
+    assert struct.unpack("<2f", base64.b64decode(encoded)) == (1.5, -2.0)
+    request = parse(EmbeddingRequest, {"input": ["a", "b"], "dimensions": 1})
+    answer = embedding_list([[3.0, 4.0], [0.0, 2.0]], request, "m", prompt_tokens=7, normalize=True)
+    assert [d["embedding"] for d in answer["data"]] == [[1.0], [0.0]]  # a zero head stays zero
+    assert answer["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+
+
+def test_rerank_requests_and_order() -> None:
+    request = parse(RerankRequest, {"query": "q", "documents": ["a", {"text": "b"}], "top_n": 1})
+    assert request.texts == ["a", "b"]
+    assert parse(TEIRerankRequest, {"query": "q", "texts": ["a"]}).raw_scores is False
+    assert ranked([0.1, 0.9, 0.9, 0.5]) == [(1, 0.9), (2, 0.9), (3, 0.5), (0, 0.1)]
+    assert ranked([0.1, 0.9], top_n=1) == [(1, 0.9)]
+    assert not math.isnan(ranked([0.0])[0][1])
+
+
+def test_rerank_prompt_is_qwen3_rerankers_format() -> None:
+    prompt = rerank_prompt("what is a cat", "a small feline")
+    assert prompt.startswith("<|im_start|>system\nJudge whether the Document meets the requirements")
+    assert "<Query>: what is a cat\n<Document>: a small feline<|im_end|>\n<|im_start|>assistant\n" in prompt
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+    assert [p.index for p in rerank_pairs("q", ["x", "y"])] == [0, 1]
