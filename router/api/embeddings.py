@@ -13,7 +13,7 @@ import struct
 from typing import Annotated, Literal
 
 from pydantic import Field
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from conveyor.router.api.base import Schema, Text
 
@@ -145,3 +145,55 @@ def ranked(scores: list[float], top_n: int | None = None) -> list[tuple[int, flo
     """(index, score) best first; ties keep the client's order so the answer is deterministic."""
     order = sorted(enumerate(scores), key=lambda item: (-item[1], item[0]))
     return order if top_n is None else order[:top_n]
+
+
+class TEIRank(TypedDict):
+    index: int
+    score: float
+    text: NotRequired[str]
+
+
+class RerankDocument(TypedDict):
+    text: str
+
+
+class RerankResult(TypedDict):
+    index: int
+    relevance_score: float
+    document: NotRequired[RerankDocument]
+
+
+class RerankUsage(TypedDict):
+    total_tokens: int
+
+
+class RerankList(TypedDict):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+def tei_ranks(scores: list[float], request: TEIRerankRequest) -> list[TEIRank]:
+    """TEI's `/rerank` answer: every text, best first, with its text when `return_text` asks."""
+    ranks: list[TEIRank] = []
+    for index, score in ranked(scores):
+        rank: TEIRank = {"index": index, "score": score}
+        if request.return_text:
+            rank["text"] = request.texts[index]
+        ranks.append(rank)
+    return ranks
+
+
+def rerank_list(
+    scores: list[float], request: RerankRequest, request_id: str, model: str, total_tokens: int
+) -> RerankList:
+    """The Cohere/Jina answer: the `top_n` best, each with its document unless `return_documents` is false."""
+    texts = request.texts
+    results: list[RerankResult] = []
+    for index, score in ranked(scores, request.top_n):
+        result: RerankResult = {"index": index, "relevance_score": score}
+        if request.return_documents:
+            result["document"] = {"text": texts[index]}
+        results.append(result)
+    return {"id": request_id, "model": model, "results": results, "usage": {"total_tokens": total_tokens}}

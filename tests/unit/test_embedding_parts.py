@@ -21,6 +21,8 @@ from conveyor.router.api.embeddings import (
     encode_vector,
     matryoshka,
     ranked,
+    rerank_list,
+    tei_ranks,
 )
 from conveyor.router.pipeline.rerank_prompt import rerank_pairs, rerank_prompt
 
@@ -119,3 +121,21 @@ def test_rerank_prompt_is_qwen3_rerankers_format() -> None:
     assert "<Query>: what is a cat\n<Document>: a small feline<|im_end|>\n<|im_start|>assistant\n" in prompt
     assert prompt.endswith("<think>\n\n</think>\n\n")
     assert [p.index for p in rerank_pairs("q", ["x", "y"])] == [0, 1]
+
+
+def test_rerank_answers_take_teis_and_cohere_shapes() -> None:
+    scores = [0.2, 0.7, 0.5]
+    tei = parse(TEIRerankRequest, {"query": "q", "texts": ["a", "b", "c"], "return_text": True})
+    assert tei_ranks(scores, tei) == [
+        {"index": 1, "score": 0.7, "text": "b"},
+        {"index": 2, "score": 0.5, "text": "c"},
+        {"index": 0, "score": 0.2, "text": "a"},
+    ]
+    cohere = parse(RerankRequest, {"query": "q", "documents": ["a", "b", "c"], "top_n": 2})
+    answer = rerank_list(scores, cohere, "r1", "m", total_tokens=9)
+    assert answer["results"] == [
+        {"index": 1, "relevance_score": 0.7, "document": {"text": "b"}},
+        {"index": 2, "relevance_score": 0.5, "document": {"text": "c"}},
+    ]
+    bare = parse(RerankRequest, {"query": "q", "documents": ["a"], "return_documents": False})
+    assert rerank_list([0.1], bare, "r2", "m", 1)["results"] == [{"index": 0, "relevance_score": 0.1}]
