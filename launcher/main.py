@@ -23,6 +23,7 @@ from conveyor import adapter_sources, config
 from conveyor import log as conveyor_log
 from conveyor.config import Config
 from conveyor.keys import load_keys
+from conveyor.launcher import tgi_flags
 from conveyor.launcher.processes import ChildDied, Deployment
 from conveyor.model_source import resolve_model
 from conveyor.shard_channels import AddressError, Security, parse_tcp, rank_address
@@ -68,6 +69,9 @@ def local_adapters(flag: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # TGI's flags and environment variables (MODEL_ID, PORT, ...) as Conveyor's; one it has no equivalent of stops here.
+    argv, hub_environment = tgi_flags.translate(sys.argv[1:] if argv is None else argv, os.environ)
+    os.environ.update(hub_environment)
     args = config.parse(
         argv, "Conveyor launcher: serve a model directory, a Hub model or the built-in demo model over HTTP."
     )
