@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 # Latency buckets from 1 ms to ~2 min, about x1.6 apart: decode steps on CPU take tens to hundreds of ms, requests
 # seconds.
@@ -160,9 +161,161 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.tgi = TgiMetrics(self)
 
     def _histogram(self, name: str, documentation: str) -> Histogram:
         return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class TgiMetrics:
+    """TGI's metric names beside Conveyor's (docs/migrating-from-tgi.md), so that TGI's Grafana dashboard keeps
+    working. Histograms and gauges are TGI's types, in seconds as TGI's; the ones Conveyor measures already are read
+    from its own instruments at scrape time, the rest are fed where the router sees the event. TGI's counters are
+    exposed under their bare names (TGI's exporter adds no `_total`), which prometheus_client only writes as untyped.
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        r = metrics.registry
+        m = ["method"]
+        self.input_length = Histogram(
+            "tgi_request_input_length", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.generated_tokens = Histogram(
+            "tgi_request_generated_tokens", "Generated tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.max_new_tokens = Histogram(
+            "tgi_request_max_new_tokens", "max_new_tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.skipped_tokens = Histogram(
+            "tgi_request_skipped_tokens",
+            "Prompt tokens per request the prefix cache served (not computed)",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.mean_time_per_token = metrics._histogram(
+            "tgi_request_mean_time_per_token_duration", "Request time after the first token, per generated token"
+        )
+        self.inference_duration = metrics._histogram(
+            "tgi_request_inference_duration", "Time from joining a batch to the last token"
+        )
+        self.forward = Histogram(
+            "tgi_batch_forward_duration", "A step inside the slowest shard", m, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.decode = Histogram(
+            "tgi_batch_decode_duration",
+            "Applying a step's tokens in the router",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.filter = Histogram(
+            "tgi_batch_filter_duration",
+            "Dropping finished requests from the batch",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.concat_duration = Histogram(
+            "tgi_batch_concat_duration",
+            "Prefill steps that joined requests to a running batch",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.next_size = Histogram(
+            "tgi_batch_next_size", "Requests admitted by a prefill step", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.current_max_tokens = Gauge(
+            "tgi_batch_current_max_tokens", "KV tokens held by the running requests", registry=r
+        )
+        for method in ("prefill", "decode"):
+            for histogram in (self.forward, self.decode, self.filter, self.concat_duration):
+                histogram.labels(method)
+        self._counts = {"concat": 0.0}
+        r.register(_TgiMirror(self))
+
+    def finished(
+        self,
+        prompt_tokens: int,
+        generated: int,
+        max_new_tokens: int,
+        cached: int,
+        first: float,
+        batched: float | None,
+        now: float,
+    ) -> None:
+        """A request's end, successful: its sizes and times as TGI's histograms hold them."""
+        self.input_length.observe(prompt_tokens)
+        self.generated_tokens.observe(generated)
+        self.max_new_tokens.observe(max_new_tokens)
+        self.skipped_tokens.observe(cached)
+        if generated > 1:
+            self.mean_time_per_token.observe((now - first) / (generated - 1))
+        if batched is not None:
+            self.inference_duration.observe(now - batched)
+
+    def step(self, method: str, admitted: int, joined_running: bool, seconds: float) -> None:
+        if admitted:
+            self.next_size.observe(admitted)
+        if joined_running:
+            self._counts["concat"] += 1
+            self.concat_duration.labels(method).observe(seconds)
+
+
+TOKEN_BUCKETS = tuple(2**k for k in range(18))
+
+
+class _TgiMirror:
+    """TGI's names for what Conveyor's own instruments measure, read from them at each scrape."""
+
+    def __init__(self, tgi: TgiMetrics) -> None:
+        self.tgi = tgi
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        m = self.tgi.metrics
+        outcomes = {outcome: m.requests.labels(outcome)._value.get() for outcome in OUTCOMES}
+
+        def plain(name: str, doc: str, kind: str, samples: list[tuple[dict[str, str], float]]) -> Metric:
+            family = Metric(name, doc, kind)
+            for labels, value in samples:
+                family.add_sample(name, labels, value)
+            return family
+
+        yield plain("tgi_request_count", "Requests ended", "unknown", [({}, sum(outcomes.values()))])
+        yield plain("tgi_request_success", "Requests that succeeded", "unknown", [({}, outcomes["success"])])
+        failures = [({"err": k}, v) for k, v in outcomes.items() if k != "success"]
+        yield plain("tgi_request_failure", "Requests that failed, by error type", "unknown", failures)
+        yield plain(
+            "tgi_batch_concat",
+            "Prefill steps that joined a running batch",
+            "unknown",
+            [({"reason": "backpressure"}, self.tgi._counts["concat"])],
+        )
+        steps = {s.labels["method"]: s.value for f in m.step.collect() for s in f.samples if s.name.endswith("_count")}
+        counts = [({"method": k}, v) for k, v in steps.items() if k in ("prefill", "decode")]
+        yield plain("tgi_batch_inference_count", "Steps by method", "unknown", counts)
+        yield plain(
+            "tgi_batch_inference_success", "Steps by method (a failed step restarts the shards)", "unknown", counts
+        )
+        yield plain("tgi_queue_size", "Requests waiting", "gauge", [({}, m.queue_size._value.get())])
+        yield plain("tgi_batch_current_size", "Requests running", "gauge", [({}, m.batch_size._value.get())])
+        for name, source in (
+            ("tgi_request_duration", m.duration),
+            ("tgi_request_queue_duration", m.queue_time),
+            ("tgi_batch_inference_duration", m.step),
+        ):
+            for family in source.collect():
+                renamed = Metric(name, family.documentation, "histogram")
+                for s in family.samples:
+                    if s.name.endswith("_created"):
+                        continue
+                    suffix = s.name[len(family.name) :]
+                    renamed.add_sample(name + suffix, s.labels, s.value)
+                yield renamed

@@ -54,4 +54,16 @@ class ServerInfo:
             "kv_offload_max_bytes": self.kv_offload_max_bytes,
             "router": "conveyor",
             "version": __version__,
+            # TGI's fields, for its clients and dashboards (docs/migrating-from-tgi.md)
+            "model_sha": None,
+            "model_device_type": self.device,
+            "model_pipeline_tag": "text-generation",
+            "max_best_of": 1,
+            "max_input_length": self.limits.max_input_tokens,
+            "max_client_batch_size": 1,
+            "validation_workers": 0,
+            "waiting_served_ratio": None,
+            "max_waiting_tokens": None,
+            "sha": None,
+            "docker_label": None,
         }

@@ -269,6 +269,17 @@ class Info(TypedDict):
     ]
     router: str
     version: str
+    model_sha: Annotated[str | None, Field(description="TGI's: the checkpoint's commit (null: not tracked)")]
+    model_device_type: Annotated[str, Field(description="TGI's: the shards' device type")]
+    model_pipeline_tag: Annotated[str, Field(description="TGI's: text-generation")]
+    max_best_of: Annotated[int, Field(description="TGI's: 1, best_of is not supported")]
+    max_input_length: Annotated[int, Field(description="TGI's old name of max_input_tokens")]
+    max_client_batch_size: Annotated[int, Field(description="TGI's: one input per request")]
+    validation_workers: Annotated[int, Field(description="TGI's: 0, validation runs on the router's loop")]
+    waiting_served_ratio: Annotated[float | None, Field(description="TGI's: null, not a Conveyor setting")]
+    max_waiting_tokens: Annotated[int | None, Field(description="TGI's: null, not a Conveyor setting")]
+    sha: Annotated[str | None, Field(description="TGI's: the server's commit (null)")]
+    docker_label: Annotated[str | None, Field(description="TGI's: the image's label (null)")]
     kv_blocks_free: NotRequired[int]
     kv_blocks_total: NotRequired[int]
     placement: Annotated[

@@ -186,6 +186,9 @@ class Groups:
         metrics.batch_size.set(len(self.running))
         metrics.kv_blocks_total.set(sum(s.allocator.num_blocks for s in self.schedulers))
         metrics.kv_blocks_used.set(sum(s.allocator.num_blocks - s.allocator.free_blocks for s in self.schedulers))
+        metrics.tgi.current_max_tokens.set(
+            sum((s.allocator.num_blocks - s.allocator.free_blocks) * s.allocator.block_size for s in self.schedulers)
+        )
 
     async def run(self) -> None:
         """Every group's loop; the first to crash ends them all (the router then exits)."""

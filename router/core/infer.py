@@ -164,6 +164,7 @@ class Infer:
 async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> AsyncIterator[Event]:
     """The sequence's events as they arrive, timed: first token, gaps between tokens, whole request."""
     last: float | None = None
+    first = time.monotonic()
     key = sequence.key.name
     key_tokens = metrics.key_generated_tokens.labels(key)  # looked up once, not per token
     adapter = sequence.request.parameters.adapter
@@ -181,6 +182,7 @@ async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> Asyn
         if adapter_tokens is not None:
             adapter_tokens.inc()
         if last is None:
+            first = now
             metrics.ttft.observe(now - sequence.queued_at)
             live.first_token(now, now - sequence.queued_at)
         else:
@@ -191,6 +193,15 @@ async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> Asyn
             metrics.requests.labels("success").inc()
             metrics.key_requests.labels(key, "success").inc()
             metrics.duration.observe(now - sequence.queued_at)
+            metrics.tgi.finished(
+                sequence.num_prompt_tokens,
+                len(sequence.generated_ids),
+                sequence.max_new_tokens,
+                sequence.cached_prompt_tokens,
+                first,
+                sequence.batched_at,
+                now,
+            )
         yield event
         if event.finished is not None:
             return

@@ -185,22 +185,30 @@ class Scheduler:
         self._count(plan)
         method = "prefill" if plan.admitted else "decode"
         in_batch = list(self.running)
+        joins_running = bool(plan.admitted) and self._batch is not None
         with self._step_span(method, in_batch) as metadata:
             try:
+                started = time.perf_counter()
                 with self.metrics.step.labels(method).time():
                     result = await self._post(plan, metadata)
             except ShardError as exc:
                 await self._recover(exc)
                 return
-        self._observe(result)
+        tgi = self.metrics.tgi
+        tgi.step(method, len(plan.admitted), joins_running, time.perf_counter() - started)
+        self._observe(result, method)
+        sent = time.perf_counter()
         self._send(result)
+        tgi.decode.labels(method).observe(time.perf_counter() - sent)
         self.planner.advance(plan, {g.request_id: len(g.tokens.ids) for g in result.generations})
         if result.batch is None:  # every sequence of the batch finished
             self._batch = None
             self._forget(in_batch)
             return
         try:
+            kept = time.perf_counter()
             self._batch = await self._keep(result.batch, [s for s in in_batch if self._alive(s)])
+            tgi.filter.labels(method).observe(time.perf_counter() - kept)
         except ShardError as exc:
             await self._recover(exc)
 
@@ -245,9 +253,10 @@ class Scheduler:
         self._forget([s for s in self.running if s.id not in live])
         self._batch = result.batch
 
-    def _observe(self, result: StepResult) -> None:
+    def _observe(self, result: StepResult, method: str = "decode") -> None:
         """The step's time inside the slowest shard, and its token masks' share."""
         self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
+        self.metrics.tgi.forward.labels(method).observe(result.timings.total_ns / 1e9)
         if result.timings.mask_ns:
             self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
         if result.timings.disk_loaded_tokens:
