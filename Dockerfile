@@ -41,18 +41,21 @@ ENV PATH=/opt/venv/bin:$PATH \
 # copy serves them once torch is loaded; the system's is there for a torch build that names its copy otherwise).
 RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 1000 --user-group conveyor \
-    && mkdir /models \
-    && chown conveyor:conveyor /models
+    && mkdir /models /data \
+    && chown conveyor:conveyor /models /data
 USER conveyor
 WORKDIR /home/conveyor
-VOLUME /models
-# 3000: HTTP (clients). 3001: the gRPC front door. Shard ports (--listen) are opened only when asked for.
-EXPOSE 3000 3001
+VOLUME /models /data
+# 3000: HTTP (clients). 3001: the gRPC front door. Shard ports (--listen) are opened only when asked for. 80: HTTP
+# when started as TGI's image was (flags alone, see below).
+EXPOSE 3000 3001 80
 # /health is 200 only while serving: 503 while starting, while shards are being restarted, and while draining.
-# Slim images have no curl, hence Python.
+# Slim images have no curl, hence Python; either HTTP port answering is healthy.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:3000/health', timeout=4).status != 200)"]
-# No ENTRYPOINT: the command names the console script, so one image runs conveyor-launcher, conveyor-router or
-# conveyor-shard. The launcher handles SIGTERM itself (it drains, then stops the shards); `docker run --init`
-# adds a process to reap anything it leaves.
+    CMD ["python", "-c", "import sys, urllib.request as u\ndef ok(url):\n  try: return u.urlopen(url, timeout=4).status == 200\n  except OSError: return False\nsys.exit(not (ok('http://127.0.0.1:3000/health') or ok('http://127.0.0.1:80/health')))"]
+# The entrypoint (launcher/image.py) runs a command as it is: the default below, or conveyor-router or
+# conveyor-shard as compose names them. Flags alone (`docker run -p 8080:80 -v $volume:/data IMAGE --model-id ID`,
+# as TGI's image was run) start the launcher on port 80, the Hub's cache in /data. It execs, so the launcher gets
+# SIGTERM itself (it drains, then stops the shards); `docker run --init` adds a process to reap what it leaves.
+ENTRYPOINT ["python", "-m", "conveyor.launcher.image"]
 CMD ["conveyor-launcher", "--model-id", "demo", "--hostname", "0.0.0.0", "--port", "3000", "--grpc-port", "3001"]

@@ -26,6 +26,7 @@ import yaml
 
 from conveyor import config
 from conveyor.config import SECRET, Config
+from conveyor.launcher import image
 from conveyor.router.transport.connect import group_addresses
 from conveyor.shard_channels import parse_tcp
 
@@ -153,17 +154,19 @@ def test_the_image_serves_what_its_command_says() -> None:
     by_kind: dict[str, list[str]] = {}
     for keyword, rest in runtime:
         by_kind.setdefault(keyword, []).append(rest)
-    assert "ENTRYPOINT" not in by_kind, "the command names the console script: no ENTRYPOINT"
+    # The entrypoint runs a command as it is, and flags alone as TGI's image did (tests/unit/test_image_entry.py).
+    assert by_kind["ENTRYPOINT"] == ['["python", "-m", "conveyor.launcher.image"]']
     (cmd,) = by_kind["CMD"]
     process = parse_process("Dockerfile CMD", json.loads(cmd))  # exec form, so that SIGTERM reaches the launcher
     assert process.script == "conveyor-launcher" and process.flags.model_id == "demo"
     check_reachable(process)
     exposed = {int(p.split("/")[0]) for rest in by_kind["EXPOSE"] for p in rest.split()}
-    assert exposed == process.front_doors, f"EXPOSE {exposed} but the command serves {process.front_doors}"
+    tgi = {int(image.TGI_PORT)}  # where flags alone serve
+    assert exposed == process.front_doors | tgi, f"EXPOSE {exposed} but the command serves {process.front_doors}"
     (healthcheck,) = by_kind["HEALTHCHECK"]
     assert f"127.0.0.1:{process.flags.port}/health" in healthcheck
     assert any(re.search(r"\bCONVEYOR_CACHE=/models\b", env) for env in by_kind["ENV"])
-    assert "/models" in " ".join(by_kind["VOLUME"])
+    assert "/models" in " ".join(by_kind["VOLUME"]) and image.TGI_CACHE in " ".join(by_kind["VOLUME"])
     assert "USER" in by_kind and by_kind["USER"][-1] not in ("root", "0"), "the image runs as a user, not root"
 
 
