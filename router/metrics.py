@@ -163,8 +163,8 @@ class Metrics:
         )
         self.tgi = TgiMetrics(self)
 
-    def _histogram(self, name: str, documentation: str) -> Histogram:
-        return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=self.registry)
+    def _histogram(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Histogram:
+        return Histogram(name, documentation, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -180,7 +180,7 @@ class TgiMetrics:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         r = metrics.registry
-        m = ["method"]
+        m = ("method",)
         self.input_length = Histogram(
             "tgi_request_input_length", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
         )
@@ -202,29 +202,11 @@ class TgiMetrics:
         self.inference_duration = metrics._histogram(
             "tgi_request_inference_duration", "Time from joining a batch to the last token"
         )
-        self.forward = Histogram(
-            "tgi_batch_forward_duration", "A step inside the slowest shard", m, buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.decode = Histogram(
-            "tgi_batch_decode_duration",
-            "Applying a step's tokens in the router",
-            m,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.filter = Histogram(
-            "tgi_batch_filter_duration",
-            "Dropping finished requests from the batch",
-            m,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.concat_duration = Histogram(
-            "tgi_batch_concat_duration",
-            "Prefill steps that joined requests to a running batch",
-            m,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.forward = metrics._histogram("tgi_batch_forward_duration", "A step inside the slowest shard", m)
+        self.decode = metrics._histogram("tgi_batch_decode_duration", "Applying a step's tokens in the router", m)
+        self.filter = metrics._histogram("tgi_batch_filter_duration", "Dropping finished requests from the batch", m)
+        self.concat_duration = metrics._histogram(
+            "tgi_batch_concat_duration", "Prefill steps that joined requests to a running batch", m
         )
         self.next_size = Histogram(
             "tgi_batch_next_size", "Requests admitted by a prefill step", buckets=TOKEN_BUCKETS, registry=r
