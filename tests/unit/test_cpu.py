@@ -288,7 +288,7 @@ def test_the_variant_switch_makes_a_zen4_look_like_each_lesser_kind(
     assert not {f for f in here.flags if f.startswith("avx512")} - cpu.KINDS[cap]
     assert {"sse4_2", "avx", "bmi2"} <= here.flags  # below the ladder: untouched
     assert here.avx512 is (cap != "avx2") and here.avx512_bf16 is (cap == "avx512_bf16")
-    assert gemm.small_rows(here) == (gemm.SMALL_ROWS_PORTABLE if cap == "avx2" else gemm.SMALL_ROWS_AVX512)
+    assert gemm.small_rows(here) == (gemm.SMALL_ROWS_AVX2 if cap == "avx2" else gemm.SMALL_ROWS_AVX512)
 
 
 def test_the_variant_switch_refuses_a_kind_the_cpu_lacks_or_does_not_know(
