@@ -4,12 +4,12 @@ shapes, the vectors' wire forms and Qwen3-Reranker's prompt."""
 from __future__ import annotations
 
 import base64
-import json
 import math
 import struct
 from pathlib import Path
 
 import pytest
+from sentence_transformers_files import write_pooling_files
 
 from conveyor.pooling import PoolingConfigError, PoolingSpec, default_task, read_pooling, resolve_task
 from conveyor.router.api.base import ValidationError, parse
@@ -28,16 +28,7 @@ from conveyor.router.pipeline.rerank_prompt import rerank_pairs, rerank_prompt
 
 
 def _sentence_transformers_dir(tmp_path: Path, pooling: dict, normalize: bool) -> Path:
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **pooling}))
-    return tmp_path
+    return write_pooling_files(tmp_path, pooling, normalize, dimension=64)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sentence_transformers_files import write_pooling_files
 
 from conveyor import demo_model
 from conveyor.pooling import read_pooling
@@ -24,20 +25,9 @@ ATOL = 1e-5
 
 def _embedding_checkpoint(base: Path, mode_flag: str, normalize: bool) -> Path:
     path = demo_model.ensure(base, "tiny", seed=3, arch="qwen3")
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-    (path / "modules.json").write_text(json.dumps(modules))
     hidden = json.loads((path / "config.json").read_text())["hidden_size"]
-    flags = {
-        f: f == mode_flag for f in ("pooling_mode_lasttoken", "pooling_mode_mean_tokens", "pooling_mode_cls_token")
-    }
-    (path / "1_Pooling").mkdir(exist_ok=True)
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden, **flags}))
-    return path
+    modes = ("pooling_mode_lasttoken", "pooling_mode_mean_tokens", "pooling_mode_cls_token")
+    return write_pooling_files(path, {f: f == mode_flag for f in modes}, normalize, hidden)
 
 
 @pytest.mark.parametrize("mode_flag", ["pooling_mode_lasttoken", "pooling_mode_mean_tokens", "pooling_mode_cls_token"])
