@@ -454,18 +454,24 @@ def start_server(
         cwd=cwd,
     )
     server = Server(f"http://127.0.0.1:{port}", process, model_dir, f"127.0.0.1:{grpc_port}")
+    wait_until_serving(server)
+    return server
+
+
+def wait_until_serving(server: Server, what: str = "the server to answer /health") -> None:
+    """Until the launcher's router answers /health; a launcher that exits first fails at once, and one that misses
+    the deadline is stopped."""
 
     def ready() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"launcher exited with {process.returncode} while starting")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"launcher exited with {server.process.returncode} while starting")
         return _healthy(server.url)
 
     try:
-        wait_for(ready, 180, "the server to answer /health")
+        wait_for(ready, 180, what)
     except BaseException:
         server.stop()
         raise
-    return server
 
 
 # How many starts overlap. A start is mostly imports, one process at a time (the shards, then the router), so a few

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, free_port, wait_for
+from conftest import Server, free_port, wait_until_serving
 from prometheus_client.parser import text_string_to_metric_families
 from text_generation import Client
 
@@ -31,20 +31,9 @@ def tgi_server(tiny_model: Path) -> Server:
     )
     process = subprocess.Popen(LAUNCHER, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, tiny_model, "")
-
-    def ready() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"launcher exited with {process.returncode} while starting")
-        try:
-            return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(ready, 180, "the server started by TGI's environment to answer /health")
-        yield server
-    finally:
-        server.stop()
+    wait_until_serving(server, "the server started by TGI's environment to answer /health")
+    yield server
+    server.stop()
 
 
 def test_tgi_client_generates_and_streams(tgi_server: Server) -> None:
