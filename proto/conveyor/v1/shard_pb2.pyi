@@ -372,19 +372,23 @@ class FilterBatchResponse(_message.Message):
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("batch", "max_batch_total_tokens", "step_timeout")
+    __slots__ = ("batch", "max_batch_total_tokens", "step_timeout", "calibrate_rows")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATE_ROWS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     max_batch_total_tokens: int
     step_timeout: float
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_batch_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ...) -> None: ...
+    calibrate_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_batch_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ..., calibrate_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("max_supported_total_tokens", "step_timeout")
+    __slots__ = ("max_supported_total_tokens", "step_timeout", "step_seconds")
     MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     max_supported_total_tokens: int
     step_timeout: float
-    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ...) -> None: ...
+    step_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
