@@ -1,8 +1,9 @@
 """Speculative decoding, measured as the person chatting alone sees it: tokens per second and the wait per token,
 with drafts and without, on the real model, beside llama.cpp's server with and without its own n-gram drafts.
 
-Systems: Conveyor without drafts, with prompt-lookup drafts, and with the model drafting for itself quantized
-(`--speculate-model self --speculate-quantize int4`); llama.cpp's server without and with its own n-gram drafts.
+Systems: Conveyor without drafts, with prompt-lookup drafts (chosen by what they earn, the default, and all of them at
+every step, `--speculate-policy fixed`), and with the model drafting for itself quantized (`--speculate-model self
+--speculate-quantize int4`); llama.cpp's server without and with its own n-gram drafts.
 Two workloads of greedy chat requests, sent one at a time (and, to see where drafts stop paying, 4 at a time):
 free chat answers, where prompt lookup rarely finds a match, and edits of a given code or text, where the
 answer repeats most of the prompt. Conveyor is one deployment; each request asks `speculate: 0` (off) or leaves
@@ -156,6 +157,12 @@ def servers(model_dir: Path, args: argparse.Namespace) -> Iterator[dict[str, tup
         spec = deploy.ConveyorSpec("conveyor", model_dir, [f"--speculate={args.speculate}"])
         url = stack.enter_context(deploy.conveyor(spec, args.timeout))
         systems = {"conveyor-off": (url, Speculating(0)), "conveyor-ngram": (url, Speculating(None))}
+        if args.fixed:
+            flags = [f"--speculate={args.speculate}", "--speculate-policy=fixed"]
+            fixed = stack.enter_context(
+                deploy.conveyor(deploy.ConveyorSpec("conveyor-fixed", model_dir, flags), args.timeout)
+            )
+            systems["conveyor-ngram-fixed"] = (fixed, Speculating(None))
         if args.draft_quantize != "none":
             quantize = [] if args.draft_quantize == "float" else [f"--speculate-quantize={args.draft_quantize}"]
             flags = [f"--speculate={args.speculate}", "--speculate-model=self", *quantize]
@@ -216,6 +223,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--speculate", type=int, default=8, help="Conveyor's --speculate")
     p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument(
+        "--fixed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also Conveyor offering every request all its drafts at every step (--speculate-policy fixed), "
+        "against the default, which offers the drafts that pay",
+    )
     p.add_argument(
         "--draft-quantize",
         default="int4",

@@ -17,6 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8")  # shard/layers/kv_quant.py's CHOICES (a unit test holds them equal)
 SCHEDULING = ("continuous", "static", "sequential")
+DRAFT_POLICIES = ("measured", "fixed")
 PLACEMENTS = ("cache-aware", "round-robin")  # router/core/placement.py's PLACEMENTS (a unit test holds them equal)
 DEMO_SIZES = ("tiny", "small", "1b")
 # vLLM's names (router/pipeline/tool_parsers/registry.py and reasoning.py hold the parsers; a unit test holds these
@@ -219,6 +220,12 @@ class Config:
     )
     speculate_max_batch: int = flag(
         4, "speculate only while at most this many requests run (a larger batch is compute-bound: drafts cost)"
+    )
+    speculate_policy: str = flag(
+        "measured",
+        "measured: each request gets the drafts its acceptance so far pays for at the step costs timed at warmup "
+        "(maybe none); fixed: every request may have all of --speculate at every step",
+        choices=DRAFT_POLICIES,
     )
     prefix_caching: bool = flag(
         True, "share the KV blocks of common prompt prefixes", action=argparse.BooleanOptionalAction

@@ -26,6 +26,7 @@ from conveyor.keys import load_keys
 from conveyor.model_source import resolve_model
 from conveyor.router.core.adapter_registry import Adapters
 from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.draft_choice import step_costs
 from conveyor.router.core.groups import Groups
 from conveyor.router.core.infer import Infer
 from conveyor.router.core.placement import placement_for
@@ -213,6 +214,7 @@ def make_scheduler(
         max_decode_steps=max(1, args.max_decode_steps),
         speculate=max(0, args.speculate),
         speculate_max_batch=args.speculate_max_batch,
+        step_costs=step_costs(connection.calibration),
     )
     adapters.learn(info)  # the shards' --lora-adapters
     return Scheduler(

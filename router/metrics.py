@@ -155,6 +155,23 @@ class Metrics:
         self.speculative_steps = Counter(
             "conveyor_speculative_steps", "Request steps that verified at least one draft token", registry=r
         )
+        self.speculative_offered = Counter(
+            "conveyor_speculative_offered_tokens",
+            "Draft tokens the router let requests have verified: those it judged to pay for their rows",
+            registry=r,
+        )
+        self.speculative_acceptance = Gauge(
+            "conveyor_speculative_acceptance",
+            "Per-position draft acceptance, pooled over recent steps, that new requests start from",
+            ["group"],
+            registry=r,
+        )
+        self.speculative_step_cost = Gauge(
+            "conveyor_speculative_step_cost_ratio",
+            "A decode step of one request at this many rows (a verify step) over a one-row step, timed at warmup",
+            ["group", "rows"],
+            registry=r,
+        )
         self.shard_step = Histogram(
             "conveyor_shard_step_duration_seconds",
             "A step inside the slowest shard: forward, sampling and detokenizing",

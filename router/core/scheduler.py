@@ -67,6 +67,7 @@ class Scheduler:
         self.max_request_retries = max_request_retries
         self.settle = Settle()  # how long an idle server waits for a burst to finish arriving
         self.planner = StepPlanner(config, allocator, self.queue)
+        self._show_step_costs()
         self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
         self.draining = False  # nothing new is placed here; what runs and waits here finishes (router/core/groups.py)
         # Set by Groups (router/core/groups.py), which every scheduler serves in, one group or several: after a
@@ -76,6 +77,11 @@ class Scheduler:
         self._batch: CachedBatch | None = None  # the running batch on the shards
         self._wakeup = asyncio.Event()
         self._batch_ids = itertools.count()
+
+    def _show_step_costs(self) -> None:
+        costs = self.config.step_costs
+        for rows in costs.rows if self.planner.drafts is not None else ():
+            self.metrics.speculative_step_cost.labels(str(self.group), str(rows)).set(costs.ratio(rows))
 
     @property
     def running(self) -> list[Sequence]:
@@ -290,6 +296,7 @@ class Scheduler:
         self.metrics.group_prefix_cache_hits.labels(str(self.group)).inc(plan.cache_hits)
         chunks = [s for s in plan.sequences if s.num_computed_tokens + s.step_tokens < s.num_prefill_tokens]
         self.metrics.prefill_chunks.inc(len(chunks))
+        self.metrics.speculative_offered.inc(sum(s.step_drafts for s in plan.running))
 
     @contextmanager
     def _step_span(self, method: str, sequences: list[Sequence]) -> Iterator[Metadata]:
@@ -309,8 +316,7 @@ class Scheduler:
             if not sequence.generated_ids:
                 self._count_disk_hits(sequence, generation.disk_cached_tokens)
             sequence.generated_ids.extend(generation.tokens.ids)
-            if generation.drafted:
-                self._count_drafts(sequence, generation.drafted, len(generation.tokens.ids) - 1)
+            self._count_drafts(sequence, generation.drafted, len(generation.tokens.ids) - 1)
             if sequence.cancelled:
                 continue
             counts = (sequence.drafted_tokens, sequence.accepted_tokens, sequence.cached_prompt_tokens)
@@ -326,6 +332,13 @@ class Scheduler:
         sequence.cached_prompt_tokens = min(sequence.num_prompt_tokens, sequence.cached_prompt_tokens + disk_tokens)
 
     def _count_drafts(self, sequence: Sequence, drafted: int, accepted: int) -> None:
+        """Every step a sequence made tokens in: what it drafted feeds its acceptance record (a step without
+        drafts counts towards its next probe)."""
+        if self.planner.drafts is not None:
+            self.planner.drafts.record(sequence.draft_record, drafted, accepted)
+            self.metrics.speculative_acceptance.labels(group=str(self.group)).set(self.planner.drafts.pooled_rate)
+        if not drafted:
+            return
         sequence.drafted_tokens += drafted
         sequence.accepted_tokens += accepted
         self.metrics.speculative_drafted.inc(drafted)

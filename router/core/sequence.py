@@ -16,6 +16,7 @@ from opentelemetry.trace import Span
 
 from conveyor import allowance
 from conveyor.keys import ANONYMOUS, ApiKey
+from conveyor.router.core.draft_choice import DraftRecord
 from conveyor.router.core.events import ErrorEvent, Event
 from conveyor.router.pipeline.request import ValidRequest
 
@@ -84,9 +85,11 @@ class Sequence:
     step_new_blocks: list[int] = field(default_factory=list)  # appended to the block table at this step
     step_drafts: int = 0  # decoding: the most draft tokens the shards may verify at this step (its blocks hold them)
 
-    # Speculative decoding, over its whole life: draft tokens verified, and accepted.
+    # Speculative decoding, over its whole life: draft tokens verified, and accepted; and its recent acceptance,
+    # which sets how many it is offered (router/core/draft_choice.py).
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    draft_record: DraftRecord = field(default_factory=DraftRecord)
 
     # Tracing: the span of the call that made this request, and the one timing its wait in the queue.
     span: Span | None = None

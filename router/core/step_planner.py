@@ -20,6 +20,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.draft_choice import DraftChooser, StepCosts
 from conveyor.router.core.policies import policy_for
 from conveyor.router.core.queue import GroupQueue, Queue
 from conveyor.router.core.sequence import Sequence, SequenceStatus
@@ -43,6 +44,9 @@ class PlannerConfig:
     # are rejected then cost real work.
     speculate: int = 0
     speculate_max_batch: int = 4
+    # A decode step's seconds by rows, as the shards measured them at warmup: drafts are then offered only where
+    # they pay (router/core/draft_choice.py). None: every sequence may have `speculate` drafts.
+    step_costs: StepCosts | None = None
 
 
 @dataclass
@@ -77,6 +81,8 @@ class StepPlanner:
         self.allocator = allocator
         self.queue = queue
         self.running: list[Sequence] = []
+        costs = config.step_costs
+        self.drafts = DraftChooser(costs) if config.speculate and costs is not None else None
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
@@ -101,19 +107,19 @@ class StepPlanner:
 
     def _add_drafts(self, plan: StepPlan) -> None:
         """Draft budgets for a step of decoding sequences only, few enough to be bound by memory rather than
-        compute: each sequence that may speculate gets up to `speculate` (its own `speculate` if lower, and no
-        more than its `max_new_tokens` leaves), and the blocks for them if free ones are left (drafts never
+        compute: each sequence that may speculate may have up to `speculate` (its own `speculate` if lower, and no
+        more than its `max_new_tokens` leaves, or its blocks and the free ones hold), of which `drafts` (measured
+        step costs against each sequence's acceptance, router/core/draft_choice.py) keeps those that pay; without
+        measured costs, all of them. A sequence gets the blocks for its drafts if free ones are left (drafts never
         preempt, and a sequence cut short of blocks drafts fewer)."""
         config = self.config
         if not config.speculate or len(self.running) > config.speculate_max_batch or not _decoding_only(plan):
             return
-        size = self.allocator.block_size
-        for sequence in plan.running:
-            asked = sequence.request.parameters.speculate
-            limit = config.speculate if asked is None else min(asked, config.speculate)
-            room = (len(sequence.block_table) + self.allocator.free_blocks) * size - sequence.num_computed_tokens - 1
-            drafts = min(limit, sequence.draft_room, room)
-            if drafts <= 0 or not sequence.may_speculate:
+        limits = [self._draft_limit(s) for s in plan.running]
+        if self.drafts is not None:
+            limits = self.drafts.choose([s.draft_record for s in plan.running], limits)
+        for sequence, drafts in zip(plan.running, limits):
+            if drafts <= 0:
                 continue
             missing = self.allocator.blocks_for(sequence.num_computed_tokens + 1 + drafts) - len(sequence.block_table)
             blocks = self.allocator.allocate(missing) if missing > 0 else []
@@ -121,6 +127,14 @@ class StepPlanner:
                 continue  # the shards would find the drafts' slots missing: no drafts rather than a failed step
             sequence.reserve(blocks)
             sequence.step_drafts = drafts
+
+    def _draft_limit(self, sequence: Sequence) -> int:
+        if not sequence.may_speculate:
+            return 0
+        asked = sequence.request.parameters.speculate
+        limit = self.config.speculate if asked is None else min(asked, self.config.speculate)
+        room = (len(sequence.block_table) + self.allocator.free_blocks) * self.allocator.block_size
+        return max(0, min(limit, sequence.draft_room, room - sequence.num_computed_tokens - 1))
 
     def waiting_to_join(self) -> bool:
         """Whether a waiting request could join at the next step, were there blocks for it: a decode run does

@@ -15,7 +15,7 @@ from conveyor.config import Config
 from conveyor.group_store import GroupStore
 from conveyor.router.limits import ResolvedLimits, resolve_limits
 from conveyor.router.pipeline.request import Parameters
-from conveyor.router.transport.records import Batch, NewRequest, ShardInfo, Warmup
+from conveyor.router.transport.records import Batch, Calibration, NewRequest, ShardInfo, Warmed, Warmup
 from conveyor.router.transport.shard_client import ShardedClient, ShardError
 from conveyor.shard_channels import Security
 
@@ -27,6 +27,7 @@ class Connection:
     client: ShardedClient
     info: ShardInfo  # rank 0's
     limits: ResolvedLimits  # with the KV capacity the warmup measured
+    calibration: Calibration | None = None  # a decode step's seconds by rows, when drafts are on (the first warmup's)
 
     @property
     def num_blocks(self) -> int:
@@ -112,11 +113,38 @@ async def connect(
         # The shards hold steps to the deadline too (their health says when one is past it): one deadline for all,
         # the flag's, the first connection's, or the one the shards choose from their warmup.
         request.step_timeout = first.client.step_timeout if first else args.shard_step_timeout or 0.0
-        capacity, client.step_timeout = await client.warmup(request, timeout=args.startup_timeout)
-        return Connection(client, infos[0], limits.with_capacity(capacity))
+        measured = args.speculate_policy == "measured"
+        request.calibrate_rows = (
+            () if first or not measured else calibration_rows(args.speculate, args.speculate_max_batch)
+        )
+        warmed = await client.warmup(request, timeout=args.startup_timeout)
+        client.step_timeout = warmed.step_timeout
+        calibration = first.calibration if first else _calibration(request.calibrate_rows, warmed)
+        return Connection(client, infos[0], limits.with_capacity(warmed.capacity), calibration)
     except BaseException:
         await client.close()
         raise
+
+
+def calibration_rows(speculate: int, max_batch: int) -> tuple[int, ...]:
+    """Where the draft choice needs a step's cost: every row count of one sequence's verify step (1 to
+    `speculate` + 1, where kernels switch row blocking), and a few points up to the largest drafting batch's,
+    between which the cost is near linear. None with drafts off."""
+    if speculate <= 0:
+        return ()
+    most = max(1, max_batch) * (speculate + 1)
+    return tuple(sorted({*range(1, speculate + 2), *(most // 2, most)} - {0}))
+
+
+def _calibration(rows: tuple[int, ...], warmed: Warmed) -> Calibration | None:
+    if not rows:
+        return None
+    if len(warmed.step_seconds) != len(rows) or min(warmed.step_seconds) <= 0:
+        log.warning("no step costs from warmup: every request may have its full drafts")
+        return None
+    seconds = warmed.step_seconds
+    log.info("step costs", extra={"rows": list(rows), "vs_one_row": [round(s / seconds[0], 3) for s in seconds]})
+    return Calibration(rows, seconds, warmed.draft_step_seconds)
 
 
 def warmup(limits: ResolvedLimits, tokenizer, again: bool = False) -> Warmup:

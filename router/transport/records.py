@@ -116,11 +116,35 @@ class StepResult:
 @dataclass(slots=True)
 class Warmup:
     """The largest step the limits allow, which sizes the KV pool (`max_batch_total_tokens`: 0 lets the shards
-    choose), and the step deadline asked for (0.0: the shards choose)."""
+    choose), the step deadline asked for (0.0: the shards choose), and the row counts at which to time a decode
+    step (none: no timing)."""
 
     batch: Batch
     max_batch_total_tokens: int = 0
     step_timeout: float = 0.0
+    calibrate_rows: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A decode step's seconds at each of `rows` (one sequence, rows-1 drafts verified) and a draft-model step's
+    (0.0: prompt lookup), as the shards timed them at warmup."""
+
+    rows: tuple[int, ...]
+    step_seconds: tuple[float, ...]
+    draft_step_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Warmed:
+    """What the shards' warmup found: the KV capacity in tokens the smallest rank supports, the step deadline
+    (the longest any rank chose), and, when asked, a decode step's seconds at each row count and a draft-model
+    step's (the slowest rank's)."""
+
+    capacity: int
+    step_timeout: float
+    step_seconds: tuple[float, ...] = ()
+    draft_step_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

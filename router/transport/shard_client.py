@@ -24,6 +24,7 @@ from conveyor.router.transport.records import (
     ShardAdapter,
     ShardInfo,
     StepResult,
+    Warmed,
     Warmup,
 )
 from conveyor.shard_channels import LOOPBACK, Security, parse_tcp
@@ -128,12 +129,15 @@ class ShardedClient:
         request = pb.UnloadAdapterRequest(name=name)
         await self._all("UnloadAdapter", lambda s: s.UnloadAdapter(request, timeout=self.step_timeout))
 
-    async def warmup(self, warmup: Warmup, timeout: float | None = None) -> tuple[int, float]:
-        """Returns the KV capacity in tokens the smallest rank supports, and the step deadline (the longest any
-        rank chose)."""
+    async def warmup(self, warmup: Warmup, timeout: float | None = None) -> Warmed:
         request = wire.warmup_pb(warmup)
         responses = await self._all("Warmup", lambda s: s.Warmup(request, timeout=timeout))
-        return min(r.max_supported_total_tokens for r in responses), max(r.step_timeout for r in responses)
+        return Warmed(
+            capacity=min(r.max_supported_total_tokens for r in responses),
+            step_timeout=max(r.step_timeout for r in responses),
+            step_seconds=tuple(max(times) for times in zip(*(r.step_seconds for r in responses))),
+            draft_step_seconds=max(r.draft_step_seconds for r in responses),
+        )
 
     async def prefill(
         self,

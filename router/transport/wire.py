@@ -95,6 +95,7 @@ def warmup_pb(warmup: Warmup) -> pb.WarmupRequest:
         batch=batch_pb(warmup.batch),
         max_batch_total_tokens=warmup.max_batch_total_tokens,
         step_timeout=warmup.step_timeout,
+        calibrate_rows=warmup.calibrate_rows,
     )
 
 

@@ -32,6 +32,7 @@ from conveyor.shard.batch.cached_batch import Batch
 from conveyor.shard.batch.request_state import BadRequest
 from conveyor.shard.service.torch_thread import TorchThread
 from conveyor.shard.service.watchdog import WATCH_SECONDS, StepWatch, step_timeout
+from conveyor.shard.step import step_timing
 from conveyor.shard.step.engine import Engine, StepOutput
 from conveyor.shard_channels import CHANNEL_OPTIONS, Security
 from conveyor.v1 import shard_pb2 as pb
@@ -178,14 +179,22 @@ class ShardService(pb_grpc.ShardServicer):
 
     @rpc
     async def Warmup(self, request: pb.WarmupRequest, context) -> pb.WarmupResponse:
-        """Runs the largest prefill (first requests then do not pay for cold memory) and sizes the KV pool."""
+        """Runs the largest prefill (first requests then do not pay for cold memory), sizes the KV pool, and
+        times a decode step at the row counts asked (the router's draft choice weighs drafts by them)."""
         if not request.batch.requests:
             raise BadRequest("warmup needs a batch")
+        step_timing.check_rows(request.calibrate_rows)
         self.cache.clear()
         start = time.monotonic()
         capacity = await self.torch_thread.run(self.engine.warmup, request)  # not a step: no deadline
         self.watch.timeout = step_timeout(request.step_timeout, time.monotonic() - start)
-        return pb.WarmupResponse(max_supported_total_tokens=capacity, step_timeout=self.watch.timeout)
+        seconds, draft = await self.torch_thread.run(step_timing.time_decode_rows, self.engine, request.calibrate_rows)
+        return pb.WarmupResponse(
+            max_supported_total_tokens=capacity,
+            step_timeout=self.watch.timeout,
+            step_seconds=seconds,
+            draft_step_seconds=draft,
+        )
 
     @rpc
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:

@@ -49,3 +49,27 @@ def test_counters_and_histograms_move_with_requests(server: Server) -> None:
     assert value(after, "conveyor_kv_blocks_total") > 0
     assert value(after, "conveyor_kv_blocks_used") == 0  # every block is back once nothing runs
     assert value(after, "conveyor_queue_size") == 0 and value(after, "conveyor_batch_current_size") == 0
+
+
+def test_the_draft_choice_shows_its_measured_step_costs_and_offers(server: Server) -> None:
+    """Drafts are on by default and chosen by what they earn: the warmup's step costs are in /metrics (one row is
+    the unit; a verify step of several rows costs more), and a request that repeats its prompt is offered drafts,
+    which are verified and mostly accepted."""
+    before = scrape(server)
+    ratios = {
+        int(labels[1][1]): v for (name, labels), v in before.items() if name == "conveyor_speculative_step_cost_ratio"
+    }
+    assert ratios[1] == 1.0 and set(range(1, 10)) <= set(ratios)  # --speculate 8: rows 1 to 9, and more
+    assert ratios[max(ratios)] > 1.0
+    prompt = "alpha beta gamma delta epsilon zeta eta theta. " * 6
+    r = httpx.post(f"{server.url}/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 40}}, timeout=60)
+    assert r.status_code == 200, r.text
+    after = scrape(server)
+    offered = value(after, "conveyor_speculative_offered_tokens_total") - value(
+        before, "conveyor_speculative_offered_tokens_total"
+    )
+    drafted = value(after, "conveyor_speculative_drafted_tokens_total") - value(
+        before, "conveyor_speculative_drafted_tokens_total"
+    )
+    assert offered >= drafted > 0
+    assert 0.0 < value(after, "conveyor_speculative_acceptance", group="0") <= 1.0

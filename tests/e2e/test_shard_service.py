@@ -64,10 +64,15 @@ def shard(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 async def client(shard: str, tokenizer) -> AsyncIterator[ShardedClient]:
     client = await ShardedClient.connect(shard)
     await client.clear_cache()
-    warmup = Warmup(batch=batch(0, request(tokenizer, 0, "warm up", 2)), max_batch_total_tokens=1024)
-    capacity, step_timeout = await client.warmup(warmup)
-    assert capacity == 1024  # the KV pool the router asked for, in 16-token blocks
-    assert step_timeout == MIN_STEP_TIMEOUT  # none asked for: the shard's own choice, from a short warmup
+    rows = (1, 2, 5)
+    warmup = Warmup(
+        batch=batch(0, request(tokenizer, 0, "warm up", 2)), max_batch_total_tokens=1024, calibrate_rows=rows
+    )
+    warmed = await client.warmup(warmup)
+    assert warmed.capacity == 1024  # the KV pool the router asked for, in 16-token blocks
+    assert warmed.step_timeout == MIN_STEP_TIMEOUT  # none asked for: the shard's own choice, from a short warmup
+    assert len(warmed.step_seconds) == len(rows) and min(warmed.step_seconds) > 0  # a decode step timed per count
+    assert warmed.draft_step_seconds == 0.0  # no draft model
     yield client
     await client.close()
 
@@ -253,11 +258,16 @@ async def test_a_stopping_shard_ends_an_open_steps_call_cleanly(tiny_model: Path
         process.kill()
 
 
-async def test_a_failed_grpc_call_has_invalid_argument_status(shard: str) -> None:
+async def test_a_failed_grpc_call_has_invalid_argument_status(shard: str, tokenizer) -> None:
+    warmup = Warmup(batch=batch(0, request(tokenizer, 0, "warm up", 2)), calibrate_rows=(1, 100_000))
     async with grpc.aio.insecure_channel(shard) as channel:
+        stub = pb_grpc.ShardStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await pb_grpc.ShardStub(channel).FilterBatch(pb.FilterBatchRequest(batch_id=12345))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await stub.FilterBatch(pb.FilterBatchRequest(batch_id=12345))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Warmup(wire.warmup_pb(warmup))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "calibrate_rows" in error.value.details()
 
 
 HANG_PROMPT = "stuck forever"
@@ -284,8 +294,8 @@ async def test_a_stuck_forward_turns_health_not_serving_and_the_probe_kills_it(
     client = await ShardedClient.connect(url)
     try:
         warmup = Warmup(batch=batch(0, request(tokenizer, 0, "warm up", 2)), step_timeout=1.0)
-        _, step_timeout = await client.warmup(warmup)
-        assert step_timeout == 1.0  # the deadline asked for
+        warmed = await client.warmup(warmup)
+        assert warmed.step_timeout == 1.0 and warmed.step_seconds == ()  # the deadline asked for; no timing asked
         await client.health()
         assert health_status(url) == health_status(url, "conveyor.v1.Shard") == health_pb2.HealthCheckResponse.SERVING
         assert probe(url) == 0 and probe(url, "--stuck-only") == 0

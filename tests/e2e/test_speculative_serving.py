@@ -1,6 +1,8 @@
 """Speculative decoding through the real processes: what drafts must not change, and what they report.
 
-One deployment drafts at every decode step of any batch (`--speculate-max-batch 64`); each test compares a
+One deployment drafts at every decode step of any batch (`--speculate-max-batch 64`, and `--speculate-policy fixed`:
+every request has all its drafts at each step, whatever it accepted, so that these tests reach the cases they
+name; the default policy's choice is unit-tested, and the oracle runs with it); each test compares a
 request served with drafts against the same request with `speculate: 0` on the same server, and checks that
 drafts were verified, so that none can pass with speculation silently off. The greedy oracle with drafts, on 1
 and 2 shards with joins and a cancellation, is in tests/e2e/test_oracle.py.
@@ -24,7 +26,19 @@ SEEDS = range(48)
 
 @pytest.fixture(scope="module")
 def drafting(tiny_model: Path) -> Iterator[Server]:
-    server = start_server(tiny_model, "--speculate", "4", "--speculate-max-batch", "64", "--max-total-tokens", "512")
+    server = start_server(
+        tiny_model,
+        *(
+            "--speculate",
+            "4",
+            "--speculate-max-batch",
+            "64",
+            "--speculate-policy",
+            "fixed",
+            "--max-total-tokens",
+            "512",
+        ),
+    )
     yield server
     assert server.stop() == 0
 

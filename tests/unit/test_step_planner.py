@@ -11,6 +11,7 @@ import pytest
 
 from conveyor.config import SCHEDULING
 from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.draft_choice import StepCosts
 from conveyor.router.core.policies import POLICIES, Continuous, policy_for, static
 from conveyor.router.core.queue import Queue
 from conveyor.router.core.sequence import Sequence, SequenceStatus
@@ -982,3 +983,24 @@ def test_no_salt_or_adapter_name_reaches_another_scopes_blocks(planter: tuple, v
     sim.submit(target)
     sim.step()
     assert sim.work_of(target).cache_len == 0  # nothing of B's was taken for A's
+
+
+# --- drafts ---------------------------------------------------------------------------------------------------
+
+
+def test_drafts_go_where_the_measured_costs_say_they_pay() -> None:
+    """Without step costs every decoding sequence may have `speculate` drafts; with them, one whose drafts were
+    rejected gets none and one whose drafts were kept gets them all, with the blocks they need."""
+    cheap_rows = StepCosts((1, 2, 5, 9), (0.020, 0.0205, 0.022, 0.024))
+    for costs, expected in ((None, [4, 4]), (cheap_rows, [0, 4])):
+        sim = Sim(speculate=4, step_costs=costs)
+        rejecting, accepting = make_sequence(0, 15, max_new_tokens=50), make_sequence(1, 15, max_new_tokens=50)
+        sim.submit(rejecting, accepting)
+        sim.step()
+        if sim.planner.drafts is not None:
+            for _ in range(10):
+                sim.planner.drafts.record(rejecting.draft_record, drafted=4, accepted=0)
+                sim.planner.drafts.record(accepting.draft_record, drafted=4, accepted=4)
+        sim.planner.plan()
+        assert [s.step_drafts for s in (rejecting, accepting)] == expected
+        assert all(len(s.block_table) * 16 >= s.num_computed_tokens + 1 + s.step_drafts for s in (rejecting, accepting))

@@ -384,11 +384,13 @@ class WarmupRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_batch_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ..., calibrate_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("max_supported_total_tokens", "step_timeout", "step_seconds")
+    __slots__ = ("max_supported_total_tokens", "step_timeout", "step_seconds", "draft_step_seconds")
     MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     max_supported_total_tokens: int
     step_timeout: float
     step_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    draft_step_seconds: float
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., step_timeout: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., draft_step_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,67 @@
+"""What a decode step costs on this machine at a few row counts, timed at warmup for the router's draft choice.
+
+A step verifying k drafts of one sequence feeds k+1 rows through the same weights, so it costs little more than a
+one-row step where the GEMVs are bound by memory, and more where they are bound by compute or switch kernels:
+that depends on the CPU, the dtype and the model, so it is timed here rather than assumed
+(router/core/draft_choice.py weighs drafts by it). The steps run on the real pool before any request holds a
+block, over a short context written first; every rank runs the same forwards, so tensor parallelism's
+collectives pair up.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from conveyor.shard.batch.request_state import BadRequest
+
+CONTEXT_TOKENS = 64  # a short conversation's context, so attention takes its usual small share of the step
+REPEATS = 3  # timed runs per row count, after an untimed one; their median is kept
+MOST_ROWS = 256  # a row count beyond any drafting step
+
+
+def check_rows(rows: Sequence[int]) -> None:
+    if len(rows) > 64 or any(r < 1 or r > MOST_ROWS for r in rows):
+        raise BadRequest(f"calibrate_rows takes at most 64 row counts, each 1 to {MOST_ROWS}: got {list(rows)}")
+
+
+@torch.inference_mode()
+def time_decode_rows(engine, rows: Sequence[int]) -> tuple[list[float], float]:
+    """Seconds of one sequence's decode step at each of `rows`, and of a one-row draft-model step (0.0 without
+    a draft model). Nothing (and 0.0) when the pool cannot hold the context and the largest step."""
+    check_rows(rows)
+    if not rows:
+        return [], 0.0
+    blocks = list(range(math.ceil((CONTEXT_TOKENS + max(rows)) / engine.block_size)))
+    if len(blocks) > engine.cache.num_blocks:
+        return [], 0.0
+    context = [1] * CONTEXT_TOKENS
+
+    def step(count: int, **target) -> Callable[[], object]:
+        lengths = [CONTEXT_TOKENS + count]
+        return lambda: engine.forward([[1] * count], [CONTEXT_TOKENS], [blocks], lengths, [count], **target)
+
+    engine.forward([context], [0], [blocks], [CONTEXT_TOKENS], [1])
+    seconds = [_median_seconds(step(count), engine.device) for count in rows]
+    drafter = engine.drafter
+    if drafter is None:
+        return seconds, 0.0
+    target = {"model": drafter.model, "cache": drafter.cache}
+    engine.forward([context], [0], [blocks], [CONTEXT_TOKENS], [1], **target)
+    return seconds, _median_seconds(step(1, **target), engine.device)
+
+
+def _median_seconds(run: Callable[[], object], device: torch.device) -> float:
+    times = []
+    for attempt in range(REPEATS + 1):
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if attempt:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
