@@ -155,7 +155,7 @@ class StoppingParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "resumed_tokens", "grammar", "adapter", "cache_scope")
+    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "resumed_tokens", "grammar", "adapter", "cache_scope", "pooling")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class Request(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     parameters: SamplingParameters
@@ -182,7 +183,30 @@ class Request(_message.Message):
     grammar: str
     adapter: str
     cache_scope: str
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., adapter: _Optional[str] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+    pooling: Pooling
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., adapter: _Optional[str] = ..., cache_scope: _Optional[str] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ...) -> None: ...
+
+class Pooling(_message.Message):
+    __slots__ = ("embed", "score")
+    class Embed(_message.Message):
+        __slots__ = ("mode", "normalize")
+        MODE_FIELD_NUMBER: _ClassVar[int]
+        NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+        mode: str
+        normalize: bool
+        def __init__(self, mode: _Optional[str] = ..., normalize: _Optional[bool] = ...) -> None: ...
+    class Score(_message.Message):
+        __slots__ = ("yes_token_id", "no_token_id")
+        YES_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+        NO_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+        yes_token_id: int
+        no_token_id: int
+        def __init__(self, yes_token_id: _Optional[int] = ..., no_token_id: _Optional[int] = ...) -> None: ...
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    embed: Pooling.Embed
+    score: Pooling.Score
+    def __init__(self, embed: _Optional[_Union[Pooling.Embed, _Mapping]] = ..., score: _Optional[_Union[Pooling.Score, _Mapping]] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
     __slots__ = ("request_id", "new_blocks", "chunk_len", "speculate")
@@ -241,7 +265,7 @@ class GeneratedText(_message.Message):
     def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "finished", "top_tokens", "drafted", "disk_cached_tokens")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "finished", "top_tokens", "drafted", "disk_cached_tokens", "embedding", "score")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +273,8 @@ class Generation(_message.Message):
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
@@ -256,7 +282,9 @@ class Generation(_message.Message):
     top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     drafted: int
     disk_cached_tokens: int
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted: _Optional[int] = ..., disk_cached_tokens: _Optional[int] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    score: float
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted: _Optional[int] = ..., disk_cached_tokens: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("total_ns", "mask_ns", "disk_loaded_tokens", "disk_load_ns", "disk_bytes", "disk_skipped_files")
