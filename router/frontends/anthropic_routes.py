@@ -21,9 +21,9 @@ from conveyor.router.core.events import ErrorEvent
 from conveyor.router.core.infer import Infer
 from conveyor.router.frontends.anthropic_events import MessageEvents, content_of, message, stop_of, usage
 from conveyor.router.frontends.middleware import caller, request_id
-from conveyor.router.frontends.openai_routes import Choice, OpenAIRoutes, token_text
-from conveyor.router.frontends.replies import REQUEST_ERRORS, anthropic_error_response, open_sse
-from conveyor.router.frontends.responses_api_routes import new_id
+from conveyor.router.frontends.replies import REQUEST_ERRORS, anthropic_error_response, open_sse, token_text
+from conveyor.router.frontends.responses_api_output import new_id
+from conveyor.router.pipeline.openai_requests import Choice, OpenAIRequests
 from conveyor.router.pipeline.validation import check_limits
 
 BLOCKS_JOINED = "\n\n"  # between the text blocks of one turn (or of the system prompt)
@@ -113,8 +113,9 @@ def _function(tool: api.ToolParam) -> dict[str, Any]:
 
 
 class AnthropicRoutes:
-    def __init__(self, infer: Infer, chat: OpenAIRoutes) -> None:
-        self.infer, self.chat = infer, chat
+    def __init__(self, infer: Infer, requests: OpenAIRequests, model_id: str) -> None:
+        self.infer, self.requests, self.model_id = infer, requests, model_id
+        self.validation = requests.validation
 
     def register(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages", self.create)
@@ -124,12 +125,12 @@ class AnthropicRoutes:
         key = caller(request)
         try:
             self.infer.admit(key, 1)  # refused work costs no template and no tokenizing
-            body, choice = await self.chat.validation.off_loop(
+            body, choice = await self.validation.off_loop(
                 self._read, api.MessagesRequest, await request.read(), owner=key.name
             )
         except REQUEST_ERRORS as exc:
             return anthropic_error_response(exc)
-        model = body.model or self.chat.model_id
+        model = body.model or self.model_id
         if body.stream:
             return await self._stream(request, choice, model)
         try:
@@ -147,7 +148,7 @@ class AnthropicRoutes:
         key = caller(request)
         try:
             self.infer.admit(key, 1)
-            _, choice = await self.chat.validation.off_loop(
+            _, choice = await self.validation.off_loop(
                 self._read, api.CountTokensRequest, await request.read(), owner=key.name
             )
         except REQUEST_ERRORS as exc:
@@ -158,9 +159,9 @@ class AnthropicRoutes:
     def _read(self, model: type[api.MessagesBase], raw: bytes) -> tuple[api.MessagesBase, Choice]:
         """On a validation worker: the body, and the chat choice it is."""
         body = parse(model, raw)
-        check_limits(body, self.chat.validation.limits)  # `max_tokens`, `stop_sequences` named as the caller wrote
+        check_limits(body, self.validation.limits)  # `max_tokens`, `stop_sequences` named as the caller wrote
         chat = parse(ChatRequest, chat_body(body))
-        return body, self.chat._chat_choices(chat)[0]
+        return body, self.requests.chat_choices(chat)[0]
 
     async def _stream(self, request: web.Request, choice: Choice, model: str) -> web.StreamResponse:
         key = caller(request)

@@ -33,6 +33,7 @@ from conveyor.router.frontends.replies import UNAUTHORIZED, VALIDATION, json_err
 from conveyor.router.frontends.responses_api_routes import ResponsesRoutes
 from conveyor.router.frontends.service_routes import RequestControl
 from conveyor.router.frontends.tgi_routes import TgiRoutes
+from conveyor.router.pipeline.openai_requests import OpenAIRequests
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
 
@@ -84,10 +85,10 @@ class HttpServer:
         TgiRoutes(self.infer, self.validation, self.info, lambda: self.draining).register(app)
         app.router.add_get("/metrics", self.get_metrics)
         app.router.add_get("/openapi.json", self.get_openapi)
-        chat = OpenAIRoutes(self.infer, self.validation, self.info.model_id)
-        chat.register(app)
-        ResponsesRoutes(self.infer, chat).register(app)
-        AnthropicRoutes(self.infer, chat).register(app)
+        requests, model_id = OpenAIRequests(self.validation), self.info.model_id
+        OpenAIRoutes(self.infer, requests, model_id).register(app)
+        ResponsesRoutes(self.infer, requests, model_id).register(app)
+        AnthropicRoutes(self.infer, requests, model_id).register(app)
         RequestControl(self.infer).register(app)
         AdapterRoutes(self.infer).register(app)
         GroupRoutes(self.infer).register(app)

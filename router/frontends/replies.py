@@ -208,3 +208,10 @@ async def send_sse(response: web.StreamResponse, payload: dict[str, Any], event:
     """One event; `event` names it on an `event:` line (Anthropic's and the Responses API's streams)."""
     named = f"event: {event}\n".encode() if event is not None else b""
     await response.write(named + b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def token_text(event: TokenEvent) -> str:
+    """A streamed token's text; the special token that ended the output is not part of it (as in the answer's
+    whole text), though its logprob entry still names it."""
+    ended = event.finished is not None and event.finished.finish_reason == "eos_token"
+    return "" if ended and event.token.special else event.token.text

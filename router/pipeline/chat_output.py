@@ -1,6 +1,6 @@
 """`ChatOutput`: one choice's model text read as a chat answer, in order: its reasoning, its answer text and its
 tool calls, streamed (`feed` each piece of text, then `finish`) or whole (`parse`). Every chat-shaped route
-builds on it (the chat route's chunks and message: router/frontends/openai_routes.py); it knows no API's shapes.
+builds on it (the chat route's chunks and message: router/frontends/openai_format.py); it knows no API's shapes.
 
 The reading is in two stages: the reasoning block is split off first (reasoning.py, when the model reasons), and
 what follows it, the answer, goes to the reader the request's tools call for (tool_parsers/readers.py). So tool

@@ -1,6 +1,6 @@
 """`Delta`: one piece of a chat answer as it is read out of the model's text, in order: reasoning, answer text, or
 a piece of a tool call. The chat route turns these into OpenAI's chunks and messages
-(router/frontends/openai_routes.py); the reading itself is `chat_output.ChatOutput`."""
+(router/frontends/openai_format.py); the reading itself is `chat_output.ChatOutput`."""
 
 from __future__ import annotations
 

@@ -20,9 +20,10 @@ from conveyor.router.api import responses_api as api
 from conveyor.router.api.base import parse
 from conveyor.router.api.openai import ChatRequest
 from conveyor.router.core.events import Finished
-from conveyor.router.frontends.openai_routes import Choice
-from conveyor.router.frontends.responses_api_routes import ResponseObject, chat_body, messages_of, whole_output
+from conveyor.router.frontends.responses_api_output import ResponseObject, whole_output
+from conveyor.router.frontends.responses_api_routes import chat_body, messages_of
 from conveyor.router.pipeline.chat_output import ChatOutput
+from conveyor.router.pipeline.openai_requests import Choice
 from conveyor.router.pipeline.tools import tool_use
 
 WEATHER = {

@@ -34,8 +34,8 @@ from conveyor.router.api.tgi import (
     WARPERS,
     GenerateParameters,
 )
-from conveyor.router.frontends.openai_routes import Choice, OpenAIRoutes
 from conveyor.router.limits import Limits
+from conveyor.router.pipeline.openai_requests import Choice, OpenAIRequests
 from conveyor.router.pipeline.request import ValidRequest, tgi_request
 from conveyor.router.pipeline.validation import Validation, ValidationError
 from conveyor.router.transport.wire import sampling_pb
@@ -428,15 +428,15 @@ def _asks_for_a_constraint(body: dict) -> bool:
 @examples(200)
 @given(body=COMPLETION_BODIES, stream=st.booleans())
 def test_any_completion_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
-    routes = OpenAIRoutes(None, validation, "m")  # parsing only: no queue, no shards
-    accepted(routes._completion_choices, CompletionRequest, body, stream)
+    requests = OpenAIRequests(validation)  # parsing only: no queue, no shards
+    accepted(requests.completion_choices, CompletionRequest, body, stream)
 
 
 @examples(200)
 @given(body=CHAT_BODIES, stream=st.booleans())
 def test_any_chat_body_is_valid_or_a_validation_error(validation: Validation, body: dict, stream: bool) -> None:
-    routes = OpenAIRoutes(None, validation, "m")
-    choices = accepted(routes._chat_choices, ChatRequest, body, stream)
+    requests = OpenAIRequests(validation)
+    choices = accepted(requests.chat_choices, ChatRequest, body, stream)
     if choices is not None:
         for name in ("functions", "logit_bias"):
             assert body.get(name) in (None, [], {})  # never accepted and ignored
