@@ -9,6 +9,7 @@ from typing import Any
 from conveyor import allowance
 from conveyor.grammar import GrammarCache, GrammarError
 from conveyor.shard.batch.detokenize import IncrementalDetokenizer
+from conveyor.shard.batch.prompt_pooling import PoolingError, PromptPooling
 from conveyor.shard.batch.stopping import FinishReason, StoppingCriteria
 from conveyor.shard.sampling.sampler import SamplingParams
 from conveyor.v1 import shard_pb2 as pb
@@ -49,10 +50,17 @@ class RequestState:
     )
     offload_keys: list[bytes] = field(default_factory=list)  # its full blocks' disk keys, computed as needed
     disk_cached_tokens: int = 0  # prompt tokens read from the disk tier, told with its first token (usage)
+    pooling: PromptPooling | None = None  # a prompt-only request (embeddings, rerank): it never decodes
 
     @property
     def is_decoding(self) -> bool:
         return self.next_token is not None
+
+    @property
+    def computes_every_prompt_token(self) -> bool:
+        """Whether no cached KV may stand in for any of its prompt: its prompt's log-probabilities, or a pooling
+        over every position, need each position computed here."""
+        return self.prefill_logprobs or (self.pooling is not None and self.pooling.every_position)
 
     @classmethod
     def from_pb(
@@ -89,6 +97,8 @@ class RequestState:
             adapter=request.adapter,
             cache_scope=request.cache_scope,
         )
+        if request.HasField("pooling"):
+            state.pooling = _pooling(request)
         if request.grammar:
             try:
                 state.matcher = grammars.matcher(request.grammar)
@@ -189,3 +199,16 @@ class RequestState:
         if self.params.sampling:
             finished.seed = self.params.seed
         return finished
+
+
+def _pooling(request: pb.Request) -> PromptPooling:
+    """A prompt-only request's pooling; one that could not be served as asked is refused."""
+    try:
+        pooling = PromptPooling.from_pb(request.pooling)
+    except PoolingError as exc:
+        raise BadRequest(f"request {request.id}: {exc}") from None
+    if request.grammar or request.prefill_logprobs or request.resumed_tokens:
+        raise BadRequest(f"request {request.id}: a prompt-only request has no grammar, prompt logprobs or tokens")
+    if pooling.every_position and request.cache_len:
+        raise BadRequest(f"request {request.id}: {pooling.mode} pooling needs its whole prompt computed (cache_len 0)")
+    return pooling

@@ -127,8 +127,10 @@ class GemmaForCausalLM(torch.nn.Module):
         metas: Metadatas,
         logits_index: torch.Tensor,
         reach: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last)."""
+        states_index: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last); with
+        `states_index`, also the final-norm hidden states [M, hidden] (float32) of those tokens (embeddings)."""
         hidden = self.embed(input_ids) * self.embed_scale
         rotations = {kind: rotary.cos_sin(positions, hidden.dtype) for kind, rotary in self.rotaries.items()}
         for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
@@ -136,4 +138,4 @@ class GemmaForCausalLM(torch.nn.Module):
         logits = self.lm_head(self.norm(hidden[logits_index])).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return logits if states_index is None else (logits, self.norm(hidden[states_index]).float())

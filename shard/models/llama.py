@@ -171,9 +171,11 @@ class LlamaForCausalLM(torch.nn.Module):
         metas: Metadatas,
         logits_index: torch.Tensor,
         reach: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        states_index: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last). `reach`: for
-        LongRoPE (`needs_reach`), each token's sequence's longer of prompt and length so far."""
+        LongRoPE (`needs_reach`), each token's sequence's longer of prompt and length so far. With `states_index`,
+        also the final-norm hidden states [M, hidden] (float32) of those tokens (embeddings)."""
         hidden, delta = self.embed(input_ids), None  # the residual stream is added to in place from here on
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, reach)
         meta = metas[self.sliding_window]
@@ -182,4 +184,7 @@ class LlamaForCausalLM(torch.nn.Module):
         else:
             for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
                 delta = layer(hidden, delta, cos, sin, key_cache, value_cache, meta)
-        return self.lm_head(self.norm(hidden[logits_index] + delta[logits_index])).float()
+        logits = self.lm_head(self.norm(hidden[logits_index] + delta[logits_index])).float()
+        if states_index is None:
+            return logits
+        return logits, self.norm(hidden[states_index] + delta[states_index]).float()

@@ -38,6 +38,7 @@ from conveyor.shard.sampling.sampler import Sampler
 from conveyor.shard.speculation import draft_model, prompt_lookup
 from conveyor.shard.speculation.draft_model import DraftModel
 from conveyor.shard.step.generations import Generations
+from conveyor.shard.step.pooling import pooled, yes_no_score
 from conveyor.v1 import shard_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,8 @@ class Engine:
     @torch.inference_mode()
     def step(self, batch: Batch) -> StepOutput:
         """One forward: each decoding row feeds its next token, each prefilling row its chunk. Decoding rows and
-        rows whose chunk ends their prompt sample a token; the batch is gone once every request has finished."""
+        rows whose chunk ends their prompt sample a token, but prompt-only rows (embeddings, rerank), which keep
+        final states or a score instead and finish there; the batch is gone once every request has finished."""
         if self.cache is None:
             raise BadRequest("the KV pool is not allocated yet: call Warmup first")
         start = time.perf_counter_ns()
@@ -267,6 +269,8 @@ class Engine:
         decoding = batch.decoding
         self._propose(decoding)
         prefilling = [r for r in batch.prefilling if r.chunk_len]
+        pooling = [r for r in prefilling if r.pooling is not None]  # last: a score's logits follow the sampled ones
+        prefilling = [r for r in prefilling if r.pooling is None] + pooling
         rows = decoding + prefilling
         if not rows:
             raise BadRequest(f"batch {batch.id} has nothing to compute at this step")
@@ -281,12 +285,20 @@ class Engine:
         ]
         for state, tokens in zip(rows, new_tokens):
             self._check_blocks(state, state.num_computed_tokens + len(tokens))
-        logits = self._forward(rows, new_tokens, self._logit_counts(rows, new_tokens, ending))
+        spans = self._state_spans(rows, new_tokens, ending) if pooling else None
+        logits = self._forward(rows, new_tokens, self._logit_counts(rows, new_tokens, ending), spans)
         for state, tokens in zip(rows, new_tokens):
             state.num_computed_tokens += len(tokens)
         if self.offload is not None:
             self.offload.save(prefilling, before, self.cache)
-        generations = self._sample(batch, decoding, ending, logits)
+        states = None
+        if spans is not None:
+            logits, states = logits
+        sampled = [r for r in ending if r.pooling is None]
+        generations = self._sample(batch, decoding, sampled, logits)
+        if pooling:
+            done = [r for r in ending if r.pooling is not None]
+            generations += self._pool(pooling, spans[len(rows) - len(pooling) :], states, done, logits)
         finished = all(g.HasField("finished") for g in generations) and len(generations) == batch.size
         timings = pb.Timings(total_ns=time.perf_counter_ns() - start, mask_ns=self._mask_ns)
         if self.offload is not None:
@@ -317,9 +329,51 @@ class Engine:
                 counts.append(len(tokens))  # its next token, and each draft token to verify
             elif id(state) not in ends:
                 counts.append(0)
+            elif state.pooling is not None:
+                counts.append(int(state.pooling.scores))  # a score reads the last position's logits
             else:
                 counts.append(len(tokens) if state.prefill_logprobs else 1)
         return counts
+
+    @staticmethod
+    def _state_spans(
+        rows: list[RequestState], new_tokens: list[list[int]], ending: list[RequestState]
+    ) -> list[tuple[int, int]]:
+        """Per row, (first, count): the positions of its tokens whose final hidden states the forward keeps (a
+        prompt-only row's, as its pooling needs them; none of any other row)."""
+        ends = {id(r) for r in ending}
+        return [
+            (0, 0)
+            if state.pooling is None
+            else state.pooling.span(state.num_computed_tokens, len(tokens), id(state) in ends)
+            for state, tokens in zip(rows, new_tokens)
+        ]
+
+    def _pool(
+        self,
+        pooling: list[RequestState],
+        spans: list[tuple[int, int]],
+        states: torch.Tensor,
+        done: list[RequestState],
+        logits: torch.Tensor,
+    ) -> list[pb.Generation]:
+        """Prompt-only rows take the final states their chunk kept; those whose prompt ended (`done`) answer their
+        vector or score (the scores' logits are the step's last rows) and finish, with no token."""
+        for state, kept in zip(pooling, torch.split(states, [count for _, count in spans])):
+            state.pooling.take(kept)
+        scores = iter(logits[len(logits) - sum(s.pooling.scores for s in done) :])
+        generations = []
+        for state in done:
+            generation = pb.Generation(
+                request_id=state.id, disk_cached_tokens=state.disk_cached_tokens, finished=pb.GeneratedText()
+            )
+            p = state.pooling
+            if p.scores:
+                generation.score = yes_no_score(next(scores), p.yes_token_id, p.no_token_id, raw=True)
+            else:
+                generation.embedding.extend(pooled(p, len(state.input_ids)).tolist())
+            generations.append(generation)
+        return generations
 
     def _sample(
         self, batch: Batch, decoding: list[RequestState], ending: list[RequestState], logits: torch.Tensor
@@ -407,14 +461,22 @@ class Engine:
         if table and max(table) >= self.cache.num_blocks:
             raise BadRequest(f"request {state.id} names blocks beyond the pool of {self.cache.num_blocks}")
 
-    def _forward(self, rows: list[RequestState], new_tokens: list[list[int]], logit_counts: list[int]) -> torch.Tensor:
+    def _forward(
+        self,
+        rows: list[RequestState],
+        new_tokens: list[list[int]],
+        logit_counts: list[int],
+        state_spans: list[tuple[int, int]] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One flat forward: row i feeds `new_tokens[i]` after its `num_computed_tokens`. Returns the logits of
-        the last `logit_counts[i]` positions of each row, in order."""
+        the last `logit_counts[i]` positions of each row, in order (and the final states `state_spans` asks for)."""
         starts = [r.num_computed_tokens for r in rows]
         lengths = [s + len(n) for s, n in zip(starts, new_tokens)]
         reaches = [max(n, len(r.input_ids)) for n, r in zip(lengths, rows)] if self.model.needs_reach else None
         blocks, adapters = [r.block_table for r in rows], [r.adapter for r in rows]
-        return self.forward(new_tokens, starts, blocks, lengths, logit_counts, reaches, adapters=adapters)
+        return self.forward(
+            new_tokens, starts, blocks, lengths, logit_counts, reaches, adapters=adapters, state_spans=state_spans
+        )
 
     def forward(
         self,
@@ -428,12 +490,14 @@ class Engine:
         model: torch.nn.Module | None = None,
         cache: KVCache | None = None,
         adapters: list[str] | None = None,
-    ) -> torch.Tensor:
+        state_spans: list[tuple[int, int]] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The model over the KV pool: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1.
         `reaches[i]`: the longer of sequence i's prompt and its length (LongRoPE's choice; default: lengths).
         `model` and `cache`: another model and its pool (the draft model's); default: the target's.
         `adapters[i]`: sequence i's LoRA adapter ("": the base model); default: none for any (the draft model's
-        forwards, whose layers carry no adapter)."""
+        forwards, whose layers carry no adapter). `state_spans[i]`: (first, count) of sequence i's new tokens whose
+        final-norm hidden states to return too, after the logits (embeddings)."""
         model = self.model if model is None else model
         cache = self.cache if cache is None else cache
         device = self.device
@@ -447,9 +511,14 @@ class Engine:
         if model.needs_reach:
             per_token = torch.repeat_interleave(torch.tensor(reaches or lengths), torch.tensor(query_lens))
             reach = to_device(per_token, device)
+        more = {}
+        if state_spans is not None:
+            firsts = [e - n + f for e, n, (f, _) in zip(ends, query_lens, state_spans)]
+            kept = torch.cat([torch.arange(f, f + c) for f, (_, c) in zip(firsts, state_spans)])
+            more["states_index"] = to_device(kept, device)
         self.adapters.begin(adapters, query_lens)
         try:
-            return model(ids, positions, cache, metas, to_device(keep, device), reach)
+            return model(ids, positions, cache, metas, to_device(keep, device), reach, **more)
         finally:
             self.adapters.end()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.pooling import PoolingSpec
+from conveyor.shard.batch.prompt_pooling import PoolingError, PromptPooling
 
 
 def pool(hidden: torch.Tensor, spec: PoolingSpec) -> torch.Tensor:
@@ -27,7 +28,20 @@ def pool(hidden: torch.Tensor, spec: PoolingSpec) -> torch.Tensor:
         vector = states[0]
     else:
         raise ValueError(f"unknown pooling mode {spec.mode!r}")
-    return torch.nn.functional.normalize(vector, p=2.0, dim=0) if spec.normalize else vector
+    return _normalized(vector) if spec.normalize else vector
+
+
+def _normalized(vector: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(vector, p=2.0, dim=0)
+
+
+def pooled(pooling: PromptPooling, prompt_len: int) -> torch.Tensor:
+    """A request's vector once its whole prompt was read chunk by chunk (`pool` of its states, from what each chunk
+    kept): sentence-transformers' mean is the sum over the count, as here."""
+    if pooling.total is None:
+        raise PoolingError("no hidden states were kept for this prompt")
+    vector = pooling.total / prompt_len if pooling.mode == "mean" else pooling.total
+    return _normalized(vector) if pooling.normalize else vector
 
 
 def pool_rows(hidden: torch.Tensor, lengths: list[int], spec: PoolingSpec) -> list[torch.Tensor]:

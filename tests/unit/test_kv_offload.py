@@ -119,7 +119,7 @@ class _Request:
 
     def __init__(self, tokens: list[int], blocks: list[int], scope: str = "scope-a", adapter: str = "") -> None:
         self.input_ids, self.block_table, self.cache_scope, self.adapter = tokens, blocks, scope, adapter
-        self.prefill_logprobs, self.offload_keys = False, []
+        self.computes_every_prompt_token, self.offload_keys = False, []
         self.num_computed_tokens, self.chunk_len, self.disk_cached_tokens = 0, len(tokens), 0
 
 
