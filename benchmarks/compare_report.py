@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import onednn_report
 from benchmarks.bare import BareResult
 from benchmarks.metrics import BenchmarkResult, RateResult, Summary
 from benchmarks.report import number
@@ -420,6 +421,7 @@ def machine() -> dict[str, Any]:
         "amx": here.amx,
         "native_bf16": here.onednn_bf16,  # oneDNN runs bf16 matmuls (the bf16 systems are in the default run)
         "kernels": here.kind or "torch",  # the C++ kernels' variant Conveyor's shards loaded (conveyor.cpu.KINDS)
+        "onednn": onednn_report.report(),  # the implementation oneDNN ran per dtype and row count
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -428,7 +430,8 @@ def machine() -> dict[str, Any]:
 def machine_line(m: dict[str, Any]) -> str:
     """The report's line for `machine()`."""
     units = ", ".join(f"{label} {m[key]}" for label, key in MACHINE_UNITS)
-    return f"machine: {m['cpu']}, {m['cores']} cores, {units}, torch {m['torch']}"
+    onednn = f", {onednn_report.summary(m['onednn'])}" if "onednn" in m else ""
+    return f"machine: {m['cpu']}, {m['cores']} cores, {units}, torch {m['torch']}{onednn}"
 
 
 def weight_width(system: str) -> str:

@@ -25,6 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from benchmarks import onednn_report
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOC = HERE.parent / "docs" / "benchmarks.md"
@@ -114,7 +116,8 @@ def load(path: Path) -> Json:
 def machine_line(machine: Json) -> str:
     """The CPU as summary.json records it; a unit the older files did not record says so."""
     units = ", ".join(f"{label} {'not recorded' if key not in machine else _yes(machine[key])}" for label, key in UNITS)
-    return f"{machine['cpu']}, {machine['cores']} cores ({units}); torch {machine['torch']}"
+    onednn = f"; {onednn_report.summary(machine['onednn'])}" if "onednn" in machine else ""
+    return f"{machine['cpu']}, {machine['cores']} cores ({units}); torch {machine['torch']}{onednn}"
 
 
 def _yes(flag: bool) -> str:

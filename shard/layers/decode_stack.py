@@ -4,9 +4,10 @@ no Python between the ops. Python keeps the collectives: with several ranks the 
 the all-reduce of each half's partial sum runs here, between the calls.
 
 It serves a step when every row decodes one token (the paged decode kernel's group alone), no LoRA adapter is
-resident (its updates are added in Python, `shard/adapters/served_adapters.py`), and no bf16 layer would widen its
-rows to float32 (many rows, `gemm.WIDE_ROWS`). Everything else, and `CONVEYOR_DECODE=layers`, runs the model's own
-modules, which stay the reference: the same kernels, called one by one, give the same bits.
+resident (its updates are added in Python, `shard/adapters/served_adapters.py`), no bf16 layer would widen its
+rows to float32 (many rows, `gemm.WIDE_ROWS`) and no int8 layer would take its oneDNN copy (`gemm.TILE_ROWS`).
+Everything else, and `CONVEYOR_DECODE=layers`, runs the model's own modules, which stay the reference: the same
+kernels, called one by one, give the same bits.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class DecodeStack:
                 in_gemm = linear.bias if self.row_biases is None or isinstance(linear, ColumnParallelLinear) else None
                 self.stack.add_linear(*_linear_args(linear.gemm, in_gemm))
         self.widens = any(linear.gemm.wide is not None for p in parts for linear in p.linears)
+        # From this many rows int8 layers go through oneDNN's tiles (gemm.TILE_ROWS), which the stack does not call.
+        tiles = [linear.gemm.tile_rows for p in parts for linear in p.linears if linear.gemm.tiles is not None]
+        self.tile_rows = min(tiles, default=None)
 
     @classmethod
     def build(
@@ -103,6 +107,8 @@ class DecodeStack:
         if len(groups) != 1 or not isinstance(groups[0], DecodeGroup) or groups[0].token_index.numel() != rows:
             return False
         if self.widens and rows >= WIDE_ROWS:
+            return False
+        if self.tile_rows is not None and rows >= self.tile_rows:
             return False
         return all(linear.lora is None for p in self.parts for linear in p.linears)
 

@@ -34,6 +34,15 @@ Xeon Emerald Rapids, 2 vCPUs, the bare forward in bf16, 4 interleaved rounds: a 
 ms, 4 x 256 tokens 1,541-1,785 -> 1,050-1,262 ms, 8 x 64 tokens 741-780 -> 489-504 ms. That is four bf16 copies'
 worth of memory instead of two (`weight_copies`), allowed under the same share as the plain copy.
 
+On a CPU with AMX (Intel Xeons from Sapphire Rapids on) oneDNN multiplies bf16 in tile units, several times
+faster than AVX-512 once a product has rows enough to fill them: decode batches, draft verification, the LM head,
+prompts. There every bf16 and int8 layer goes through oneDNN from `TILE_ROWS` rows: a bf16 weight is packed for it
+already, and an int8 layer keeps a second, dequantized copy in the model's dtype, packed (x is never rounded to
+int8: issue 68's answers stay the same; the tiles compute it in bf16 where the model is bf16). Below that row count
+the bandwidth-bound GEMV of Conveyor's kernels reads the fewest bytes. `CONVEYOR_ONEDNN_ROWS` sets that row count
+on any CPU (float32 layers obey it too), so it can be measured on an AMX machine and the path tested on every
+other: oneDNN there picks AVX-512 or AVX2.
+
 An AMD CPU with avx512_bf16 (Zen 4 and later) is the opposite case, and does not widen: its bf16 dot products
 (vdpbf16ps) run far ahead of its float32 FMAs, and the same prompts took about 40% less in bf16 than through the
 float32 copy (AMD EPYC Zen 4, 2 vCPUs, 4 interleaved rounds: 512 tokens 845-910 -> 520-566 ms, 4 x 256 tokens
@@ -58,6 +67,11 @@ SMALL_ROWS_AVX2 = 8  # ...its AVX2 loop, on a CPU without AVX-512: all the kerne
 SMALL_ROWS_PORTABLE = 2  # ...and its portable loop, on a CPU without AVX2
 PLAIN_COPY_SHARE = 0.25  # of the available memory, that a model's weights twice over may take
 WIDE_ROWS = 64  # tokens from which a step's bf16 layers compute in float32 where the CPU widens (see above)
+# Rows from which bf16 and int8 layers go through oneDNN on an AMX CPU (see above). Not yet measured on one: the
+# AVX-512 small-rows loop's limit plus one, where oneDNN already takes bf16 there; `ONEDNN_ROWS_VARIABLE` overrides
+# it (on any CPU) so that an AMX machine can find the row count where the tiles overtake the GEMV.
+TILE_ROWS = SMALL_ROWS_AVX512 + 1
+ONEDNN_ROWS_VARIABLE = "CONVEYOR_ONEDNN_ROWS"
 
 
 def backend() -> str:
@@ -114,10 +128,30 @@ def vnni() -> bool:
 def small_rows(found: cpu.Cpu) -> int:
     """Rows up to which a layer takes the small-rows kernel on this kind of CPU (the kernel's AVX-512 loop needs
     AVX512F, BW and VL, as the library of each AVX-512 kind is built with, its AVX2 loop AVX2 and FMA; `found` is
-    what `cpu.probe` reports, so CONVEYOR_CPU_VARIANT=avx2 gives the AVX2 library's answer)."""
+    what `cpu.probe` reports, so CONVEYOR_CPU_VARIANT=avx2 gives the AVX2 library's answer), and below the row
+    count from which oneDNN takes every layer where one is set (`onednn_rows`)."""
     if {"avx512f", "avx512bw", "avx512vl"} <= found.flags:
-        return SMALL_ROWS_AVX512
-    return SMALL_ROWS_AVX2 if {"avx2", "fma"} <= found.flags else SMALL_ROWS_PORTABLE
+        most = SMALL_ROWS_AVX512
+    else:
+        most = SMALL_ROWS_AVX2 if {"avx2", "fma"} <= found.flags else SMALL_ROWS_PORTABLE
+    tiles = onednn_rows(found)
+    return most if tiles is None else min(most, tiles - 1)
+
+
+def onednn_rows(found: cpu.Cpu) -> int | None:
+    """Rows from which bf16 and int8 layers go through oneDNN (`TILE_ROWS` on an AMX CPU, the variable's value on
+    any), or None: each layer's own kernel at every row count it serves."""
+    value = os.environ.get(ONEDNN_ROWS_VARIABLE)
+    if value is None:
+        return TILE_ROWS if found.amx else None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ONEDNN_ROWS_VARIABLE} must be a row count of at least 1, not {value!r}")
+    return int(value)
+
+
+@functools.cache
+def _machine_onednn_rows() -> int | None:
+    return onednn_rows(cpu.probe())
 
 
 @functools.cache
@@ -168,8 +202,11 @@ class Gemm:
         self.int8: Int8BlockWeight | None = None
         self.int4: Int4Weight | None = None
         self.vnni = False  # int4: x rounded to int8 too, the integer kernel (see vnni())
+        self.tiles: torch.Tensor | None = None  # int8: a dequantized copy packed for oneDNN, from `tile_rows` rows
+        self.tile_rows = 0
         if quantize is not None:
             self._quantize(weight, quantize)
+            self.tiles = self._tile_copy(plain_copy)
             return
         self.packed = kernel(weight) == "onednn"
         weight = weight.contiguous()
@@ -198,11 +235,24 @@ class Gemm:
         self.packed, self.plain, self.weight, self.wide = False, None, None, None
         self.small_rows = 0
 
+    def _tile_copy(self, plain_copy: bool) -> torch.Tensor | None:
+        """An int8 layer's dequantized weight packed for oneDNN, for `onednn_rows` rows and more, where one is set,
+        the copy fits (`plain_copy`) and oneDNN packs the model's dtype here; else None."""
+        rows = _machine_onednn_rows()
+        if self.int8 is None or rows is None or not plain_copy or backend() != "auto":
+            return None
+        dense = self.int8.dequantize().to(self.dtype)
+        if not onednn_packs(dense):
+            return None
+        self.tile_rows = rows
+        return torch.ops.mkldnn._reorder_linear_weight(dense.contiguous())
+
     @property
     def nbytes(self) -> int:
         """What this layer's weight takes in memory (both copies where a plain one is kept)."""
         if self.int8 is not None or self.int4 is not None:
-            return (self.int8 or self.int4).nbytes
+            tiles = self.out_features * self.in_features * self.dtype.itemsize if self.tiles is not None else 0
+            return (self.int8 or self.int4).nbytes + tiles
         plain = self.plain.nbytes if self.plain is not None and self.plain is not self.weight else 0
         wide = self.out_features * self.in_features * 4 if self.wide is not None else 0
         return self.out_features * self.in_features * self.dtype.itemsize + plain + wide
@@ -216,6 +266,8 @@ class Gemm:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], self.out_features)
+        if self.tiles is not None and x.shape[0] >= self.tile_rows:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.tiles, bias, "none", [], "")
         if self.int8 is not None:
             return torch.ops.conveyor.int8_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
         if self.int4 is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import compare, compare_report, deploy
+from benchmarks import compare, compare_report, deploy, onednn_report
 from conveyor import cpu
 from conveyor.shard.layers import gemm
 
@@ -83,7 +83,8 @@ def test_machine_probe_records_each_cpu_kind(
     assert m["kernels"] == ("avx512_bf16" if avx512_bf16 else "avx2")  # every AVX-512 kind here has bf16
     assert compare_report.machine_line(m) == (
         f"machine: {kind.model}, {cpu.usable_cores()} cores, AVX-512 {avx512}, avx512_bf16 {avx512_bf16}, "
-        f"VNNI {vnni}, AMX {amx}, oneDNN bf16 {kind.onednn_bf16}, torch {torch.__version__}"
+        f"VNNI {vnni}, AMX {amx}, oneDNN bf16 {kind.onednn_bf16}, torch {torch.__version__}, "
+        + onednn_report.summary(m["onednn"])  # the real machine's oneDNN, which the fake flags do not reach
     )
 
 
