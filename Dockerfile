@@ -15,7 +15,7 @@ FROM ${BASE_IMAGE} AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# g++ builds the C++ kernels here, with the package: a library per x86 CPU kind (shard/kernels/compile.py). The
+# g++ builds the C++ kernels here, with the package: a library per x86 CPU kind (shard/kernels/toolchain.py). The
 # image that runs has no compiler; each shard loads the library its CPU runs.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
@@ -27,7 +27,7 @@ RUN pip install --upgrade pip && pip install --index-url "${TORCH_INDEX_URL}" "t
 WORKDIR /src
 COPY . .
 RUN pip install --no-build-isolation . \
-    && python -c "from conveyor.shard.kernels import compile; assert (compile.BUILT / compile.MANIFEST).is_file()" \
+    && python -c "from conveyor.shard.kernels import toolchain; assert (toolchain.BUILT / toolchain.MANIFEST).is_file()" \
     && conveyor-launcher --help > /dev/null
 
 FROM ${BASE_IMAGE}

@@ -53,7 +53,7 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 # A kernel edited in this checkout: its libraries again (a shard would otherwise build its own kind at start).
 # Without a compiler the shards serve on the torch path, and say so.
 $(KERNELS): $(wildcard shard/kernels/*.cpp shard/kernels/*.h) | $(STAMP)
-	$(BIN)/python -m conveyor.shard.kernels.compile || echo "no C++ kernels: shards use the torch path"
+	$(BIN)/python -m conveyor.shard.kernels.toolchain || echo "no C++ kernels: shards use the torch path"
 
 serve: $(STAMP) $(KERNELS)
 	$(BIN)/conveyor-launcher --model-id demo $(ARGS)

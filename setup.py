@@ -1,4 +1,4 @@
-"""Builds the C++ kernels with the package: one library per CPU kind (shard/kernels/compile.py), so that no shard
+"""Builds the C++ kernels with the package: one library per CPU kind (shard/kernels/toolchain.py), so that no shard
 compiles anything when it starts. Everything else about the package is in pyproject.toml."""
 
 from __future__ import annotations
@@ -38,23 +38,23 @@ class build_kernels(Command):  # noqa: N801 - setuptools names commands by their
     def finalize_options(self) -> None:
         self.set_undefined_options("build_py", ("build_lib", "build_lib"))
 
-    def _dest(self, compile_module) -> Path:
+    def _dest(self, toolchain) -> Path:
         if self.editable_mode:
-            return compile_module.BUILT
+            return toolchain.BUILT
         return Path(self.build_lib) / "conveyor" / "shard" / "kernels" / "built"
 
     def run(self) -> None:
         cpu = _module("_conveyor_setup_cpu", ROOT / "conveyor" / "cpu.py")
-        compile_module = _module("_conveyor_setup_compile", ROOT / "shard" / "kernels" / "compile.py")
+        toolchain = _module("_conveyor_setup_toolchain", ROOT / "shard" / "kernels" / "toolchain.py")
         if platform.machine().lower() not in ("x86_64", "amd64"):
             print(f"conveyor: no C++ kernels for {platform.machine()}: shards use the torch path", file=sys.stderr)
             return
         kinds = {name: cpu.compile_flags(name) for name in cpu.KINDS}
-        dest = self._dest(compile_module)
+        dest = self._dest(toolchain)
         print(f"conveyor: compiling the C++ kernels for {', '.join(kinds)} into {dest}", file=sys.stderr, flush=True)
         try:
-            manifest = compile_module.build_all(dest, kinds)
-        except compile_module.CompilerMissing as exc:
+            manifest = toolchain.build_all(dest, kinds)
+        except toolchain.CompilerMissing as exc:
             print(f"conveyor: {exc}: shards will use the torch path (install g++ to build them)", file=sys.stderr)
             return
         print(f"conveyor: kernels built in {manifest['seconds']} s with {manifest['compiler']}", file=sys.stderr)

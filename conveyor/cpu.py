@@ -8,7 +8,7 @@ many cores a process may use. Everything that depends on them asks here and nowh
 kind by replacing `_torch_bf16` and `CPUINFO`, and `CONVEYOR_CPU_BF16=0` makes a CPU with bf16 kernels behave as
 one without, so that both branches run on a Xeon.
 
-The C++ kernels ship built for each x86 kind in `KINDS` (shard/kernels/compile.py), and a shard loads the last kind
+The C++ kernels ship built for each x86 kind in `KINDS` (shard/kernels/toolchain.py), and a shard loads the last kind
 whose flags this CPU has. `CONVEYOR_CPU_VARIANT=avx2` (or any kind at or below this CPU's) makes every choice here
 see a CPU of that kind: the kernels' variant, and the flags `probe` reports, so that an AVX-512 machine runs the
 AVX2 machine's branches (the Makefile's test target does, with oneDNN and ATen held to AVX2 as well).

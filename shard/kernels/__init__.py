@@ -1,1 +1,1 @@
-"""Conveyor's own C++ kernels: small, each with its torch reference beside it (see `compile.py`)."""
+"""Conveyor's own C++ kernels: small, each with its torch reference beside it (see `toolchain.py`)."""

@@ -1,6 +1,6 @@
 """Loads the C++ kernels built for this CPU's kind into `torch.ops.conveyor`, once per process, and says when not.
 
-The package ships a library per x86 kind (`conveyor.cpu.KINDS`, built by compile.py when the package is), and a
+The package ships a library per x86 kind (`conveyor.cpu.KINDS`, built by toolchain.py when the package is), and a
 shard loads the most capable one its CPU runs, as llama.cpp's CPU variants and oneDNN's dispatch choose: nothing
 is compiled when a shard starts. `CONVEYOR_CPU_VARIANT` picks a kind at or below the CPU's (conveyor/cpu.py).
 
@@ -24,7 +24,7 @@ import torch
 
 from conveyor import cpu
 from conveyor.paths import build_once, cache_root
-from conveyor.shard.kernels import compile as toolchain
+from conveyor.shard.kernels import toolchain
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def why_unfit(folder: Path, kind: str) -> str | None:
     if manifest.get("torch") != running:
         return f"built against torch {manifest.get('torch')}, running {running}"
     if manifest.get("sources") != toolchain.sources_digest():
-        return "built from other sources (a kernel edited since: python -m conveyor.shard.kernels.compile)"
+        return "built from other sources (a kernel edited since: python -m conveyor.shard.kernels.toolchain)"
     if kind not in manifest.get("variants", {}) or not (folder / f"{kind}.so").is_file():
         return f"no {kind} library in {folder}"
     return None

@@ -80,15 +80,17 @@ def test_every_named_repository_path_exists() -> None:
 def test_a_moved_file_s_mention_is_caught_and_a_real_one_is_not() -> None:
     """A check that cannot fail proves nothing."""
     repository = Repository.tracked()
-    text = "See router/core/queue.py, `layers/gemm.py`, kernels/compile.py and weights/x/config.json;\n"
-    text += "once benchmarks/validation.py, core/kv_offload.py and build.py;\nnot https://x.org/router/b.py\n"
+    text = "See router/core/queue.py, `layers/gemm.py`, kernels/toolchain.py and weights/x/config.json;\n"
+    text += "once benchmarks/validation.py, core/kv_offload.py, build.py and kernels/compile.py;\n"
+    text += "not https://x.org/router/b.py\n"
     found = {mention: repository.has(mention, "shard/step/engine.py") for _, mention in mentions(text)}
     assert found == {
         "router/core/queue.py": True,
         "layers/gemm.py": True,
-        "kernels/compile.py": True,
+        "kernels/toolchain.py": True,
         "weights/x/config.json": True,
         "benchmarks/validation.py": False,
         "core/kv_offload.py": False,
         "build.py": False,
+        "kernels/compile.py": False,
     }

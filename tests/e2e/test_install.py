@@ -49,7 +49,7 @@ def install(tmp_path: Path) -> Path:
 def test_a_plain_install_serves_the_demo_model_on_its_shipped_kernels_without_a_compiler(tmp_path: Path) -> None:
     python = install(tmp_path)
     installed = subprocess.run(
-        [str(python), "-c", "from conveyor.shard.kernels import compile; print(compile.BUILT)"],
+        [str(python), "-c", "from conveyor.shard.kernels import toolchain; print(toolchain.BUILT)"],
         capture_output=True,
         text=True,
         check=True,

@@ -18,8 +18,8 @@ import torch
 from conftest import wait_for
 
 from conveyor import cpu, paths
-from conveyor.shard.kernels import compile as toolchain
 from conveyor.shard.kernels import library as kernels
+from conveyor.shard.kernels import toolchain
 from conveyor.shard.layers.attention import AttentionGroup, AttentionMetadata, decode_kernel
 from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.layers.norm import RMSNorm
@@ -123,7 +123,7 @@ def test_a_build_is_keyed_by_what_makes_it_not_by_where_it_lies(tmp_path: Path) 
 
 
 def test_no_compiler_means_the_torch_path(fresh, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CXX", "/nonexistent/c++")  # what compile.py compiles with
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # what toolchain.py compiles with
     monkeypatch.delenv("CONVEYOR_ATTENTION", raising=False)
     assert kernels.load() is False
     assert decode_kernel(torch.device("cpu")) is False

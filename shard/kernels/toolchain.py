@@ -134,7 +134,7 @@ def _kinds() -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m conveyor.shard.kernels.compile`: rebuilds the package's libraries in place (after editing a
+    """`python -m conveyor.shard.kernels.toolchain`: rebuilds the package's libraries in place (after editing a
     kernel in a checkout; setup.py does the same when the package is built)."""
     parser = argparse.ArgumentParser(description="Build the C++ kernels for every CPU kind into one folder.")
     parser.add_argument("--dest", type=Path, default=BUILT)
