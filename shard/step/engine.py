@@ -22,7 +22,7 @@ import torch
 from conveyor.grammar import GrammarCache
 from conveyor.shard.adapters.adapter_files import AdapterFiles, resolve_source
 from conveyor.shard.adapters.served_adapters import ServedAdapters
-from conveyor.shard.batch.cached_batch import Batch
+from conveyor.shard.batch.cached_batch import CachedBatch
 from conveyor.shard.batch.request_state import BadRequest, RequestState
 from conveyor.shard.kv_offload import block_files, prefix_offload
 from conveyor.shard.kv_offload.prefix_offload import PrefixOffload
@@ -47,7 +47,7 @@ BLOCK_SIZE = 16
 CPU_MEMORY_FRACTION = 0.3  # of the memory available after loading, for the KV pool on CPU
 GPU_MEMORY_FRACTION = 0.9
 
-StepOutput = tuple[list[pb.Generation], Batch | None, pb.Timings]
+StepOutput = tuple[list[pb.Generation], CachedBatch | None, pb.Timings]
 
 
 @dataclass(frozen=True)
@@ -188,9 +188,9 @@ class Engine:
             self.adapters.track(state)
         return states
 
-    def batch(self, batch: pb.Batch) -> Batch:
+    def batch(self, batch: pb.Batch) -> CachedBatch:
         """A joining batch as the engine steps it: its requests' states in its order."""
-        return Batch.from_pb(batch, self.states(batch))
+        return CachedBatch.from_pb(batch, self.states(batch))
 
     # --- LoRA adapters, between steps ----------------------------------------------------------------------
 
@@ -258,7 +258,7 @@ class Engine:
     # --- a step -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, batch: Batch) -> StepOutput:
+    def step(self, batch: CachedBatch) -> StepOutput:
         """One forward: each decoding row feeds its next token, each prefilling row its chunk. Decoding rows and
         rows whose chunk ends their prompt sample a token, but prompt-only rows (embeddings, rerank), which keep
         final states or a score instead and finish there; the batch is gone once every request has finished."""
@@ -376,7 +376,7 @@ class Engine:
         return generations
 
     def _sample(
-        self, batch: Batch, decoding: list[RequestState], ending: list[RequestState], logits: torch.Tensor
+        self, batch: CachedBatch, decoding: list[RequestState], ending: list[RequestState], logits: torch.Tensor
     ) -> list[pb.Generation]:
         """Samples the decoding rows with the batch's sampler and the rows that just finished their prompt with
         a new one, which then joins the batch's."""
