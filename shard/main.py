@@ -30,7 +30,8 @@ from conveyor.shard.runtime.device import choose_device
 from conveyor.shard.runtime.process_group import ProcessGroup, initialize
 from conveyor.shard.service.grpc_service import serve
 from conveyor.shard.service.torch_thread import TorchThread
-from conveyor.shard.step.engine import Draft, Engine
+from conveyor.shard.step.engine import Engine
+from conveyor.shard.step.loading import Draft
 from conveyor.shard_channels import AddressError, Security, rank_address
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ both and the router's pool accounting counts both (the shard sizes its pool by t
 Each request remembers how far the draft's KV has got (`RequestState.draft_len`): a proposal first feeds the draft
 what it has not seen (the whole prompt the first time, after a preemption or a cached prefix; usually the one or two
 tokens the last step accepted), then one token per draft position, always its greedy choice. A greedy draft is a
-point mass, which is what keeps verification exact (see `Engine._decode`). Draft KV is only ever a guess: a wrong
+point mass, which is what keeps verification exact (see `verification.verify`). Draft KV is only ever a guess: a wrong
 value can cost acceptances, never a wrong token.
 """
 

@@ -4,7 +4,7 @@ The last n tokens of a sequence are looked for earlier in it (prompt and generat
 followed their latest earlier occurrence are the draft. Text that quotes, edits or repeats what came before (code
 edits, summaries, structured answers) is drafted well; free text rarely matches and costs nothing then. Longer
 n-grams are tried first: a longer match predicts its continuation better. The draft is deterministic (a point
-mass), which is what lets verification keep the target's distribution exactly (see `Engine._decode`).
+mass), which is what lets verification keep the target's distribution exactly (see `verification.verify`).
 """
 
 from __future__ import annotations

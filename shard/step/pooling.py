@@ -1,7 +1,8 @@
 """A prompt's hidden states made into its embedding, and a reranker's yes/no logits made into its score.
 
 Embedding and rerank requests are prompt-only: the prefill's last-layer states (or its last logits) are all they
-need, so the engine hands each such row's slice here instead of sampling a token.
+need, so the engine hands each such row's slice here instead of sampling a token: which positions' final states a
+row keeps at a step (`state_spans`), and the vector or score it answers once its prompt is read (`answers`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import torch
 
 from conveyor.pooling import PoolingSpec
 from conveyor.shard.batch.prompt_pooling import PoolingError, PromptPooling
+from conveyor.shard.batch.request_state import RequestState
+from conveyor.v1 import shard_pb2 as pb
 
 
 def pool(hidden: torch.Tensor, spec: PoolingSpec) -> torch.Tensor:
@@ -56,3 +59,43 @@ def yes_no_score(logits: torch.Tensor, yes_id: int, no_id: int, raw: bool = Fals
     if raw:
         return float(pair[1] - pair[0])
     return float(torch.softmax(pair, dim=0)[1])
+
+
+def state_spans(
+    rows: list[RequestState], new_tokens: list[list[int]], ending: list[RequestState]
+) -> list[tuple[int, int]]:
+    """Per row, (first, count): the positions of its tokens whose final hidden states the forward keeps (a
+    prompt-only row's, as its pooling needs them; none of any other row)."""
+    ends = {id(r) for r in ending}
+    return [
+        (0, 0)
+        if state.pooling is None
+        else state.pooling.span(state.num_computed_tokens, len(tokens), id(state) in ends)
+        for state, tokens in zip(rows, new_tokens)
+    ]
+
+
+def answers(
+    pooling: list[RequestState],
+    spans: list[tuple[int, int]],
+    states: torch.Tensor,
+    done: list[RequestState],
+    logits: torch.Tensor,
+) -> list[pb.Generation]:
+    """Prompt-only rows take the final states their chunk kept; those whose prompt ended (`done`) answer their
+    vector or score (the scores' logits are the step's last rows) and finish, with no token."""
+    for state, kept in zip(pooling, torch.split(states, [count for _, count in spans])):
+        state.pooling.take(kept)
+    scores = iter(logits[len(logits) - sum(s.pooling.scores for s in done) :])
+    generations = []
+    for state in done:
+        generation = pb.Generation(
+            request_id=state.id, disk_cached_tokens=state.disk_cached_tokens, finished=pb.GeneratedText()
+        )
+        p = state.pooling
+        if p.scores:
+            generation.score = yes_no_score(next(scores), p.yes_token_id, p.no_token_id, raw=True)
+        else:
+            generation.embedding.extend(pooled(p, len(state.input_ids)).tolist())
+        generations.append(generation)
+    return generations

@@ -80,7 +80,7 @@ def test_gemm_backend_switch(monkeypatch: pytest.MonkeyPatch):
 
 def test_the_kv_pool_on_cpu_sees_a_containers_memory_limit(tmp_path) -> None:
     """/proc/meminfo shows the host's memory inside a container; the cgroup limit is what the pod may take."""
-    from conveyor.shard.step.engine import available_ram
+    from conveyor.shard.runtime.host_memory import available_ram
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")

@@ -164,7 +164,7 @@ def test_a_draft_models_proposals_are_verified_through_the_adapter(
 ) -> None:
     """The draft model (here the target's own checkpoint again) has no adapter: it proposes the base model's
     tokens, and the target's forward, adapter included, keeps only its own."""
-    from conveyor.shard.step.engine import Draft
+    from conveyor.shard.step.loading import Draft
 
     adapters = [(name, str(path)) for name, path in lora_adapters.items()]
     engine = Engine(tiny_model, "float32", CPU, ProcessGroup(0, 1), draft=Draft("self"), adapters=adapters)

@@ -144,7 +144,7 @@ def test_every_accepted_token_brings_its_logprob_and_alternatives(engine: Engine
 @pytest.fixture(scope="module")
 def self_drafting(tiny_model: Path) -> Engine:
     """The target drafting for itself (float32: every greedy draft is what the target chooses)."""
-    from conveyor.shard.step.engine import Draft
+    from conveyor.shard.step.loading import Draft
 
     engine = Engine(tiny_model, "float32", torch.device("cpu"), ProcessGroup(0, 1), draft=Draft("self"))
     engine.cache = engine.allocate(4 * BLOCKS)

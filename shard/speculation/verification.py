@@ -1,0 +1,85 @@
+"""Speculative decoding on the shard: each decoding row's drafts for the step (from the draft model, or by prompt
+lookup), and their verification once the step's forward has fed them: every position sampled as a plain step
+would sample it, kept while it chose the draft fed after it (`verify`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from conveyor.shard.batch.request_state import RequestState
+from conveyor.shard.sampling.sampler import Sampler
+from conveyor.shard.speculation import draft_model, prompt_lookup
+from conveyor.shard.speculation.draft_model import DraftModel
+from conveyor.v1 import shard_pb2 as pb
+
+Record = Callable[[list[RequestState], Sampler, torch.Tensor], list[pb.Generation]]
+
+
+def propose(drafter: DraftModel | None, decoding: list[RequestState]) -> None:
+    """This step's drafts: from the draft model when there is one, else by prompt lookup (a row's whole text
+    is gathered only when it may draft: every decode step passes here)."""
+    limits = [min(s.speculate, s.draft_room) for s in decoding]
+    if drafter is not None and any(k > 0 for k in limits):
+        for state, proposed in zip(decoding, drafter.propose(decoding, limits)):
+            state.drafts = proposed
+        return
+    for state, limit in zip(decoding, limits):
+        state.drafts = prompt_lookup.propose(state.token_ids, limit) if limit > 0 else []
+
+
+def verify(
+    decoding: list[RequestState], sampler: Sampler, logits: torch.Tensor, record: Record, block_size: int
+) -> list[pb.Generation]:
+    """Samples each decoding row at its first position and, while the token it chose is the draft fed at the
+    next position, at that one too (speculative decoding's verification). Each position is sampled exactly as
+    a step without drafts would sample it, with the row's next draw: a greedy row gets greedy's tokens, and a
+    sampled one the target's own distribution (a draft is a point mass, so keeping the sample, and going on
+    only when it equals the draft, is the rejection rule), with the same tokens for the same seed. KV written
+    for rejected drafts is left behind: the row's length says where its next token goes. `record` samples rows of
+    logits as the engine does (its grammar masks, its generations)."""
+    counts = [1 + len(s.drafts) for s in decoding]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    generations = record(decoding, sampler, logits[starts] if len(logits) > len(decoding) else logits)
+    alive = list(range(len(decoding)))  # rows whose every position so far chose the draft fed after it
+    for j in range(1, max(counts)):
+        alive = [
+            i
+            for i in alive
+            if len(decoding[i].drafts) >= j
+            and decoding[i].drafts[j - 1] == decoding[i].next_token
+            and not generations[i].HasField("finished")
+        ]
+        if not alive:
+            break
+        more = record([decoding[i] for i in alive], sampler.filter(alive), logits[[starts[i] + j for i in alive]])
+        for i, generation in zip(alive, more):
+            _extend(generations[i], generation)
+    for state, generation in zip(decoding, generations):
+        _settle(state, generation, block_size)
+    return generations
+
+
+def _settle(state: RequestState, generation: pb.Generation, block_size: int) -> None:
+    """After a step that let the row speculate: its KV length counts only the drafts accepted, and its block
+    table keeps what its next token needs (the router cuts its own copy by the same rule)."""
+    if not state.speculate:
+        return
+    accepted = len(generation.tokens.ids) - 1
+    generation.drafted = len(state.drafts)
+    state.num_computed_tokens -= len(state.drafts) - accepted
+    draft_model.settle(state)
+    del state.block_table[math.ceil((state.num_computed_tokens + 1) / block_size) :]
+    state.drafts, state.speculate = [], 0
+
+
+def _extend(generation: pb.Generation, more: pb.Generation) -> None:
+    """One row's next accepted position joins its step's generation: another token, its alternatives, and the
+    end of the request if that token ended it."""
+    for field in ("ids", "logprobs", "texts", "is_special"):
+        getattr(generation.tokens, field).extend(getattr(more.tokens, field))
+    generation.top_tokens.extend(more.top_tokens)
+    if more.HasField("finished"):
+        generation.finished.CopyFrom(more.finished)
