@@ -14,7 +14,7 @@ from aiohttp import web
 from conveyor.router.api import anthropic as api
 from conveyor.router.core.events import Finished
 from conveyor.router.frontends.replies import anthropic_error_detail, failure_named, send_sse
-from conveyor.router.pipeline.chat_output import Delta, Parsed
+from conveyor.router.pipeline.chat_output import ChatDelta, Parsed
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> api.MessageUsage:
@@ -110,7 +110,7 @@ class MessageEvents:
         await self.send("message_start", message=self.start_message)
         await self.send("ping")
 
-    async def piece(self, delta: Delta) -> None:
+    async def piece(self, delta: ChatDelta) -> None:
         if delta.reasoning:
             await self._block("thinking")
             await self._delta({"type": "thinking_delta", "thinking": delta.reasoning})

@@ -10,7 +10,7 @@ from conveyor.router.api import openai as api
 from conveyor.router.core.events import Finished, Token, TokenEvent
 from conveyor.router.core.infer import Response
 from conveyor.router.frontends.replies import openai_logprob, token_text
-from conveyor.router.pipeline.chat_output import Delta
+from conveyor.router.pipeline.chat_output import ChatDelta
 from conveyor.router.pipeline.openai_requests import Choice
 
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -189,7 +189,7 @@ class ChatFormat(Format):
         )
 
 
-def _chat_delta(deltas: list[Delta], plain: bool) -> api.Delta:
+def _chat_delta(deltas: list[ChatDelta], plain: bool) -> api.Delta:
     """OpenAI's delta for a token's pieces. A plain chat (no tools, no reasoning) always has its `content`, as
     before tools existed; others only what the token completed."""
     delta: api.Delta = {}
@@ -204,7 +204,7 @@ def _chat_delta(deltas: list[Delta], plain: bool) -> api.Delta:
     return delta
 
 
-def _call_deltas(deltas: list[Delta]) -> list[api.ToolCallDelta]:
+def _call_deltas(deltas: list[ChatDelta]) -> list[api.ToolCallDelta]:
     """A call's first piece names it (id, type, name); the others add to its arguments, one entry per call."""
     out: list[api.ToolCallDelta] = []
     for d in deltas:

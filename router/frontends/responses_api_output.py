@@ -13,7 +13,7 @@ from aiohttp import web
 from conveyor.router.api import responses_api as api
 from conveyor.router.core.events import Finished
 from conveyor.router.frontends.replies import send_sse
-from conveyor.router.pipeline.chat_output import Delta
+from conveyor.router.pipeline.chat_output import ChatDelta
 from conveyor.router.pipeline.openai_requests import Choice
 from conveyor.router.pipeline.tools import whole_arguments
 
@@ -166,7 +166,7 @@ class ResponseEvents:
         await self.send("response.created", response=snapshot)
         await self.send("response.in_progress", response=snapshot)
 
-    async def piece(self, delta: Delta) -> None:
+    async def piece(self, delta: ChatDelta) -> None:
         if delta.reasoning:
             item = await self._item("reasoning")
             item["content"][0]["text"] += delta.reasoning

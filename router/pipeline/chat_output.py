@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.router.pipeline.deltas import Delta
+from conveyor.router.pipeline.deltas import ChatDelta
 from conveyor.router.pipeline.reasoning import Piece, Reasoning
 from conveyor.router.pipeline.tool_parsers.family import ToolFormat
 from conveyor.router.pipeline.tool_parsers.readers import answer_reader
 from conveyor.router.pipeline.tool_parsers.registry import FALLBACK
-from conveyor.router.pipeline.tools import ToolCall, ToolUse, whole_arguments
+from conveyor.router.pipeline.tools import ParsedCall, ToolUse, whole_arguments
 
-__all__ = ["ChatOutput", "Delta", "Parsed"]
+__all__ = ["ChatOutput", "ChatDelta", "Parsed"]
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,11 @@ class Parsed:
 
     reasoning: str | None
     content: str | None
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ParsedCall] = field(default_factory=list)
     whole: bool = True  # no call was cut short (`ChatOutput.whole`)
 
     @classmethod
-    def of(cls, deltas: list[Delta], whole: bool = True) -> Parsed:
+    def of(cls, deltas: list[ChatDelta], whole: bool = True) -> Parsed:
         reasoning = "".join(d.reasoning for d in deltas)
         content = "".join(d.content for d in deltas)
         calls = _calls(deltas)
@@ -56,12 +56,12 @@ class ChatOutput:
         self.answer = ""  # the answer read so far (what follows any reasoning)
         self.arguments: dict[int, str] = {}  # each call's arguments read so far, by call index
 
-    def feed(self, text: str) -> list[Delta]:
+    def feed(self, text: str) -> list[ChatDelta]:
         """The pieces this text completes (none while it may still be the start of a marker)."""
         pieces = self.splitter.feed(text) if self.splitter is not None else [("answer", text)]
         return self._seen(self._read(pieces))
 
-    def finish(self) -> list[Delta]:
+    def finish(self) -> list[ChatDelta]:
         """The pieces still owed once the output is complete."""
         pieces = self.splitter.finish() if self.splitter is not None else []
         return self._seen(self._read(pieces) + self.reader.feed("", final=True))
@@ -71,7 +71,7 @@ class ChatOutput:
         what `feed` and `finish` add up to, but for a call a stream had begun when its JSON broke off."""
         fresh = self.fresh()
         pieces = fresh.splitter.feed(text) + fresh.splitter.finish() if fresh.splitter else [("answer", text)]
-        deltas = [Delta(reasoning=t) for kind, t in pieces if kind == "reasoning"]
+        deltas = [ChatDelta(reasoning=t) for kind, t in pieces if kind == "reasoning"]
         fresh.answer = "".join(t for kind, t in pieces if kind == "answer")
         deltas += fresh._seen(fresh.reader.feed(fresh.answer, final=True))
         return Parsed.of(deltas, fresh.whole())
@@ -88,22 +88,22 @@ class ChatOutput:
         """A new reader of the same kind (same tools, reasoning start and family), at the output's start."""
         return ChatOutput(self.tools, self.reasoning, self.family)
 
-    def _seen(self, deltas: list[Delta]) -> list[Delta]:
+    def _seen(self, deltas: list[ChatDelta]) -> list[ChatDelta]:
         self.called = self.called or any(d.call_id is not None for d in deltas)
         for d in deltas:
             if d.call_index is not None:
                 self.arguments[d.call_index] = self.arguments.get(d.call_index, "") + d.arguments
         return deltas
 
-    def _read(self, pieces: list[Piece]) -> list[Delta]:
-        out: list[Delta] = []
+    def _read(self, pieces: list[Piece]) -> list[ChatDelta]:
+        out: list[ChatDelta] = []
         for kind, text in pieces:
             self.answer += text if kind == "answer" else ""
-            out += [Delta(reasoning=text)] if kind == "reasoning" else self.reader.feed(text)
+            out += [ChatDelta(reasoning=text)] if kind == "reasoning" else self.reader.feed(text)
         return out
 
 
-def _calls(deltas: list[Delta]) -> list[ToolCall]:
+def _calls(deltas: list[ChatDelta]) -> list[ParsedCall]:
     """The calls the pieces add up to, in index order: the first piece names each, all add to its arguments."""
     named: dict[int, tuple[str, str]] = {}
     arguments: dict[int, str] = {}
@@ -113,4 +113,4 @@ def _calls(deltas: list[Delta]) -> list[ToolCall]:
         if d.call_id is not None:
             named[d.call_index] = (d.call_id, d.call_name or "")
         arguments[d.call_index] = arguments.get(d.call_index, "") + d.arguments
-    return [ToolCall(named[i][1], arguments[i], named[i][0]) for i in sorted(named)]
+    return [ParsedCall(named[i][1], arguments[i], named[i][0]) for i in sorted(named)]

@@ -1,4 +1,4 @@
-"""`Delta`: one piece of a chat answer as it is read out of the model's text, in order: reasoning, answer text, or
+"""`ChatDelta`: one piece of a chat answer as it is read out of the model's text, in order: reasoning, answer text, or
 a piece of a tool call. The chat route turns these into OpenAI's chunks and messages
 (router/frontends/openai_format.py); the reading itself is `chat_output.ChatOutput`."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Delta:
+class ChatDelta:
     """One piece of output. A tool call comes as pieces with its `call_index`: the first names it (`call_id`,
     `call_name`), each carries a piece of its JSON arguments (the first may carry none yet)."""
 

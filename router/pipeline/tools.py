@@ -26,14 +26,14 @@ ANY_OBJECT = {"type": "object"}
 
 
 @dataclass(frozen=True)
-class Tool:
+class ToolSchema:
     name: str
     parameters: dict[str, Any]  # the JSON schema of its arguments
     spec: dict[str, Any]  # the tool as the client sent it, for the chat template
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ParsedCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
@@ -60,7 +60,7 @@ def whole_arguments(arguments: str) -> bool:
 class ToolUse:
     """A chat request's tools and what the model may do with them."""
 
-    tools: tuple[Tool, ...]
+    tools: tuple[ToolSchema, ...]
     choice: str  # auto | required | named
     name: str | None = None  # the named function
     parallel: bool = True
@@ -87,7 +87,7 @@ class ToolUse:
             return build("json_schema", schema, "tools")
         return None
 
-    def _tool(self, name: str | None) -> Tool:
+    def _tool(self, name: str | None) -> ToolSchema:
         return next(t for t in self.tools if t.name == name)
 
 
@@ -97,7 +97,7 @@ def tool_use(request: ChatRequest) -> ToolUse | None:
     if not request.tools or request.tool_choice == "none":
         return None
     tools = tuple(
-        Tool(t.function.name, t.function.parameters or ANY_OBJECT, t.model_dump(exclude_unset=True))
+        ToolSchema(t.function.name, t.function.parameters or ANY_OBJECT, t.model_dump(exclude_unset=True))
         for t in request.tools
     )
     names = {t.name for t in tools}

@@ -13,7 +13,7 @@ import pytest
 
 from conveyor.router.api.base import parse
 from conveyor.router.api.openai import ChatRequest
-from conveyor.router.pipeline.chat_output import ChatOutput, Delta, Parsed
+from conveyor.router.pipeline.chat_output import ChatDelta, ChatOutput, Parsed
 from conveyor.router.pipeline.output_parsers import OutputParsers, output_parsers
 from conveyor.router.pipeline.reasoning import Reasoning
 from conveyor.router.pipeline.tools import tool_use
@@ -24,7 +24,7 @@ TOOLS = tool_use(parse(ChatRequest, {"messages": [{"role": "user", "content": "x
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 
 
-def _streamed(output: ChatOutput, text: str, seed: int = 0) -> list[Delta]:
+def _streamed(output: ChatOutput, text: str, seed: int = 0) -> list[ChatDelta]:
     rng, deltas, at = random.Random(seed), [], 0
     while at < len(text):
         step = rng.randint(1, 3)
@@ -67,9 +67,9 @@ def test_reasoning_comes_apart_from_the_answer(reasoning: Reasoning, text: str, 
 
 def test_reasoning_streams_before_the_answer() -> None:
     output = ChatOutput(None, FREE)
-    assert output.feed("<thi") == [] and output.feed("nk>Hmm") == [Delta(reasoning="Hmm")]
-    assert output.feed(", so </th") == [Delta(reasoning=", so")]
-    assert output.feed("ink>\n\nFour") == [Delta(content="Four")]
+    assert output.feed("<thi") == [] and output.feed("nk>Hmm") == [ChatDelta(reasoning="Hmm")]
+    assert output.feed(", so </th") == [ChatDelta(reasoning=", so")]
+    assert output.feed("ink>\n\nFour") == [ChatDelta(content="Four")]
     assert output.finish() == []
 
 

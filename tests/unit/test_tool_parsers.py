@@ -15,7 +15,7 @@ import pytest
 from conveyor import config
 from conveyor.router.api.base import parse
 from conveyor.router.api.openai import ChatRequest
-from conveyor.router.pipeline.chat_output import ChatOutput, Delta, Parsed
+from conveyor.router.pipeline.chat_output import ChatDelta, ChatOutput, Parsed
 from conveyor.router.pipeline.reasoning import REASONING_PARSERS
 from conveyor.router.pipeline.tool_parsers.json_scan import ValueScanner
 from conveyor.router.pipeline.tool_parsers.registry import FALLBACK, FORMATS, choose_tool_format
@@ -43,7 +43,7 @@ def _calls(parsed: Parsed) -> list[tuple[str, str]]:
     return [(c.name, c.arguments) for c in parsed.calls]
 
 
-def _streamed(output: ChatOutput, text: str, seed: int = 0) -> list[Delta]:
+def _streamed(output: ChatOutput, text: str, seed: int = 0) -> list[ChatDelta]:
     """`text` fed one to three characters at a time."""
     rng, deltas, at = random.Random(seed), [], 0
     while at < len(text):

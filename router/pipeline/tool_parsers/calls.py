@@ -1,5 +1,5 @@
 """The one machine that reads tool calls out of an answer, for every family: each family only says how it frames
-its calls (`Framing`). It reads text as it arrives and gives `Delta`s in order: content until a call opens, then
+its calls (`Framing`). It reads text as it arrives and gives `ChatDelta`s in order: content until a call opens, then
 the call (its name as soon as it is known and one of the tools, then its arguments in pieces as they are written),
 then content again.
 
@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.router.pipeline.deltas import Delta
+from conveyor.router.pipeline.deltas import ChatDelta
 from conveyor.router.pipeline.tool_parsers.json_scan import ValueScanner
 from conveyor.router.pipeline.tools import ToolUse
 
@@ -69,16 +69,16 @@ class CallReader:
         self.section_calls = 0
         self.calls = 0
         self.call: _Call | None = None
-        self.out: list[Delta] = []
+        self.out: list[ChatDelta] = []
 
-    def feed(self, text: str, final: bool = False) -> list[Delta]:
+    def feed(self, text: str, final: bool = False) -> list[ChatDelta]:
         """The pieces `text` completes; `final`: the answer ends here, so what is unfinished is not a call."""
         self.text += text
         return self._run(final)
 
     # --- the machine ----------------------------------------------------------------------------------------
 
-    def _run(self, final: bool) -> list[Delta]:
+    def _run(self, final: bool) -> list[ChatDelta]:
         steps = {
             "content": self._content,
             "open": self._open,
@@ -101,7 +101,7 @@ class CallReader:
         if self.calls and not self.content_sent:
             text = text.lstrip()
         if text:
-            self.out.append(Delta(content=text))
+            self.out.append(ChatDelta(content=text))
             self.content_sent = True
 
     def _space(self) -> str:
@@ -281,14 +281,14 @@ class CallReader:
         call.call_id = self.new_id()
         call.args_at = call.sent = args_at
         call.args = ValueScanner()
-        self.out.append(Delta(call_index=call.index, call_id=call.call_id, call_name=name))
+        self.out.append(ChatDelta(call_index=call.index, call_id=call.call_id, call_name=name))
 
     def _send_arguments(self, call: _Call, upto: int) -> None:
         assert call.args is not None and call.args_at is not None
         call.args.feed(self.text[call.args_at + call.args.seen : upto])
         end = min(upto, call.args_at + call.args.end) if call.args.end is not None else upto
         if end > call.sent:
-            self.out.append(Delta(call_index=call.index, arguments=self.text[call.sent : end]))
+            self.out.append(ChatDelta(call_index=call.index, arguments=self.text[call.sent : end]))
             call.sent = end
 
     def _end_call(self, call: _Call, text: str) -> bool:
@@ -300,7 +300,7 @@ class CallReader:
         name, arguments = read
         if call.call_id is None:
             call.call_id = self.new_id()
-            self.out.append(Delta(call_index=call.index, call_id=call.call_id, call_name=name, arguments=arguments))
+            self.out.append(ChatDelta(call_index=call.index, call_id=call.call_id, call_name=name, arguments=arguments))
         else:
             self._send_arguments(call, call.start + len(text))
         self.calls += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from conveyor.router.pipeline.deltas import Delta
+from conveyor.router.pipeline.deltas import ChatDelta
 from conveyor.router.pipeline.tool_parsers.calls import CallReader, Framing
 from conveyor.router.pipeline.tool_parsers.family import ToolFormat
 from conveyor.router.pipeline.tools import ToolUse
@@ -16,7 +16,7 @@ FORCED_LIST = Framing(at_start="[")
 
 
 class AnswerReader(Protocol):
-    def feed(self, text: str, final: bool = False) -> list[Delta]:
+    def feed(self, text: str, final: bool = False) -> list[ChatDelta]:
         """The pieces `text` completes; `final`: no more text comes, so what is unfinished is not a call."""
         ...
 
@@ -24,8 +24,8 @@ class AnswerReader(Protocol):
 class PlainReader:
     """No tools: the answer is content, as it comes."""
 
-    def feed(self, text: str, final: bool = False) -> list[Delta]:
-        return [Delta(content=text)] if text else []
+    def feed(self, text: str, final: bool = False) -> list[ChatDelta]:
+        return [ChatDelta(content=text)] if text else []
 
 
 class NamedReader:
@@ -36,13 +36,13 @@ class NamedReader:
         self.call_id = call_id
         self.started = False
 
-    def feed(self, text: str, final: bool = False) -> list[Delta]:
+    def feed(self, text: str, final: bool = False) -> list[ChatDelta]:
         if not text:
             return []
         if self.started:
-            return [Delta(call_index=0, arguments=text)]
+            return [ChatDelta(call_index=0, arguments=text)]
         self.started = True
-        return [Delta(call_index=0, call_id=self.call_id, call_name=self.name, arguments=text)]
+        return [ChatDelta(call_index=0, call_id=self.call_id, call_name=self.name, arguments=text)]
 
 
 def answer_reader(tools: ToolUse | None, family: ToolFormat) -> AnswerReader:
