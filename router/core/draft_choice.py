@@ -17,6 +17,7 @@ offered a single draft: that bounds what a probe can cost to one step's extra ro
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from conveyor.router.transport.records import Calibration
@@ -61,10 +62,13 @@ class StepCosts:
 
 
 def step_costs(calibration: Calibration | None) -> StepCosts | None:
-    """The costs a warmup measured (None when it measured none: drafts off, or shards that could not)."""
+    """The costs a warmup measured (None when it measured none: drafts off, or shards that could not). A step of
+    more rows never costs less than one of fewer: a count timed faster than a smaller one (noise from whatever
+    else ran meanwhile) takes the smaller one's time."""
     if calibration is None:
         return None
-    return StepCosts(calibration.rows, calibration.step_seconds, calibration.draft_step_seconds)
+    seconds = tuple(itertools.accumulate(calibration.step_seconds, max))
+    return StepCosts(calibration.rows, seconds, calibration.draft_step_seconds)
 
 
 @dataclass

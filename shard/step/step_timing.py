@@ -20,7 +20,7 @@ import torch
 from conveyor.shard.batch.request_state import BadRequest
 
 CONTEXT_TOKENS = 64  # a short conversation's context, so attention takes its usual small share of the step
-REPEATS = 3  # timed runs per row count, after an untimed one; their median is kept
+REPEATS = 2  # timed runs per row count, after an untimed one; their median is kept
 MOST_ROWS = 256  # a row count beyond any drafting step
 
 

@@ -118,3 +118,5 @@ def test_a_probe_that_is_accepted_brings_the_drafts_back() -> None:
 def test_a_warmup_without_times_gives_no_costs() -> None:
     assert step_costs(None) is None
     assert step_costs(Calibration((1, 2), (0.01, 0.011))).at(2) == 0.011
+    noisy = step_costs(Calibration((1, 2, 3, 4), (0.02, 0.018, 0.025, 0.021)))  # 2 and 4 rows timed too fast
+    assert noisy.seconds == (0.02, 0.02, 0.025, 0.025)
