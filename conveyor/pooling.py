@@ -73,10 +73,12 @@ def default_task(model_dir: Path) -> str:
     return "embed" if (Path(model_dir) / "modules.json").is_file() else "generate"
 
 
-def resolve_task(flag: str | None, model_dir: Path) -> str:
-    """The deployment's task: the flag when given, else the checkpoint's."""
+def resolve_tasks(flag: str | None, model_dir: Path) -> tuple[str, ...]:
+    """The deployment's tasks, in TASKS' order: the flag's (one task, or several comma-separated) when given, else
+    the checkpoint's one."""
     if flag is None:
-        return default_task(model_dir)
-    if flag not in TASKS:
-        raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {flag!r}")
-    return flag
+        return (default_task(model_dir),)
+    asked = {t.strip() for t in flag.split(",") if t.strip()}
+    if not asked or asked - set(TASKS):
+        raise ValueError(f"--task takes {', '.join(TASKS)} or several of them comma-separated, got {flag!r}")
+    return tuple(t for t in TASKS if t in asked)

@@ -37,12 +37,22 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class PooledEvent:
+    """A prompt-only request's one and last event: its pooled vector (embeddings) or its score (rerank: the
+    reranker's yes-minus-no logit), and its prompt tokens the prefix cache served."""
+
+    embedding: tuple[float, ...] = ()
+    score: float | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class ErrorEvent:
     message: str
     error_type: str = "generation"
 
 
-Event = TokenEvent | ErrorEvent
+Event = TokenEvent | PooledEvent | ErrorEvent
 
 
 def token_list(tokens: Tokens) -> list[Token]:
@@ -77,3 +87,8 @@ def events_from_generation(
         top = tops[n] if n < len(tops) else ()
         events.append(TokenEvent(token, finished if last else None, prefill if n == 0 else (), top))
     return events
+
+
+def pooled_event(generation: Generation, cached: int = 0) -> PooledEvent:
+    """A prompt-only request's answer (`generation.pooled`)."""
+    return PooledEvent(tuple(generation.embedding), generation.score, cached)

@@ -11,7 +11,7 @@ from opentelemetry import trace
 
 from conveyor import tracing
 from conveyor.keys import ANONYMOUS, ApiKey
-from conveyor.router.core.events import ErrorEvent, Event, Finished, Token, TokenEvent
+from conveyor.router.core.events import ErrorEvent, Event, Finished, PooledEvent, Token, TokenEvent
 from conveyor.router.core.groups import Groups
 from conveyor.router.core.live_stats import LiveStats
 from conveyor.router.core.sequence import Sequence
@@ -149,6 +149,16 @@ class Infer:
             sequence.cancelled = True
         return cancelled
 
+    async def pool(self, request: ValidRequest, key: ApiKey = ANONYMOUS, request_id: str = "") -> PooledEvent:
+        """A prompt-only request's answer (embeddings, rerank), queued and stepped as any request is."""
+        async with self.stream(request, key, request_id) as events:
+            async for event in events:
+                if isinstance(event, ErrorEvent):
+                    raise _ERRORS.get(event.error_type, GenerationError)(event.message)
+                if isinstance(event, PooledEvent):
+                    return event
+        raise GenerationError("the request ended without its answer")
+
     async def generate(self, request: ValidRequest, key: ApiKey = ANONYMOUS, request_id: str = "") -> Response:
         response = Response()
         async with self.stream(request, key, request_id) as events:
@@ -175,6 +185,14 @@ async def _events(sequence: Sequence, metrics: Metrics, live: LiveStats) -> Asyn
         if isinstance(event, ErrorEvent):
             metrics.requests.labels(event.error_type).inc()
             metrics.key_requests.labels(key, event.error_type).inc()
+            yield event
+            return
+        if isinstance(event, PooledEvent):  # a prompt-only request's one event: no token was generated
+            metrics.requests.labels("success").inc()
+            metrics.key_requests.labels(key, "success").inc()
+            metrics.duration.observe(now - sequence.queued_at)
+            prompt = sequence.num_prompt_tokens
+            metrics.tgi.finished(prompt, 0, 0, event.cached_tokens, now, sequence.batched_at, now)
             yield event
             return
         metrics.generated_tokens.inc()

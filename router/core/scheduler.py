@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from conveyor import tracing
 from conveyor.router.core.adapter_registry import Adapters
 from conveyor.router.core.block_allocator import BlockAllocator
-from conveyor.router.core.events import events_from_generation
+from conveyor.router.core.events import events_from_generation, pooled_event
 from conveyor.router.core.queue import GroupQueue, Queue
 from conveyor.router.core.sequence import Sequence, SequenceStatus
 from conveyor.router.core.settle import Settle
@@ -315,6 +315,11 @@ class Scheduler:
                 continue
             if not sequence.generated_ids:
                 self._count_disk_hits(sequence, generation.disk_cached_tokens)
+            if generation.pooled:  # a prompt-only request, finished: no tokens, no drafts
+                if not sequence.cancelled:
+                    sequence.events.put_nowait(pooled_event(generation, sequence.cached_prompt_tokens))
+                    sequence.status = SequenceStatus.FINISHED
+                continue
             sequence.generated_ids.extend(generation.tokens.ids)
             self._count_drafts(sequence, generation.drafted, len(generation.tokens.ids) - 1)
             if sequence.cancelled:
@@ -476,6 +481,7 @@ def new_request(sequence: Sequence) -> NewRequest:
         cache_len=sequence.num_computed_tokens,
         chunk_len=sequence.step_tokens,
         cache_scope=sequence.cache_scope.digest(),
+        pooling=sequence.request.pooling,
     )
 
 

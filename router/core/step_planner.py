@@ -254,7 +254,9 @@ class StepPlanner:
         tokens = sequence.token_ids
         size = self.allocator.block_size
         whole = sequence.request.parameters.decoder_input_details and not sequence.generated_ids
-        matched = [] if whole else self.allocator.match(tokens, (len(tokens) - 1) // size, sequence.cache_scope)
+        pooling = sequence.request.pooling
+        fresh = whole or (pooling is not None and pooling.every_position)  # every position computed, none cached
+        matched = [] if fresh else self.allocator.match(tokens, (len(tokens) - 1) // size, sequence.cache_scope)
         cache_len = len(matched) * size
         chunk = min(len(tokens) - cache_len, budget)
         if chunk < len(tokens) - cache_len and not first:

@@ -1,5 +1,6 @@
 """The one internal request every front door's types become (`Request`), and the one mapping from each API's
-types to it: `tgi_request` / `from_tgi` (HTTP's and gRPC's TGI parameters), `from_completion`, `from_chat`.
+types to it: `tgi_request` / `from_tgi` (HTTP's and gRPC's TGI parameters), `from_completion`, `from_chat`, and the
+prompt-only requests of the embeddings and rerank APIs (`from_embedding_input`, `from_rerank_pair`).
 
 A route parses its typed body, maps it here, and hands the `Request` to `Validation.validate`, the same call for
 every front door. TGI's names are the router's: `from_tgi` is nearly a copy. OpenAI's routes differ in a few
@@ -29,6 +30,7 @@ from conveyor.router.api.tgi import (
     SharedSampling,
 )
 from conveyor.router.pipeline.chat_prompt import ChatPrompt, Span
+from conveyor.router.pipeline.rerank_prompt import RerankPair, rerank_prompt
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,23 @@ class Parameters:
 
 
 @dataclass(frozen=True)
+class Pooling:
+    """A prompt-only request (embeddings, rerank): what it takes from its prompt instead of generated tokens. It
+    goes through the same queue and steps as any request and finishes at the step that reads its prompt's end."""
+
+    task: str  # "embed": its final hidden states pooled into a vector; "rerank": the reranker's yes/no score
+    mode: str = "last"  # embed: conveyor/pooling.py's mode (last, mean, cls)
+    normalize: bool = True  # embed: scale the vector to unit length
+    yes_token_id: int = 0  # rerank: the score is the logit of "yes" minus that of "no" at the last position
+    no_token_id: int = 0
+
+    @property
+    def every_position(self) -> bool:
+        """Whether it needs every prompt position computed at this request (mean, CLS): no cached prefix."""
+        return self.task == "embed" and self.mode in ("mean", "cls")
+
+
+@dataclass(frozen=True)
 class Request:
     """What a front door hands to validation: the prompt and parameters under TGI's names, and the typed body
     whose `limited` fields the deployment bounds (errors name them as the caller wrote them, after `where`)."""
@@ -70,6 +89,9 @@ class Request:
     add_special_tokens: bool = True  # False for a chat template's text, which writes its own special tokens
     model: str | None = None  # OpenAI's `model`: an adapter's name selects it (vLLM's convention)
     plain_spans: tuple[Span, ...] = ()  # the callers' text within a rendered chat prompt (chat_prompt.py)
+    pooling: Pooling | None = None  # a prompt-only request (embeddings, rerank); None: it generates
+    input_ids: tuple[int, ...] | None = None  # a prompt-only request's tokens as the caller gave them (not text)
+    rerank: RerankPair | None = None  # a rerank request's pair, whose prompt is tokenized in the model card's pieces
 
 
 @dataclass(frozen=True)
@@ -77,6 +99,7 @@ class ValidRequest:
     inputs: str
     input_ids: tuple[int, ...]
     parameters: Parameters
+    pooling: Pooling | None = None  # a prompt-only request: nothing is generated (max_new_tokens is 0)
 
 
 _UNSET = Sampling()
@@ -170,3 +193,19 @@ def _openai_parameters(
         cache_salt=request.cache_salt,
         speculate=request.speculate,
     )
+
+
+def from_embedding_input(value: str | list[int], pooling: Pooling, truncate: int | None, model: str | None) -> Request:
+    """One input of an embeddings request (OpenAI's or TEI's): text, or token ids taken as they are. `truncate`: the
+    most tokens kept, from the start (TEI's `truncate`); None refuses a longer input."""
+    parameters = Parameters(truncate=truncate)
+    if isinstance(value, str):
+        return Request(value, parameters, pooling=pooling, model=model)
+    return Request("", parameters, pooling=pooling, model=model, input_ids=tuple(value))
+
+
+def from_rerank_pair(pair: RerankPair, pooling: Pooling, truncate: int | None, model: str | None) -> Request:
+    """One (query, document) pair of a rerank request, in the reranker's prompt; `truncate` as above, cutting the
+    pair and keeping the prompt's fixed head and tail."""
+    text = rerank_prompt(pair.query, pair.document)
+    return Request(text, Parameters(truncate=truncate), pooling=pooling, model=model, rerank=pair)

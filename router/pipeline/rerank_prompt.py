@@ -28,7 +28,13 @@ class RerankPair:
 
 def rerank_prompt(query: str, document: str, instruction: str = DEFAULT_INSTRUCTION) -> str:
     """The full prompt for one pair, as Qwen3-Reranker's model card formats it."""
-    return f"{_PREFIX}<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}{_SUFFIX}"
+    return "".join(rerank_parts(query, document, instruction))
+
+
+def rerank_parts(query: str, document: str, instruction: str = DEFAULT_INSTRUCTION) -> tuple[str, str, str]:
+    """The prompt in the three pieces the model card tokenizes one by one (no special tokens added): the fixed head,
+    the pair, which is what truncation shortens (from its end), and the fixed tail."""
+    return _PREFIX, f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}", _SUFFIX
 
 
 def rerank_pairs(query: str, documents: list[str]) -> list[RerankPair]:

@@ -31,6 +31,7 @@ from conveyor.router.pipeline.fair_workers import FairWorkers
 from conveyor.router.pipeline.generation_defaults import GenerationDefaults
 from conveyor.router.pipeline.output_parsers import OutputParsers
 from conveyor.router.pipeline.request import Request, ValidRequest
+from conveyor.router.pipeline.rerank_prompt import RerankPair, rerank_parts
 
 __all__ = ["Validation", "ValidationError"]
 
@@ -145,6 +146,8 @@ class Validation:
         with tracing.span("validate"):
             if request.body is not None:
                 check_limits(request.body, self.limits, request.where)
+            if request.pooling is not None:
+                return self._validate_prompt_only(request)
             return self._validate_prompt(request)
 
     def _validate_prompt(self, request: Request) -> ValidRequest:
@@ -161,6 +164,52 @@ class Validation:
         adapter = self._adapter(request)
         parameters = replace(parameters, sampling=sampling, max_new_tokens=max_new_tokens, adapter=adapter)
         return ValidRequest(inputs=inputs, input_ids=input_ids, parameters=parameters)
+
+    def _validate_prompt_only(self, request: Request) -> ValidRequest:
+        """An embeddings or rerank input: its token ids as given, or its text's (a reranker's prompt in the model
+        card's pieces), within the input limit (or cut to `truncate` tokens, keeping the start, as TEI does);
+        nothing is generated."""
+        truncate = request.parameters.truncate
+        if request.input_ids is not None:
+            input_ids = self._given_ids(request.input_ids)
+        elif request.rerank is not None:
+            input_ids = self._rerank_ids(request.rerank, truncate)
+        elif not request.inputs:
+            raise ValidationError("`inputs` cannot be empty")
+        else:
+            input_ids = self._head_ids(request.inputs, truncate)
+        _check_input_length(len(input_ids), self.limits)
+        parameters = replace(request.parameters, max_new_tokens=0, adapter=self._adapter(request))
+        return ValidRequest(request.inputs, tuple(int(i) for i in input_ids), parameters, pooling=request.pooling)
+
+    def _given_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        vocabulary = len(self.tokenizer)
+        if outside := [i for i in ids if i >= vocabulary]:
+            raise ValidationError(f"token ids {outside[:5]} are outside the vocabulary (size {vocabulary})")
+        return ids
+
+    def _head_ids(self, text: str, truncate: int | None, add_special_tokens: bool = True) -> list[int]:
+        """The text's tokens, cut to the first `truncate` of them if given (the tokenizer's own truncation, which
+        keeps the special tokens it adds); unbounded text is refused before it is tokenized, as `_bounded` does."""
+        if truncate is None:
+            text = self._bounded(text, None)
+        else:
+            text = text[: (truncate + 2) * self.max_token_chars]
+        cut = {"truncation": True, "max_length": truncate} if truncate is not None else {}
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False, **cut)
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this input's fault
+            raise ValidationError(f"`inputs` could not be tokenized: {exc}") from None
+
+    def _rerank_ids(self, pair: RerankPair, truncate: int | None) -> tuple[int, ...]:
+        """Head, pair and tail tokenized one by one, as Qwen3-Reranker's model card does; `truncate` cuts the pair
+        so that the whole is at most that long."""
+        head, middle, tail = rerank_parts(pair.query, pair.document)
+        fixed = [self._head_ids(head, None, False), self._head_ids(tail, None, False)]
+        room = None if truncate is None else truncate - len(fixed[0]) - len(fixed[1])
+        if room is not None and room < 1:
+            raise ValidationError(f"the reranker's prompt leaves no room for the query and document in {truncate}")
+        return tuple(fixed[0] + self._head_ids(middle, room, False) + fixed[1])
 
     def _adapter(self, request: Request) -> str | None:
         """The adapter a request asks for by name (TGI's and gRPC's `adapter_id`), which must be served; or the one

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from conveyor.router.pipeline.request import Parameters
+from conveyor.router.pipeline.request import Parameters, Pooling
 
 
 @dataclass(slots=True)
@@ -31,6 +31,7 @@ class NewRequest:
     cache_len: int = 0
     chunk_len: int | None = None
     cache_scope: str = ""  # CacheScope.digest(): whose cached KV it may share
+    pooling: Pooling | None = None  # a prompt-only request: a vector or a score instead of tokens
 
 
 @dataclass(slots=True)
@@ -92,6 +93,13 @@ class Generation:
     finished: GeneratedText | None = None
     drafted: int = 0  # draft tokens verified at this step
     disk_cached_tokens: int = 0  # with the prompt's first token: prompt tokens the shards read from the disk tier
+    embedding: Sequence[float] = ()  # a prompt-only request's answer, when it finishes: its pooled vector...
+    score: float | None = None  # ...or its score (the reranker's yes-minus-no logit)
+
+    @property
+    def pooled(self) -> bool:
+        """Whether it is a prompt-only request's answer (no tokens)."""
+        return bool(self.embedding) or self.score is not None
 
 
 @dataclass(slots=True)

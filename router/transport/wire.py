@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from conveyor.router.pipeline.request import Parameters
+from conveyor.router.pipeline.request import Parameters, Pooling
 from conveyor.router.transport.records import (
     Batch,
     CachedBatch,
@@ -62,7 +62,14 @@ def request_pb(r: NewRequest) -> pb.Request:
         grammar=p.grammar.grammar if p.grammar is not None else "",
         adapter=p.adapter or "",
         cache_scope=r.cache_scope,
+        pooling=None if r.pooling is None else pooling_pb(r.pooling),
     )
+
+
+def pooling_pb(p: Pooling) -> pb.Pooling:
+    if p.task == "rerank":
+        return pb.Pooling(score=pb.Pooling.Score(yes_token_id=p.yes_token_id, no_token_id=p.no_token_id))
+    return pb.Pooling(embed=pb.Pooling.Embed(mode=p.mode, normalize=p.normalize))
 
 
 def batch_pb(batch: Batch) -> pb.Batch:
@@ -120,6 +127,8 @@ def generation(g: pb.Generation) -> Generation:
         finished=finished,
         drafted=g.drafted,
         disk_cached_tokens=g.disk_cached_tokens,
+        embedding=g.embedding,
+        score=g.score if g.HasField("score") else None,
     )
 
 
