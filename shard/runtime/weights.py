@@ -26,13 +26,18 @@ class Weights:
         renames: dict[str, str] | None = None,
     ) -> None:
         """`renames`: checkpoint name prefixes to the names the model asks for (a multimodal wrapper's text
-        weights); tensors under no such prefix are left out. None: every tensor under its own name."""
+        weights); tensors under no such prefix are left out. None: every tensor under its own name, or under
+        `model.` for a bare base model (sentence-transformers' embedding checkpoints are saved so, without the LM
+        head: a tied head is the embedding's, as the model code takes it)."""
         self.group = group
         self.dtype = dtype
         self.device = device
         self._files: dict[str, Path] = {}
         self._names: dict[str, str] = {}  # the model's name to the checkpoint's
-        for stored, file in _weight_map(Path(model_dir)).items():
+        stored_names = _weight_map(Path(model_dir))
+        if renames is None and _bare(stored_names):
+            renames = {"": "model."}
+        for stored, file in stored_names.items():
             name = _renamed(stored, renames)
             if name is not None:
                 self._files[name], self._names[name] = Path(model_dir) / file, stored
@@ -107,6 +112,11 @@ def _renamed(stored: str, renames: dict[str, str] | None) -> str | None:
         if stored.startswith(prefix):
             return to + stored[len(prefix) :]
     return None
+
+
+def _bare(names: dict[str, str]) -> bool:
+    """Whether the checkpoint is a base model's alone (`embed_tokens.weight`, no `model.` names)."""
+    return "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names)
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:

@@ -173,3 +173,28 @@ def test_a_pooling_over_every_position_refuses_a_cached_prefix(tmp_path: Path) -
     request.cache_len = 0
     with pytest.raises(BadRequest, match="pooling mode 'max'"):
         engine.batch(pb.Batch(id=1, requests=[request]))
+
+
+def test_a_bare_checkpoint_embeds_as_sentence_transformers_does(tmp_path: Path) -> None:
+    """Qwen3-Embedding's layout: the base model alone (no `model.` prefix, no LM head), last-token pooling,
+    normalized. The engine loads it and its vectors are sentence-transformers'."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    from transformers import AutoModel, AutoTokenizer
+
+    source = demo_model.ensure(tmp_path / "source", "tiny", seed=3, arch="qwen3")
+    bare = tmp_path / "bare"
+    AutoModel.from_pretrained(source).save_pretrained(bare, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.save_pretrained(bare)
+    hidden = json.loads((bare / "config.json").read_text())["hidden_size"]
+    write_pooling_files(bare, {"pooling_mode_lasttoken": True}, normalize=True, dimension=hidden)
+    reference = sentence_transformers.SentenceTransformer(str(bare), device="cpu").encode(TEXTS, batch_size=1)
+    engine = _engine(bare)
+    embed = pb.Pooling(embed=pb.Pooling.Embed(mode="last", normalize=True))
+    requests = [_request(i, tokenizer(text).input_ids, embed) for i, text in enumerate(TEXTS)]
+    generations, batch, _ = engine.step(engine.batch(pb.Batch(id=1, requests=requests)))
+    assert batch is None  # every request finished at its prefill
+    for generation, expected in zip(sorted(generations, key=lambda g: g.request_id), reference):
+        torch.testing.assert_close(
+            torch.tensor(list(generation.embedding)), torch.from_numpy(expected), atol=ATOL, rtol=0
+        )

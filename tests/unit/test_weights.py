@@ -1,5 +1,6 @@
 """Reading a checkpoint's tensors by the names the model code asks for, including a multimodal wrapper's text
-weights, which live under another prefix beside tensors that are never read."""
+weights, which live under another prefix beside tensors that are never read, and a bare base model's (as
+sentence-transformers saves an embedding checkpoint), whose names lack the `model.` prefix."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ def test_a_wrappers_text_weights_are_read_under_the_text_models_names(gemma3_mul
 def test_a_text_checkpoint_keeps_its_own_names(tiny_model: Path) -> None:
     weights = Weights(tiny_model, ProcessGroup(0, 1), torch.float32, torch.device("cpu"))
     assert "model.embed_tokens.weight" in weights and "lm_head.weight" in weights
+
+
+def test_a_bare_base_models_weights_are_read_under_model(tiny_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoModel
+
+    AutoModel.from_pretrained(tiny_model).save_pretrained(tmp_path, safe_serialization=True)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as stored:
+        assert "embed_tokens.weight" in stored.keys() and "lm_head.weight" not in stored.keys()
+        embedding = stored.get_tensor("embed_tokens.weight")
+    weights = Weights(tmp_path, ProcessGroup(0, 1), torch.float32, torch.device("cpu"))
+    assert torch.equal(weights.get("model.embed_tokens.weight"), embedding)
+    assert "model.layers.0.self_attn.q_proj.weight" in weights and "lm_head.weight" not in weights
