@@ -48,6 +48,13 @@ class Config:
         None, "the model's name in /info and the OpenAI API (default: --model-id as given)"
     )
     demo_size: str = flag("small", "size of the built-in demo model", choices=DEMO_SIZES)
+    task: str | None = flag(
+        None,
+        "the prompt-only routes the deployment answers beside generation's: embed (/v1/embeddings, /embed: the "
+        "checkpoint's pooling), rerank (/rerank, /v1/rerank: Qwen3-Reranker's yes/no score), generate (neither), or "
+        "several comma-separated (default: embed for a sentence-transformers checkpoint, one with modules.json; "
+        "else generate)",
+    )
     # Shards
     num_shard: int = flag(1, "tensor-parallel ranks, one process each")
     dtype: str = flag(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-# What serving reads: the config, the generation defaults, the weights, the tokenizer and the chat template.
+# What serving reads: the config, the generation defaults, the weights, the tokenizer and the chat template, and an
+# embedding checkpoint's sentence-transformers modules and pooling (conveyor/pooling.py).
 ALLOW_PATTERNS = [
     "config.json",
     "generation_config.json",
@@ -27,6 +28,8 @@ ALLOW_PATTERNS = [
     "merges.txt",
     "chat_template.json",
     "chat_template.jinja",
+    "modules.json",
+    "*Pooling/config.json",
 ]
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

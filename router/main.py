@@ -40,6 +40,7 @@ from conveyor.router.frontends.grpc_server import TextGenerationService
 from conveyor.router.limits import LimitError
 from conveyor.router.metrics import Metrics
 from conveyor.router.pipeline.output_parsers import output_parsers
+from conveyor.router.pipeline.prompt_requests import TaskError, Tasks
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
 from conveyor.router.transport.connect import (
@@ -60,6 +61,8 @@ async def run(args: Config) -> None:
     keys = load_keys(args.api_keys_file, args.api_key)
     conveyor_log.add_secrets([args.metrics_key, args.shard_token])
     tokenizer = AutoTokenizer.from_pretrained(args.model_id)
+    tasks = Tasks.read(args.task, args.model_id, tokenizer)  # before the shards are reached: a bad --task stops here
+    log.info("tasks", extra={"tasks": list(tasks.served), "pooling": tasks.pooling.mode})
     security = Security.from_config(args)
     store = GroupStore(args.master_addr, args.master_port, False, args.startup_timeout) if args.nnodes > 1 else None
     metrics = Metrics()
@@ -102,6 +105,7 @@ async def run(args: Config) -> None:
         payload_limit=args.payload_limit,
         metrics_key=args.metrics_key,
         connections=ConnectionLimits(args.http_idle_timeout, args.http_body_timeout, args.max_connections_per_client),
+        tasks=tasks,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -256,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(run(args))
     except LimitError as exc:
         log.error("invalid limits: %s", exc)
+        sys.exit(1)
+    except TaskError as exc:
+        log.error("cannot serve --task: %s", exc)
         sys.exit(1)
     except Exception:
         log.exception("router failed")

@@ -15,6 +15,7 @@ from conveyor.router.frontends.adapter_routes import AdapterRoutes
 from conveyor.router.frontends.anthropic_routes import AnthropicRoutes
 from conveyor.router.frontends.connections import ConnectionLimits, body_deadline_middleware, refuse_large_expectations
 from conveyor.router.frontends.dashboard import Dashboard
+from conveyor.router.frontends.embedding_routes import EmbeddingRoutes
 from conveyor.router.frontends.group_routes import GroupRoutes
 from conveyor.router.frontends.malformed import quiet_malformed_requests
 from conveyor.router.frontends.middleware import (
@@ -34,6 +35,7 @@ from conveyor.router.frontends.responses_api_routes import ResponsesRoutes
 from conveyor.router.frontends.service_routes import RequestControl
 from conveyor.router.frontends.tgi_routes import TgiRoutes
 from conveyor.router.pipeline.openai_requests import OpenAIRequests
+from conveyor.router.pipeline.prompt_requests import Tasks
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
 
@@ -54,6 +56,7 @@ class HttpServer:
         payload_limit: int = 2_000_000,
         connections: ConnectionLimits | None = None,
         metrics_key: str | None = None,
+        tasks: Tasks | None = None,
     ) -> None:
         # The metrics key as a ring of its own: one way to read and compare a `Bearer` credential.
         self.metrics_keys = KeyRing((ApiKey("metrics", metrics_key),)) if metrics_key else None
@@ -63,6 +66,7 @@ class HttpServer:
         self.info = info
         self.keys = keys or KeyRing()
         self.payload_limit = payload_limit
+        self.tasks = tasks or Tasks()  # the prompt-only routes served (--task)
         self.draining = False
 
     def app(self) -> web.Application:
@@ -89,6 +93,7 @@ class HttpServer:
         OpenAIRoutes(self.infer, requests, model_id).register(app)
         ResponsesRoutes(self.infer, requests, model_id).register(app)
         AnthropicRoutes(self.infer, requests, model_id).register(app)
+        EmbeddingRoutes(self.infer, self.validation, self.tasks, model_id).register(app)
         RequestControl(self.infer).register(app)
         AdapterRoutes(self.infer).register(app)
         GroupRoutes(self.infer).register(app)

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
-from conveyor.router.api import adapters, anthropic, openai, responses_api, service, tgi
+from conveyor.router.api import adapters, anthropic, embeddings, openai, responses_api, service, tgi
 from conveyor.router.api.base import LIMIT
 from conveyor.router.limits import Limits
 
@@ -63,6 +63,14 @@ SCHEMAS: dict[str, Any] = {
     "MessageTokensCount": anthropic.MessageTokensCount,
     "AnthropicError": anthropic.AnthropicError,
     "MessageStreamEvent": anthropic.MessageStreamEvent,
+    "EmbeddingRequest": embeddings.EmbeddingRequest,
+    "EmbeddingList": embeddings.EmbeddingList,
+    "EmbedRequest": embeddings.TEIEmbedRequest,
+    "Embeddings": list[list[float]],
+    "TEIRerankRequest": embeddings.TEIRerankRequest,
+    "TEIRanks": list[embeddings.TEIRank],
+    "RerankRequest": embeddings.RerankRequest,
+    "RerankList": embeddings.RerankList,
 }
 
 
@@ -234,7 +242,8 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
             "title": "Conveyor",
             "version": version,
             "description": "LLM text generation with continuous batching: TGI's API, OpenAI's and Anthropic's "
-            "Messages. Request bodies are JSON (Content-Type application/json, or none). The schemas are the server's "
+            "Messages; embeddings and rerank (OpenAI's, TEI's and the Cohere/Jina shape). Request bodies are JSON "
+            "(Content-Type application/json, or none). The schemas are the server's "
             "own types, with this deployment's limits; what they cannot state is a 422 too (a 400 on Anthropic's "
             "routes): a prompt of more tokens than "
             "max_input_tokens, inputs + new tokens beyond max_total_tokens, and the rules between fields given in "
@@ -256,6 +265,26 @@ def document(version: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
             "/v1/completions": _post("OpenAI completions", "CompletionRequest", completion, openai=True),
             "/v1/chat/completions": _post("OpenAI chat completions", "ChatRequest", chat, openai=True),
             "/v1/models": _get("The served model, OpenAI-style", _json(_ref("Models"))),
+            "/v1/embeddings": _post(
+                "OpenAI embeddings: one vector per input (--task embed; 422 on a deployment without it)",
+                "EmbeddingRequest",
+                _json(_ref("EmbeddingList")),
+                openai=True,
+            ),
+            "/embed": _post(
+                "TEI's embeddings: one vector per input (--task embed)", "EmbedRequest", _json(_ref("Embeddings"))
+            ),
+            "/rerank": _post(
+                "TEI's rerank: every text scored against the query, best first (--task rerank)",
+                "TEIRerankRequest",
+                _json(_ref("TEIRanks")),
+            ),
+            "/v1/rerank": _post(
+                "Rerank in the Cohere/Jina shape: the best `top_n` documents for the query (--task rerank)",
+                "RerankRequest",
+                _json(_ref("RerankList")),
+                openai=True,
+            ),
             "/health": _get(
                 "200 once the shards answer", _json(_ref("Health")), **{"503": _json(_ref("Error"), "Not ready")}
             ),

@@ -29,7 +29,7 @@ def test_the_document_is_valid_openapi(server: Server) -> None:
 
 def test_it_lists_every_route_the_app_serves(server: Server) -> None:
     app = HttpServer.__new__(HttpServer)  # the routing table only: no model, no shards
-    app.infer = app.validation = None
+    app.infer = app.validation = app.tasks = None
     app.info = type("Info", (), {"model_id": "m"})()
     app.keys, app.payload_limit, app.draining = KeyRing(), 1, False
     app.connections, app.metrics_keys = ConnectionLimits(), None
