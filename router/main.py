@@ -24,7 +24,7 @@ from conveyor.config import Config
 from conveyor.group_store import GroupStore
 from conveyor.keys import load_keys
 from conveyor.model_source import resolve_model
-from conveyor.router.core.adapter_registry import Adapters
+from conveyor.router.core.adapter_registry import AdapterRegistry
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.draft_choice import step_costs
 from conveyor.router.core.groups import Groups
@@ -177,7 +177,7 @@ async def connect_groups(
     group that spans several nodes."""
     connections: list[Connection] = []
     schedulers: list[Scheduler] = []
-    queue, adapters = Queue(), Adapters()
+    queue, adapters = Queue(), AdapterRegistry()
     for index, address in enumerate(group_addresses(args)):
         group_args = replace(args, shard_address=address)
         group_store = store if index == 0 else None
@@ -204,7 +204,7 @@ def make_scheduler(
     metrics: Metrics,
     reconnect: Reconnect,
     queue: GroupQueue,
-    adapters: Adapters,
+    adapters: AdapterRegistry,
 ) -> Scheduler:
     info = connection.info
     allocator = BlockAllocator(connection.num_blocks, info.block_size, prefix_caching=args.prefix_caching)

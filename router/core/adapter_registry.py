@@ -46,7 +46,7 @@ class Adapter:
         return cls(adapter.name, adapter.source, adapter.rank, adapter.weight_bytes, live)
 
 
-class Adapters:
+class AdapterRegistry:
     def __init__(self, max_loras: int = 0) -> None:
         self.max_loras = max_loras
         self.served: dict[str, Adapter] = {}

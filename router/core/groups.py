@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 
-from conveyor.router.core.adapter_registry import Adapters
+from conveyor.router.core.adapter_registry import AdapterRegistry
 from conveyor.router.core.block_allocator import PoolStats
 from conveyor.router.core.placement import GroupView, NoGroup, Placed, Placement
 from conveyor.router.core.queue import Queue
@@ -38,7 +38,7 @@ class LastGroup(RuntimeError):
 
 class Groups:
     def __init__(
-        self, schedulers: list[Scheduler], queue: Queue, placement: Placement, adapters: Adapters | None = None
+        self, schedulers: list[Scheduler], queue: Queue, placement: Placement, adapters: AdapterRegistry | None = None
     ) -> None:
         self.schedulers, self.queue, self.placement = schedulers, queue, placement
         self.metrics: Metrics = schedulers[0].metrics

@@ -39,7 +39,7 @@ _ERRORS = {"unavailable": UnavailableError, "cancelled": RequestCancelled}
 
 
 @dataclass
-class Response:
+class Answer:
     """A whole generation, for the non-streaming routes."""
 
     events: list[TokenEvent] = field(default_factory=list)
@@ -159,8 +159,8 @@ class Infer:
                     return event
         raise GenerationError("the request ended without its answer")
 
-    async def generate(self, request: ValidRequest, key: ApiKey = ANONYMOUS, request_id: str = "") -> Response:
-        response = Response()
+    async def generate(self, request: ValidRequest, key: ApiKey = ANONYMOUS, request_id: str = "") -> Answer:
+        response = Answer()
         async with self.stream(request, key, request_id) as events:
             async for event in events:
                 if isinstance(event, ErrorEvent):

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from conveyor import tracing
-from conveyor.router.core.adapter_registry import Adapters
+from conveyor.router.core.adapter_registry import AdapterRegistry
 from conveyor.router.core.block_allocator import BlockAllocator
 from conveyor.router.core.events import events_from_generation, pooled_event
 from conveyor.router.core.queue import GroupQueue, Queue
@@ -50,7 +50,7 @@ class Scheduler:
         metrics: Metrics,
         reconnect: Reconnect | None = None,
         max_request_retries: int = 2,
-        adapters: Adapters | None = None,
+        adapters: AdapterRegistry | None = None,
         queue: GroupQueue | None = None,
     ) -> None:
         """`queue`: this group's view of the line several groups share (router/core/groups.py), whose index is
@@ -58,7 +58,7 @@ class Scheduler:
         self.client = client
         self.queue = queue if queue is not None else GroupQueue(Queue(), 0)
         self.group = self.queue.group
-        self.adapters = adapters or Adapters()  # the LoRA adapters the shards hold
+        self.adapters = adapters or AdapterRegistry()  # the LoRA adapters the shards hold
         self.adapters.in_batch = self.adapters_in_batch
         self.config = config
         self.allocator = allocator

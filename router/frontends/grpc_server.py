@@ -23,14 +23,14 @@ from conveyor.router.api.base import parse
 from conveyor.router.api.constraints import build
 from conveyor.router.api.tgi import GenerateParameters
 from conveyor.router.core.events import ErrorEvent, Token, TokenEvent
-from conveyor.router.core.infer import Infer, Response
+from conveyor.router.core.infer import Answer, Infer
 from conveyor.router.frontends.app import ServerInfo
 from conveyor.router.frontends.middleware import name_request
 from conveyor.router.frontends.replies import (
     REQUEST_ERRORS,
     UNAUTHORIZED,
     VALIDATION,
-    Details,
+    AnswerDetails,
     details,
     failure_named,
     failure_of,
@@ -81,7 +81,7 @@ def token_pb(token: Token) -> pb.Token:
     return pb.Token(id=token.id, text=token.text, logprob=logprob(token), special=token.special)
 
 
-def details_pb(d: Details) -> pb.Details:
+def details_pb(d: AnswerDetails) -> pb.Details:
     return pb.Details(
         finish_reason=d.finish_reason,
         generated_tokens=d.generated_tokens,
@@ -136,7 +136,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         key = await self._authorize(context)
         valid = await self._validate(request, context, stream=False, key=key)
         try:
-            response: Response = await self.infer.generate(valid, key, await _request_id(context))
+            response: Answer = await self.infer.generate(valid, key, await _request_id(context))
         except REQUEST_ERRORS as exc:
             await _abort(context, exc)
         finished = response.finished

@@ -8,7 +8,7 @@ import uuid
 
 from conveyor.router.api import openai as api
 from conveyor.router.core.events import Finished, Token, TokenEvent
-from conveyor.router.core.infer import Response
+from conveyor.router.core.infer import Answer
 from conveyor.router.frontends.replies import openai_logprob, token_text
 from conveyor.router.pipeline.chat_output import ChatDelta
 from conveyor.router.pipeline.openai_requests import Choice
@@ -43,7 +43,7 @@ class Format:
     def _envelope(self, name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model_id, "choices": choices}
 
-    def response(self, results: list[tuple[Choice, Response]], logprobs: bool) -> dict:
+    def response(self, results: list[tuple[Choice, Answer]], logprobs: bool) -> dict:
         body = self._envelope(self.object_name, [self.choice(c, r, logprobs) for c, r in results])
         body["usage"] = usage(
             sum(len(c.request.input_ids) for c, _ in results),
@@ -58,7 +58,7 @@ class Format:
     def opening(self, choices: list[Choice]) -> list[dict]:
         return []
 
-    def choice(self, choice: Choice, response: Response, logprobs: bool) -> dict:
+    def choice(self, choice: Choice, response: Answer, logprobs: bool) -> dict:
         raise NotImplementedError
 
     def chunk(self, choice: Choice, event: TokenEvent, logprobs: bool) -> dict:
@@ -93,7 +93,7 @@ class CompletionFormat(Format):
             "text_offset": offsets,
         }
 
-    def choice(self, choice: Choice, response: Response, logprobs: bool) -> api.CompletionChoice:
+    def choice(self, choice: Choice, response: Answer, logprobs: bool) -> api.CompletionChoice:
         return {
             "index": choice.index,
             "text": response.finished.generated_text,
@@ -131,7 +131,7 @@ class ChatFormat(Format):
             ]
         }
 
-    def choice(self, choice: Choice, response: Response, logprobs: bool) -> api.ChatChoice:
+    def choice(self, choice: Choice, response: Answer, logprobs: bool) -> api.ChatChoice:
         assert choice.output is not None
         parsed = choice.output.parse(response.finished.generated_text)
         message: api.AssistantMessage = {"role": "assistant", "content": parsed.content}

@@ -139,7 +139,7 @@ def error_event(event: ErrorEvent, openai: bool = False) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Details:
+class AnswerDetails:
     """A finished generation's details as plain values; HTTP shapes them as JSON, gRPC as its message."""
 
     finish_reason: str
@@ -156,9 +156,9 @@ class Details:
 
 def details(
     valid: ValidRequest, finished: Finished, events: Sequence[TokenEvent] = (), prefill: Sequence[Token] = ()
-) -> Details:
+) -> AnswerDetails:
     """A stream's last event passes no `events`: its tokens went out one by one already."""
-    return Details(
+    return AnswerDetails(
         finish_reason=finished.finish_reason,
         generated_tokens=finished.generated_tokens,
         seed=finished.seed,

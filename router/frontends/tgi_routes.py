@@ -15,12 +15,12 @@ from conveyor.router.api import tgi as api
 from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.tgi import GenerateRequest
 from conveyor.router.core.events import ErrorEvent, Token, TokenEvent
-from conveyor.router.core.infer import Infer, Response
+from conveyor.router.core.infer import Answer, Infer
 from conveyor.router.frontends.adapter_routes import adapter_json
 from conveyor.router.frontends.middleware import caller, holds_admin_key, request_id
 from conveyor.router.frontends.replies import (
     REQUEST_ERRORS,
-    Details,
+    AnswerDetails,
     details,
     error_event,
     error_response,
@@ -43,7 +43,7 @@ def prefill_json(token: Token) -> api.Token:
     return {"id": token.id, "text": token.text, "logprob": logprob(token)}
 
 
-def details_json(d: Details) -> api.Details:
+def details_json(d: AnswerDetails) -> api.Details:
     body: api.Details = {
         "finish_reason": d.finish_reason,
         "generated_tokens": d.generated_tokens,
@@ -58,7 +58,7 @@ def details_json(d: Details) -> api.Details:
     return body
 
 
-def stream_details_json(d: Details) -> api.StreamDetails:
+def stream_details_json(d: AnswerDetails) -> api.StreamDetails:
     """A stream's last event: its tokens went out one by one, the prompt's length comes instead."""
     body: api.StreamDetails = {
         "finish_reason": d.finish_reason,
@@ -71,13 +71,13 @@ def stream_details_json(d: Details) -> api.StreamDetails:
     return body
 
 
-def cached_json(d: Details) -> api.CachedPrefill:
+def cached_json(d: AnswerDetails) -> api.CachedPrefill:
     """Present only for a request whose prompt the prefix cache served in part: an answer without a hit keeps
     TGI's shape exactly."""
     return {"prefill_cached_tokens": d.prefill_cached_tokens} if d.prefill_cached_tokens else {}
 
 
-def speculative_json(d: Details) -> api.Speculative:
+def speculative_json(d: AnswerDetails) -> api.Speculative:
     """Present only for a request that had drafts verified."""
     if not d.drafted_tokens:
         return {}
@@ -141,7 +141,7 @@ class TgiRoutes:
             return await self.generate_stream(request)
         return await self.generate(request, as_list=True)
 
-    def _generate_json(self, valid: ValidRequest, response: Response) -> api.GenerateResponse:
+    def _generate_json(self, valid: ValidRequest, response: Answer) -> api.GenerateResponse:
         finished = response.finished
         body: api.GenerateResponse = {"generated_text": full_text(valid, finished.generated_text)}
         if valid.parameters.details:
