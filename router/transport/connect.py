@@ -126,14 +126,17 @@ async def connect(
         raise
 
 
+CALIBRATE_MOST_ROWS = 64  # the largest step timed at warmup; a larger drafting step's cost is extrapolated
+
+
 def calibration_rows(speculate: int, max_batch: int) -> tuple[int, ...]:
     """Where the draft choice needs a step's cost: every row count of one sequence's verify step (1 to
     `speculate` + 1, where kernels switch row blocking), and a few points up to the largest drafting batch's,
     between which the cost is near linear. None with drafts off."""
     if speculate <= 0:
         return ()
-    most = max(1, max_batch) * (speculate + 1)
-    return tuple(sorted({*range(1, speculate + 2), *(most // 2, most)} - {0}))
+    most = min(CALIBRATE_MOST_ROWS, max(1, max_batch) * (speculate + 1))
+    return tuple(sorted({*range(1, min(speculate + 1, most) + 1), most // 2, most} - {0}))
 
 
 def _calibration(rows: tuple[int, ...], warmed: Warmed) -> Calibration | None:

@@ -33,6 +33,7 @@ from conveyor.shard.runtime.weights import Weights
 from conveyor.shard.sampling.masks import Masks
 from conveyor.shard.sampling.sampler import Sampler
 from conveyor.shard.speculation import verification
+from conveyor.shard.speculation.verification import ForwardRows, one_token_rows
 from conveyor.shard.step import loading, pooling
 from conveyor.shard.step.generations import Generations
 from conveyor.shard.step.loading import Draft
@@ -330,8 +331,19 @@ class Engine:
         lengths = [s + len(n) for s, n in zip(starts, new_tokens)]
         reaches = [max(n, len(r.input_ids)) for n, r in zip(lengths, rows)] if self.model.needs_reach else None
         blocks, adapters = [r.block_table for r in rows], [r.adapter for r in rows]
+        args = ForwardRows(new_tokens, starts, blocks, lengths, logit_counts, reaches, adapters, state_spans)
+        verifying = [r.is_decoding and len(n) > 1 for r, n in zip(rows, new_tokens)]
+        if any(verifying):
+            args = one_token_rows(args, verifying)  # the decode path's rows (speculation/verification.py)
         return self.forward(
-            new_tokens, starts, blocks, lengths, logit_counts, reaches, adapters=adapters, state_spans=state_spans
+            args.new_tokens,
+            args.starts,
+            args.blocks,
+            args.lengths,
+            args.logit_counts,
+            args.reaches,
+            adapters=args.adapters,
+            state_spans=args.state_spans,
         )
 
     def forward(

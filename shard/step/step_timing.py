@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from conveyor.shard.batch.request_state import BadRequest
+from conveyor.shard.speculation.verification import ForwardRows, one_token_rows
 
 CONTEXT_TOKENS = 64  # a short conversation's context, so attention takes its usual small share of the step
 REPEATS = 2  # timed runs per row count, after an untimed one; their median is kept
@@ -42,8 +43,11 @@ def time_decode_rows(engine, rows: Sequence[int]) -> tuple[list[float], float]:
     context = [1] * CONTEXT_TOKENS
 
     def step(count: int, **target) -> Callable[[], object]:
-        lengths = [CONTEXT_TOKENS + count]
-        return lambda: engine.forward([[1] * count], [CONTEXT_TOKENS], [blocks], lengths, [count], **target)
+        """A verify step of count-1 drafts, as the engine runs it (one row per token)."""
+        rows = ForwardRows([[1] * count], [CONTEXT_TOKENS], [blocks], [CONTEXT_TOKENS + count], [count])
+        rows = one_token_rows(rows, [True])
+        args = (rows.new_tokens, rows.starts, rows.blocks, rows.lengths, rows.logit_counts)
+        return lambda: engine.forward(*args, **target)
 
     engine.forward([context], [0], [blocks], [CONTEXT_TOKENS], [1])
     seconds = [_median_seconds(step(count), engine.device) for count in rows]

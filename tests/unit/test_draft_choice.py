@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from conveyor.router.core.draft_choice import PROBE_STEPS, DraftChooser, DraftRecord, StepCosts, step_costs
+from conveyor.router.transport.connect import calibration_rows
 from conveyor.router.transport.records import Calibration
+from conveyor.shard.step import step_timing
 
 # A bandwidth-bound CPU: extra rows of one step are nearly free up to 9, then cost like compute.
 CHEAP_ROWS = StepCosts((1, 2, 3, 5, 9, 18, 36), (0.020, 0.0205, 0.021, 0.022, 0.024, 0.040, 0.075))
@@ -120,3 +122,14 @@ def test_a_warmup_without_times_gives_no_costs() -> None:
     assert step_costs(Calibration((1, 2), (0.01, 0.011))).at(2) == 0.011
     noisy = step_costs(Calibration((1, 2, 3, 4), (0.02, 0.018, 0.025, 0.021)))  # 2 and 4 rows timed too fast
     assert noisy.seconds == (0.02, 0.02, 0.025, 0.025)
+
+
+def test_the_rows_asked_for_are_rows_a_shard_times() -> None:
+    """The router asks the shards to time every row count of one verify step and two larger ones, never more than
+    a shard accepts (it refuses the warmup otherwise, and the deployment never starts)."""
+    assert calibration_rows(0, 4) == ()
+    assert calibration_rows(8, 4) == (1, 2, 3, 4, 5, 6, 7, 8, 9, 18, 36)
+    assert calibration_rows(4, 64) == (1, 2, 3, 4, 5, 32, 64)  # a big drafting batch: its cost extrapolated
+    for speculate in range(0, 17):
+        for max_batch in (1, 4, 64, 1000):
+            step_timing.check_rows(calibration_rows(speculate, max_batch))

@@ -15,6 +15,7 @@ from conftest import greedy_reference
 from conveyor.shard.batch.cached_batch import CachedBatch
 from conveyor.shard.runtime.process_group import ProcessGroup
 from conveyor.shard.speculation import prompt_lookup
+from conveyor.shard.speculation.verification import ForwardRows, one_token_rows
 from conveyor.shard.step.engine import Engine
 from conveyor.v1 import shard_pb2 as pb
 
@@ -160,3 +161,25 @@ def test_a_draft_model_proposes_and_greedy_output_is_unchanged(self_drafting: En
         reference = greedy_reference(tiny_model, prompt, 60)
         assert tokens[n][: len(reference)] == reference, prompt
     assert drafted > 0 and accepted >= 0.9 * drafted, (drafted, accepted)  # the same model: nearly all kept
+
+
+def test_a_verify_row_runs_as_one_token_rows_with_the_chunks_logits(engine: Engine) -> None:
+    """A verify step's k+1 tokens of one sequence run as k+1 one-token rows over the same blocks (the decode path):
+    the same flat tokens and logits as the sequence fed as one chunk (the prompt path), up to float rounding, and
+    a plain row beside them untouched."""
+    rows = ForwardRows([[5], [7, 8, 9]], [10, 4], [[0], [1]], [11, 7], [1, 3], None, ["", "a"], [(0, 0), (0, 0)])
+    split = one_token_rows(rows, [False, True])
+    assert split.new_tokens == [[5], [7], [8], [9]] and split.starts == [10, 4, 5, 6]
+    assert split.lengths == [11, 5, 6, 7] and split.blocks == [[0], [1], [1], [1]]
+    assert split.logit_counts == [1, 1, 1, 1] and split.adapters == ["", "a", "a", "a"] and split.reaches is None
+    with pytest.raises(ValueError, match="every position"):
+        one_token_rows(ForwardRows([[7, 8]], [4], [[1]], [6], [1]), [True])
+
+    prompt = engine.tokenizer(REPEATING).input_ids
+    blocks = list(range(BLOCKS))
+    engine.forward([prompt[:-4]], [0], [blocks], [len(prompt) - 4], [1])
+    start, tail = len(prompt) - 4, prompt[-4:]
+    whole = engine.forward([tail], [start], [blocks], [start + 4], [4])
+    split = one_token_rows(ForwardRows([tail], [start], [blocks], [start + 4], [4]), [True])
+    rows_logits = engine.forward(split.new_tokens, split.starts, split.blocks, split.lengths, split.logit_counts)
+    torch.testing.assert_close(rows_logits, whole, rtol=1e-4, atol=1e-4)
