@@ -154,6 +154,17 @@ def test_base64_and_dimensions(one_shard: Server, reference: dict[str, torch.Ten
     _close(short, head / head.norm())
 
 
+def test_the_openai_sdk_embeds(one_shard: Server, reference: dict[str, torch.Tensor]) -> None:
+    """The unmodified `openai` SDK asks for base64 and decodes it itself."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{one_shard.url}/v1", api_key="unused")
+    answer = client.embeddings.create(input=TEXTS[:2], model="any")
+    for data, text in zip(answer.data, TEXTS[:2]):
+        _close(data.embedding, reference[text])
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens > 0
+
+
 # --- rerank ------------------------------------------------------------------------------------------------------
 
 
