@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.shard.batch.cached_batch import CachedBatch
+from conveyor.shard.batch.running_batch import RunningBatch
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.runtime.process_group import ProcessGroup
 from conveyor.shard.sampling.masks import Masks, unpack
@@ -20,7 +20,7 @@ from conveyor.shard.sampling.sampler import greedy
 from conveyor.shard.step.engine import Engine, StepOutput
 from conveyor.v1 import shard_pb2 as pb
 
-__all__ = ["CachedBatch", "Engine", "KVCache", "Masks", "StepOutput", "forward", "greedy", "join", "load", "unpack"]
+__all__ = ["RunningBatch", "Engine", "KVCache", "Masks", "StepOutput", "forward", "greedy", "join", "load", "unpack"]
 
 
 def load(
@@ -53,7 +53,7 @@ def forward(
     return engine.model(ids, positions, cache, metas, logits_of.to(device))
 
 
-def join(engine: Engine, running: CachedBatch | None, joining: pb.Batch) -> CachedBatch:
+def join(engine: Engine, running: RunningBatch | None, joining: pb.Batch) -> RunningBatch:
     """A Prefill's batch: the new requests' state joined after the running rows, as the gRPC service joins them."""
     joined = engine.batch(joining)
-    return joined if running is None else CachedBatch.concatenate([running, joined])
+    return joined if running is None else RunningBatch.concatenate([running, joined])

@@ -28,8 +28,8 @@ from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
 from conveyor.shard.adapters.adapter_files import AdapterError, read_timeout, resolve_source
-from conveyor.shard.batch.cached_batch import CachedBatch
 from conveyor.shard.batch.request_state import BadRequest
+from conveyor.shard.batch.running_batch import RunningBatch
 from conveyor.shard.service.torch_thread import TorchThread
 from conveyor.shard.service.watchdog import WATCH_SECONDS, StepWatch, step_timeout
 from conveyor.shard.step import step_timing
@@ -85,7 +85,7 @@ class ShardService(pb_grpc.ShardServicer):
     def __init__(self, engine: Engine, urls: list[str], torch_thread: TorchThread) -> None:
         self.engine = engine
         self.urls = urls
-        self.cache: dict[int, CachedBatch] = {}
+        self.cache: dict[int, RunningBatch] = {}
         self.torch_thread = torch_thread
         self.watch = StepWatch()  # the steps in flight, against the deadline the warmup chose
         self.instance = uuid.uuid4().hex  # this process's, in Info
@@ -97,7 +97,7 @@ class ShardService(pb_grpc.ShardServicer):
         with self.watch.step():
             return await self.torch_thread.run(fn, *args)
 
-    def _take(self, *batch_ids: int) -> list[CachedBatch]:
+    def _take(self, *batch_ids: int) -> list[RunningBatch]:
         """Removes the batches from the cache (a step replaces them), or none if any id is unknown."""
         missing = [i for i in batch_ids if i not in self.cache]
         if missing:
@@ -126,12 +126,12 @@ class ShardService(pb_grpc.ShardServicer):
             if hang:
                 log.error("failpoint: the forward hangs", extra={"token": FAILPOINT_HANG_TOKEN})
                 threading.Event().wait()
-            batches = [CachedBatch.concatenate(taken)] if taken else []
+            batches = [RunningBatch.concatenate(taken)] if taken else []
             if batches:
                 batches[0].update(updates)
             if new is not None:
                 batches.append(self.engine.batch(new))
-            output = self.engine.step(CachedBatch.concatenate(batches))
+            output = self.engine.step(RunningBatch.concatenate(batches))
             return _without_finished(output) if run else output
 
         try:
@@ -140,13 +140,13 @@ class ShardService(pb_grpc.ShardServicer):
             self.cache.update((b.id, b) for b in taken)
             raise
 
-    def _keep(self, batch: CachedBatch | None) -> pb.CachedBatch | None:
+    def _keep(self, batch: RunningBatch | None) -> pb.CachedBatch | None:
         if batch is None:
             return None
         self.cache[batch.id] = batch
         return batch.to_pb()
 
-    def _respond(self, response_type, generations, batch: CachedBatch | None, timings: pb.Timings):
+    def _respond(self, response_type, generations, batch: RunningBatch | None, timings: pb.Timings):
         """A step's answer; the batch is cached for the next step unless every request in it finished."""
         response = response_type(generations=generations, timings=timings)
         if (cached := self._keep(batch)) is not None:
@@ -296,7 +296,7 @@ class ShardService(pb_grpc.ShardServicer):
             if output is None:  # stopped: the batch is as the last answer left it
                 self._keep(batch)
 
-    def _run_step(self, batch: CachedBatch, stop: threading.Event) -> StepOutput | None:
+    def _run_step(self, batch: RunningBatch, stop: threading.Event) -> StepOutput | None:
         """A run's next step, on the torch thread; None once the router asked to stop. Ranks read the request at
         different moments, so they agree first (any rank that saw it stops them all): their forwards must pair."""
         if self.engine.group.min(0 if stop.is_set() else 1) == 0:

@@ -1,6 +1,6 @@
 """The engine: our Llama-family model over a KV pool whose blocks the router hands out, one step at a time.
 
-A batch is plain bookkeeping (`batch/cached_batch.py`), so filtering and joining batches copy no KV at all. Every step
+A batch is plain bookkeeping (`batch/running_batch.py`), so filtering and joining batches copy no KV at all. Every step
 is one flat forward over the new tokens of all its requests: one token for each decoding row, a prompt chunk for each
 prefilling row the router gave one (chunked prefill mixes them into the same forward). Each request may name a LoRA
 adapter (`adapters/served_adapters.py`): requests of different adapters and of the base model share that one
@@ -20,8 +20,8 @@ import torch
 from conveyor.grammar import GrammarCache
 from conveyor.shard.adapters.adapter_files import AdapterFiles, resolve_source
 from conveyor.shard.adapters.served_adapters import ServedAdapters
-from conveyor.shard.batch.cached_batch import CachedBatch
 from conveyor.shard.batch.request_state import BadRequest, RequestState
+from conveyor.shard.batch.running_batch import RunningBatch
 from conveyor.shard.layers import kv_quant
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits, weight_copies
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
 
-StepOutput = tuple[list[pb.Generation], CachedBatch | None, pb.Timings]
+StepOutput = tuple[list[pb.Generation], RunningBatch | None, pb.Timings]
 
 
 class Engine:
@@ -138,9 +138,9 @@ class Engine:
             self.adapters.track(state)
         return states
 
-    def batch(self, batch: pb.Batch) -> CachedBatch:
+    def batch(self, batch: pb.Batch) -> RunningBatch:
         """A joining batch as the engine steps it: its requests' states in its order."""
-        return CachedBatch.from_pb(batch, self.states(batch))
+        return RunningBatch.from_pb(batch, self.states(batch))
 
     # --- LoRA adapters, between steps ----------------------------------------------------------------------
 
@@ -208,7 +208,7 @@ class Engine:
     # --- a step -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, batch: CachedBatch) -> StepOutput:
+    def step(self, batch: RunningBatch) -> StepOutput:
         """One forward: each decoding row feeds its next token, each prefilling row its chunk. Decoding rows and
         rows whose chunk ends their prompt sample a token, but prompt-only rows (embeddings, rerank), which keep
         final states or a score instead and finish there; the batch is gone once every request has finished."""
@@ -275,7 +275,7 @@ class Engine:
         return counts
 
     def _sample(
-        self, batch: CachedBatch, decoding: list[RequestState], ending: list[RequestState], logits: torch.Tensor
+        self, batch: RunningBatch, decoding: list[RequestState], ending: list[RequestState], logits: torch.Tensor
     ) -> list[pb.Generation]:
         """Samples the decoding rows with the batch's sampler and the rows that just finished their prompt with
         a new one, which then joins the batch's."""

@@ -24,7 +24,7 @@ from conveyor.shard.speculation.draft_model import DraftModel
 log = logging.getLogger(__name__)
 
 
-class Target(Protocol):
+class EngineFacts(Protocol):
     """What loading reads of the engine it loads for (the engine itself)."""
 
     vocab_size: int
@@ -46,7 +46,7 @@ class Draft:
     quantize: str | None = None
 
 
-def load_draft(engine: Target, model_dir: str | Path, draft: Draft) -> DraftModel:
+def load_draft(engine: EngineFacts, model_dir: str | Path, draft: Draft) -> DraftModel:
     """The draft model: the target's own checkpoint (`self`) or another with the same vocabulary, read for
     this rank as the target is, quantized if asked."""
     from transformers import AutoConfig
@@ -70,7 +70,9 @@ def load_draft(engine: Target, model_dir: str | Path, draft: Draft) -> DraftMode
     return DraftModel(model, engine.forward, cache_shape, engine.block_size, engine.dtype, engine.device)
 
 
-def disk_tier(engine: Target, model_dir: Path, folder: Path, max_bytes: int, quantize: str | None) -> PrefixOffload:
+def disk_tier(
+    engine: EngineFacts, model_dir: Path, folder: Path, max_bytes: int, quantize: str | None
+) -> PrefixOffload:
     """The disk tier for this rank: its files' fingerprint says everything their KV depends on but tokens."""
     layers, kv_heads, head_dim = engine.cache_shape
     facts = {

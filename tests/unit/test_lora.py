@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from conveyor.shard.adapters.adapter_files import AdapterError
 from conveyor.shard.adapters.served_adapters import ServedAdapters, column_rows, row_columns
-from conveyor.shard.batch.cached_batch import CachedBatch
 from conveyor.shard.batch.request_state import BadRequest
+from conveyor.shard.batch.running_batch import RunningBatch
 from conveyor.shard.runtime.process_group import ProcessGroup
 from conveyor.shard.runtime.weights import Weights
 from conveyor.shard.step.engine import Engine
@@ -90,16 +90,16 @@ def generate(engine: Engine, plans: list[Plan], speculate: int = 0) -> dict[int,
     """Runs the plans to the end, each request joining at its step (with prompt-lookup drafts if `speculate`);
     returns each request's tokens."""
     tokens: dict[int, list[int]] = {p.id: [] for p in plans}
-    batch: CachedBatch | None = None
+    batch: RunningBatch | None = None
     step = 0
     while batch is not None or any(p.join >= step for p in plans):
         joining = [_request(engine, p) for p in plans if p.join == step]
         batches = [] if batch is None else [batch]
         if joining:
             new = pb.Batch(id=100 + step, requests=joining, size=len(joining))
-            batches.append(CachedBatch.from_pb(new, engine.states(new)))
+            batches.append(RunningBatch.from_pb(new, engine.states(new)))
         if batches:
-            generations, batch, _ = engine.step(CachedBatch.concatenate(batches))
+            generations, batch, _ = engine.step(RunningBatch.concatenate(batches))
             for g in generations:
                 tokens[g.request_id].extend(g.tokens.ids)
             done = {g.request_id for g in generations if g.HasField("finished")}
@@ -243,7 +243,9 @@ def test_load_use_unload_and_reload_live(engine: Engine, tiny_model: Path, lora_
 def test_unloading_an_adapter_a_cached_batch_uses_is_refused(engine: Engine, lora_adapters: dict[str, Path]) -> None:
     engine.load_adapter("held", str(lora_adapters["all"]))
     request = _request(engine, Plan(0, 0, PROMPT, "held", 4))
-    batch = CachedBatch.from_pb(pb.Batch(id=1, requests=[request], size=1), engine.states(pb.Batch(requests=[request])))
+    batch = RunningBatch.from_pb(
+        pb.Batch(id=1, requests=[request], size=1), engine.states(pb.Batch(requests=[request]))
+    )
     _, batch, _ = engine.step(batch)
     with pytest.raises(AdapterError, match="still used"):
         engine.unload_adapter("held")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import greedy_reference
 
-from conveyor.shard.batch.cached_batch import CachedBatch
+from conveyor.shard.batch.running_batch import RunningBatch
 from conveyor.shard.runtime.process_group import ProcessGroup
 from conveyor.shard.speculation import prompt_lookup
 from conveyor.shard.speculation.verification import ForwardRows, one_token_rows
@@ -51,7 +51,7 @@ def _request(engine: Engine, n: int, prompt: str, max_new_tokens: int, **samplin
 def _generate(engine: Engine, requests: list[pb.Request], speculate: int) -> tuple[dict[int, list[int]], int, int]:
     """Runs the requests to the end, letting each draft up to `speculate` tokens a step; returns each one's tokens,
     and how many draft tokens were verified and accepted."""
-    batch = CachedBatch.from_pb(
+    batch = RunningBatch.from_pb(
         pb.Batch(id=1, requests=requests, size=len(requests)), engine.states(pb.Batch(requests=requests))
     )
     tokens: dict[int, list[int]] = {r.id: [] for r in requests}
@@ -98,7 +98,9 @@ def test_a_seed_gives_the_same_tokens_with_and_without_drafts(engine: Engine) ->
 
 def test_a_step_keeps_only_the_accepted_drafts_kv_and_the_blocks_it_needs(engine: Engine) -> None:
     request = _request(engine, 0, REPEATING, 64)
-    batch = CachedBatch.from_pb(pb.Batch(id=1, requests=[request], size=1), engine.states(pb.Batch(requests=[request])))
+    batch = RunningBatch.from_pb(
+        pb.Batch(id=1, requests=[request], size=1), engine.states(pb.Batch(requests=[request]))
+    )
     _, batch, _ = engine.step(batch)
     state = batch.requests[0]
     drafted = 0
@@ -129,7 +131,9 @@ def test_a_row_whose_draft_was_rejected_takes_no_later_draft(engine: Engine, tin
 def test_every_accepted_token_brings_its_logprob_and_alternatives(engine: Engine) -> None:
     request = _request(engine, 0, REPEATING, 40)
     request.top_n_tokens = 3
-    batch = CachedBatch.from_pb(pb.Batch(id=1, requests=[request], size=1), engine.states(pb.Batch(requests=[request])))
+    batch = RunningBatch.from_pb(
+        pb.Batch(id=1, requests=[request], size=1), engine.states(pb.Batch(requests=[request]))
+    )
     several = 0
     while batch is not None:
         (generation,), batch, _ = engine.step(batch)

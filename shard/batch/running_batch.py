@@ -16,13 +16,13 @@ from conveyor.v1 import shard_pb2 as pb
 
 
 @dataclass
-class CachedBatch:
+class RunningBatch:
     id: int
     requests: list[RequestState]  # decoding rows, then prefilling rows
     sampler: Sampler | None  # decoding rows only; None when there are none
 
     @classmethod
-    def from_pb(cls, batch: pb.Batch, states: list[RequestState]) -> CachedBatch:
+    def from_pb(cls, batch: pb.Batch, states: list[RequestState]) -> RunningBatch:
         """New requests: all prefilling, from their cached prefix on."""
         return cls(batch.id, states, None)
 
@@ -52,7 +52,7 @@ class CachedBatch:
                 raise BadRequest(f"batch {self.id} has no request {update.request_id} to update")
             state.update(update)
 
-    def filter(self, request_ids: list[int]) -> CachedBatch:
+    def filter(self, request_ids: list[int]) -> RunningBatch:
         """Keeps the listed requests (decoding ones first, as always); KeyError names any the batch lacks."""
         index = {r.id: row for row, r in enumerate(self.requests)}
         missing = [i for i in request_ids if i not in index]
@@ -61,10 +61,10 @@ class CachedBatch:
         rows = sorted(index[i] for i in request_ids)
         decoding = [row for row in rows if self.requests[row].is_decoding]
         sampler = self.sampler.filter(decoding) if decoding and self.sampler is not None else None
-        return CachedBatch(self.id, [self.requests[row] for row in rows], sampler)
+        return RunningBatch(self.id, [self.requests[row] for row in rows], sampler)
 
     @classmethod
-    def concatenate(cls, batches: list[CachedBatch]) -> CachedBatch:
+    def concatenate(cls, batches: list[RunningBatch]) -> RunningBatch:
         """Decoding rows of every batch, then prefilling rows of every batch; the id is the first batch's."""
         if len(batches) == 1:
             return batches[0]
