@@ -57,9 +57,19 @@ POST_ROUTES = [
     "/v1/unload_lora_adapter",
     "/admin/groups/{index}/drain",
     "/admin/groups/{index}/resume",
+    "/v1/embeddings",
+    "/embed",
+    "/rerank",
+    "/v1/rerank",
 ]
-# These generate nothing (a one-group server refuses to drain its only group: the fuzzing leaves it serving).
+# These generate nothing (a one-group server refuses to drain its only group: the fuzzing leaves it serving; the
+# embedding and rerank routes answer prompt-only requests, refused here since this deployment only generates:
+# tests/e2e/test_embeddings.py serves them).
 NO_GENERATION_ROUTES = (
+    "/v1/embeddings",
+    "/embed",
+    "/rerank",
+    "/v1/rerank",
     "/v1/messages/count_tokens",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
@@ -116,6 +126,8 @@ TOKEN_RULES = (
     "`tools` has two tools of the same name",
     "a user message carries text and `tool_result` blocks only",
     "an assistant message carries no `tool_result` blocks",
+    # embeddings and rerank: a task this deployment was not started with (--task)
+    "this deployment does not serve",
 )
 # Anthropic's routes answer an invalid request 400 (Conveyor's 422 elsewhere).
 REFUSED = {"/v1/messages": 400, "/v1/messages/count_tokens": 400}
