@@ -278,7 +278,7 @@ class ResponseDeleted(TypedDict):
     deleted: Literal[True]
 
 
-class StreamEvent(TypedDict):
+class ResponseStreamEvent(TypedDict):
     """Every event carries its `type` (response.created, response.output_item.added, response.content_part.added,
     response.output_text.delta / .done, response.reasoning_text.delta / .done,
     response.function_call_arguments.delta / .done, response.content_part.done, response.output_item.done,

@@ -8,7 +8,11 @@ from conveyor.router.transport.records import Generation, Tokens
 
 
 @dataclass(frozen=True)
-class Token:
+class ScoredToken:
+    """One token as a stream carries it: its id, text and log-probability, and whether it is special. A generated
+    token, a prompt token (`prefill`) and an alternative (`top_tokens`) alike; the API's own token schema
+    (router/api/tgi.py) is what a frontend turns it into."""
+
     id: int
     text: str
     logprob: float
@@ -30,10 +34,10 @@ class Finished:
 class TokenEvent:
     """One generated token; `finished` is set on the request's last one, `prefill` on its first if asked for."""
 
-    token: Token
+    token: ScoredToken
     finished: Finished | None = None
-    prefill: tuple[Token, ...] = ()
-    top_tokens: tuple[Token, ...] = ()  # the most likely alternatives at this step, when asked for
+    prefill: tuple[ScoredToken, ...] = ()
+    top_tokens: tuple[ScoredToken, ...] = ()  # the most likely alternatives at this step, when asked for
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,9 @@ class ErrorEvent:
 Event = TokenEvent | PooledEvent | ErrorEvent
 
 
-def token_list(tokens: Tokens) -> list[Token]:
+def token_list(tokens: Tokens) -> list[ScoredToken]:
     return [
-        Token(id=i, text=t, logprob=lp, special=s)
+        ScoredToken(id=i, text=t, logprob=lp, special=s)
         for i, t, lp, s in zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)
     ]
 

@@ -11,7 +11,7 @@ from opentelemetry import trace
 
 from conveyor import tracing
 from conveyor.keys import ANONYMOUS, ApiKey
-from conveyor.router.core.events import ErrorEvent, Event, Finished, PooledEvent, Token, TokenEvent
+from conveyor.router.core.events import ErrorEvent, Event, Finished, PooledEvent, ScoredToken, TokenEvent
 from conveyor.router.core.groups import Groups
 from conveyor.router.core.live_stats import LiveStats
 from conveyor.router.core.sequence import Sequence
@@ -43,10 +43,10 @@ class Answer:
     """A whole generation, for the non-streaming routes."""
 
     events: list[TokenEvent] = field(default_factory=list)
-    prefill: tuple[Token, ...] = ()
+    prefill: tuple[ScoredToken, ...] = ()
 
     @property
-    def tokens(self) -> list[Token]:
+    def tokens(self) -> list[ScoredToken]:
         return [e.token for e in self.events]
 
     @property

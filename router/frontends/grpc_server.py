@@ -22,7 +22,7 @@ from conveyor.keys import ApiKey, KeyRing
 from conveyor.router.api.base import parse
 from conveyor.router.api.constraints import build
 from conveyor.router.api.tgi import GenerateParameters
-from conveyor.router.core.events import ErrorEvent, Token, TokenEvent
+from conveyor.router.core.events import ErrorEvent, ScoredToken, TokenEvent
 from conveyor.router.core.infer import Answer, Infer
 from conveyor.router.frontends.app import ServerInfo
 from conveyor.router.frontends.middleware import name_request
@@ -76,7 +76,7 @@ def parameters_from_pb(p: pb.Parameters) -> tuple[GenerateParameters, Constraint
     return parse(GenerateParameters, fields, "parameters"), constraint
 
 
-def token_pb(token: Token) -> pb.Token:
+def token_pb(token: ScoredToken) -> pb.Token:
     """A None `logprob` (or `seed`, in `details_pb`) leaves the optional field unset: the message's "none"."""
     return pb.Token(id=token.id, text=token.text, logprob=logprob(token), special=token.special)
 

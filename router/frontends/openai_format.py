@@ -7,7 +7,7 @@ import time
 import uuid
 
 from conveyor.router.api import openai as api
-from conveyor.router.core.events import Finished, Token, TokenEvent
+from conveyor.router.core.events import Finished, ScoredToken, TokenEvent
 from conveyor.router.core.infer import Answer
 from conveyor.router.frontends.replies import openai_logprob, token_text
 from conveyor.router.pipeline.chat_output import ChatDelta
@@ -121,7 +121,7 @@ class ChatFormat(Format):
     prefix = "chatcmpl"
 
     @staticmethod
-    def _entry(token: Token) -> api.LogprobEntry:
+    def _entry(token: ScoredToken) -> api.LogprobEntry:
         return {"token": token.text, "logprob": openai_logprob(token), "bytes": list(token.text.encode())}
 
     def _logprobs(self, events: list[TokenEvent]) -> api.ChatLogprobs:

@@ -56,7 +56,7 @@ SCHEMAS: dict[str, Any] = {
     "ResponsesRequest": responses_api.ResponsesRequest,
     "Response": responses_api.Response,
     "ResponseDeleted": responses_api.ResponseDeleted,
-    "ResponseStreamEvent": responses_api.StreamEvent,
+    "ResponseStreamEvent": responses_api.ResponseStreamEvent,
     "MessagesRequest": anthropic.MessagesRequest,
     "CountTokensRequest": anthropic.CountTokensRequest,
     "AnthropicMessage": anthropic.AnthropicMessage,

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from conveyor.router.api.base import ValidationError
 from conveyor.router.core.adapter_registry import AdapterConflict, AdapterLoadError
-from conveyor.router.core.events import ErrorEvent, Finished, Token, TokenEvent
+from conveyor.router.core.events import ErrorEvent, Finished, ScoredToken, TokenEvent
 from conveyor.router.core.infer import GenerationError, OverloadedError, RequestCancelled, UnavailableError
 from conveyor.router.pipeline.request import ValidRequest
 from conveyor.router.pipeline.validation import UnknownAdapter
@@ -146,16 +146,17 @@ class AnswerDetails:
     generated_tokens: int
     seed: int | None
     input_length: int
-    prefill: tuple[Token, ...] = ()
-    tokens: tuple[Token, ...] = ()
-    top_tokens: tuple[tuple[Token, ...], ...] | None = None  # per token; None unless `top_n_tokens` asked for them
+    prefill: tuple[ScoredToken, ...] = ()
+    tokens: tuple[ScoredToken, ...] = ()
+    # Per token; None unless `top_n_tokens` asked for them.
+    top_tokens: tuple[tuple[ScoredToken, ...], ...] | None = None
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
     accepted_tokens: int = 0
     prefill_cached_tokens: int = 0  # prompt tokens served from the prefix cache (memory or disk), not computed
 
 
 def details(
-    valid: ValidRequest, finished: Finished, events: Sequence[TokenEvent] = (), prefill: Sequence[Token] = ()
+    valid: ValidRequest, finished: Finished, events: Sequence[TokenEvent] = (), prefill: Sequence[ScoredToken] = ()
 ) -> AnswerDetails:
     """A stream's last event passes no `events`: its tokens went out one by one already."""
     return AnswerDetails(
@@ -176,7 +177,7 @@ def full_text(valid: ValidRequest, text: str) -> str:
     return valid.inputs + text if valid.parameters.return_full_text else text
 
 
-def logprob(token: Token) -> float | None:
+def logprob(token: ScoredToken) -> float | None:
     """The first prompt token has no log-probability (NaN inside the router), and an alternative a warper ruled
     out (top-k, top-p) has -inf, which JSON cannot carry: both protocols send none, as TGI does (null)."""
     return token.logprob if math.isfinite(token.logprob) else None
@@ -185,7 +186,7 @@ def logprob(token: Token) -> float | None:
 OPENAI_MIN_LOGPROB = -9999.0
 
 
-def openai_logprob(token: Token) -> float:
+def openai_logprob(token: ScoredToken) -> float:
     """OpenAI's routes always carry a number: an impossible token's -inf is -9999.0, as OpenAI and vLLM send."""
     return token.logprob if token.logprob >= OPENAI_MIN_LOGPROB else OPENAI_MIN_LOGPROB
 

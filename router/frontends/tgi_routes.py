@@ -14,7 +14,7 @@ from aiohttp import web
 from conveyor.router.api import tgi as api
 from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.tgi import GenerateRequest
-from conveyor.router.core.events import ErrorEvent, Token, TokenEvent
+from conveyor.router.core.events import ErrorEvent, ScoredToken, TokenEvent
 from conveyor.router.core.infer import Answer, Infer
 from conveyor.router.frontends.adapter_routes import adapter_json
 from conveyor.router.frontends.middleware import caller, holds_admin_key, request_id
@@ -35,11 +35,11 @@ from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
 
 
-def token_json(token: Token) -> api.Token:
+def token_json(token: ScoredToken) -> api.Token:
     return {"id": token.id, "text": token.text, "logprob": logprob(token), "special": token.special}
 
 
-def prefill_json(token: Token) -> api.Token:
+def prefill_json(token: ScoredToken) -> api.Token:
     return {"id": token.id, "text": token.text, "logprob": logprob(token)}
 
 
