@@ -38,6 +38,21 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# The image-text demo's template: a message's content is text, or a list of parts as transformers' processors
+# take them, where an image part is written as its placeholder (`<start_of_image>`, as Gemma 3's own template
+# writes it), which the processor (and the router) expand to the image's soft tokens.
+BOI, EOI, IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+IMAGE_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}" + BOI + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}" + EOS + "\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -78,14 +93,16 @@ def training_corpus(max_bytes: int) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int, corpus_bytes: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def train_tokenizer(vocab_size: int, corpus_bytes: int, image_tokens: bool = False):
+    """`image_tokens`: the image-text demo's three image tokens take the vocabulary's last ids (the BPE is trained
+    three tokens short), where its config puts them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - 3 if image_tokens else vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -94,6 +111,8 @@ def train_tokenizer(vocab_size: int, corpus_bytes: int):
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
     )
+    if image_tokens:
+        tok.add_special_tokens([AddedToken(t, special=True) for t in (BOI, EOI, IMAGE)])
     return tok
 
 
@@ -102,17 +121,23 @@ def _progress(message: str) -> None:
     print(f"conveyor-demo-model: {message}", file=sys.stderr, flush=True)
 
 
-def _template_into_tokenizer_config(out_dir: Path) -> None:
+def _template_into_tokenizer_config(out_dir: Path, images: bool = False) -> None:
     """Keeps the chat template in tokenizer_config.json, where every transformers version and TGI look for it
-    (transformers 5 writes it to a separate chat_template.jinja instead)."""
+    (transformers 5 writes it to a separate chat_template.jinja instead). An image-text model's processor reads
+    chat_template.jinja: it keeps the same template there."""
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = IMAGE_CHAT_TEMPLATE if images else CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+    if images:
+        (out_dir / "chat_template.jinja").write_text(IMAGE_CHAT_TEMPLATE)
+    else:
+        (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3-multimodal")
+IMAGE_ARCHITECTURES = ("gemma3-multimodal",)  # built with a processor: image parts, soft tokens, pixel values
+IMAGE_SIZE, PATCH_SIZE, TOKENS_PER_IMAGE = 28, 14, 4  # a 2x2 patch grid, one soft token per patch
 PHI3_ORIGINAL_CONTEXT = 100  # tokens: LongRoPE's switch, between the test prompts' lengths
 MISTRAL_WINDOW = 16  # tokens: shorter than the test prompts with their generations, so the window really slides
 
@@ -190,24 +215,44 @@ def _gemma3_multimodal(config_fields: dict):
     """Gemma 3 as its 4B and larger checkpoints ship: the text network of `_gemma("gemma3")` inside the
     image-text wrapper (`model_type` gemma3, text weights under `language_model.`), with a one-layer vision tower
     that text requests never run. The image tokens take the vocabulary's last ids."""
+    import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
     text = _gemma("gemma3", config_fields)
     vision = SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
     )
     last = config_fields["vocab_size"] - 1
     wrapper = Gemma3Config(
         text_config=text.config.to_dict(),
         vision_config=vision.to_dict(),
-        mm_tokens_per_image=4,
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
         image_token_index=last,
         boi_token_index=last - 2,
         eoi_token_index=last - 1,
     )
     model = Gemma3ForConditionalGeneration(wrapper)
     model.model.language_model.load_state_dict(text.model.state_dict())
+    with torch.no_grad():  # the projector starts at zero, which would make every image the same
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.3)
+        model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0.0, 0.3)
     return model
+
+
+def _image_processor(tokenizer):
+    """Gemma 3's processor for the image-text demo: its image processor at the vision tower's size (Gemma 3's
+    own normalisation), and the soft tokens per image its config says."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    image_processor = Gemma3ImageProcessorPil(size=size, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return Gemma3Processor(image_processor, tokenizer, IMAGE_CHAT_TEMPLATE, image_seq_length=TOKENS_PER_IMAGE)
 
 
 def _phi3(config_fields: dict):
@@ -237,18 +282,23 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama")
 
     spec = SIZES[size]
     out_dir.mkdir(parents=True, exist_ok=True)
+    images = arch in IMAGE_ARCHITECTURES
     _progress(f"training a {spec.vocab_size}-token BPE tokenizer")
+    image_names = {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE} if images else {}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(spec.vocab_size, spec.corpus_bytes),
+        tokenizer_object=train_tokenizer(spec.vocab_size, spec.corpus_bytes, images),
         bos_token=BOS,
         eos_token=EOS,
         unk_token=UNK,
         pad_token=PAD,
         model_max_length=spec.max_position_embeddings,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=IMAGE_CHAT_TEMPLATE if images else CHAT_TEMPLATE,
+        extra_special_tokens=image_names,
     )
     tokenizer.save_pretrained(out_dir)
-    _template_into_tokenizer_config(out_dir)
+    if images:
+        _image_processor(tokenizer).save_pretrained(out_dir)
+    _template_into_tokenizer_config(out_dir, images)
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = dict(
@@ -285,8 +335,8 @@ def ensure(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama"
     killed while building leaves nothing the next takes for a model."""
     finished = _is_built(out_dir)
     build_once(out_dir, lambda staging: build(staging, size, seed, arch), f"the {size} demo model", _is_built)
-    if finished:
-        _template_into_tokenizer_config(out_dir)  # a build from before the template last changed gets the new one
+    if finished:  # a build from before the template last changed gets the new one
+        _template_into_tokenizer_config(out_dir, arch in IMAGE_ARCHITECTURES)
     return out_dir
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from conveyor import allowance
 from conveyor.grammar import GrammarCache, GrammarError
 from conveyor.shard.batch.detokenize import IncrementalDetokenizer
+from conveyor.shard.batch.prompt_images import ImageError, PromptImage
 from conveyor.shard.batch.prompt_pooling import PoolingError, PromptPooling
 from conveyor.shard.batch.stopping import FinishReason, StoppingCriteria
 from conveyor.shard.sampling.sampler import SamplingParams
@@ -51,6 +52,7 @@ class RequestState:
     offload_keys: list[bytes] = field(default_factory=list)  # its full blocks' disk keys, computed as needed
     disk_cached_tokens: int = 0  # prompt tokens read from the disk tier, told with its first token (usage)
     pooling: PromptPooling | None = None  # a prompt-only request (embeddings, rerank): it never decodes
+    images: list[PromptImage] = field(default_factory=list)  # the images among its prompt's tokens
 
     @property
     def is_decoding(self) -> bool:
@@ -99,6 +101,10 @@ class RequestState:
         )
         if request.HasField("pooling"):
             state.pooling = _pooling(request)
+        try:
+            state.images = [PromptImage.from_pb(image, len(prompt_ids)) for image in request.images]
+        except ImageError as exc:
+            raise BadRequest(f"request {request.id}: {exc}") from None
         if request.grammar:
             try:
                 state.matcher = grammars.matcher(request.grammar)

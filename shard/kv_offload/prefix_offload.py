@@ -84,8 +84,11 @@ class PrefixOffload:
     @staticmethod
     def takes(state) -> bool:
         """Whether a request's blocks may go to disk and come back: a scope to key them by, the base model's KV,
-        and no prompt log-probabilities or pooling over every position (those need every prompt token computed)."""
-        return bool(state.cache_scope) and not state.adapter and not state.computes_every_prompt_token
+        no prompt log-probabilities or pooling over every position (those need every prompt token computed), and no
+        images (the disk keys are the tokens', and every image has the same placeholder tokens)."""
+        return (
+            bool(state.cache_scope) and not state.adapter and not state.computes_every_prompt_token and not state.images
+        )
 
     def keys(self, state, count: int) -> list[bytes]:
         """The chain keys of the request's first `count` full blocks (kept on the request, extended as needed)."""

@@ -12,6 +12,9 @@ block tables, with no gathered copy and no mask (`DecodeGroup`). So do prompt ch
 in float32: each is a group of its own, and `shard/kernels/prefill_attention.cpp` attends it causally at its offset
 in the context, tile by tile on oneDNN's brgemm, without a mask. The gather + SDPA path stays the reference, and
 serves everything where the kernels are off or did not build.
+
+A chunk that holds an image's tokens (Gemma 3) also lets those tokens see each other both ways (`Blocks`): it takes
+the masked path, in a group of its own kind, so text-only rows keep the kernels.
 """
 
 from __future__ import annotations
@@ -130,9 +133,11 @@ class AttentionMetadata:
         device: torch.device,
         sliding_window: int | None = None,
         use_kernel: bool | None = None,
+        blocks: Blocks | None = None,
     ) -> AttentionMetadata:
         """`context_lens` count each sequence's tokens after this forward; the last `query_lens` of them are new.
-        Decode rows take the paged kernel if `use_kernel` (by default: `decode_kernel(device)`)."""
+        Decode rows take the paged kernel if `use_kernel` (by default: `decode_kernel(device)`). `blocks`: each
+        sequence's spans of new tokens that see each other both ways (none: causal only)."""
         starts = [0]
         for q in query_lens[:-1]:
             starts.append(starts[-1] + q)
@@ -143,7 +148,8 @@ class AttentionMetadata:
         host = torch.device("cpu")
         kernel = decode_kernel(device) if use_kernel is None else use_kernel
         lone = LONE_CHUNK_TOKENS if kernel and not sliding_window else None
-        partition = _partition(context_lens, query_lens, lone)
+        spans = blocks or [[] for _ in query_lens]
+        partition = _partition(context_lens, query_lens, lone, [bool(b) for b in spans])
         groups: list[AttentionGroup | DecodeGroup] = []
         if partition and all(query_lens[r] == 1 for r in partition[0]):
             if kernel:
@@ -159,7 +165,8 @@ class AttentionMetadata:
                 block_size,
                 host,
                 sliding_window,
-                len(rows) == 1 and _alone(query_lens[rows[0]], lone),
+                len(rows) == 1 and _alone(query_lens[rows[0]], lone) and not spans[rows[0]],
+                [spans[r] for r in rows],
             )
             for rows in partition
         ]
@@ -167,6 +174,9 @@ class AttentionMetadata:
 
 
 Metadatas = dict[int | None, AttentionMetadata]  # by sliding window (None: global attention)
+# Per sequence, the spans [first, end) of positions among its new tokens that attend to each other both ways (an
+# image's soft tokens, as Gemma 3 defines its mask): causal attention or'ed with "same span", then the window.
+Blocks = list[list[tuple[int, int]]]
 
 
 def build_per_window(
@@ -176,23 +186,31 @@ def build_per_window(
     query_lens: list[int],
     block_size: int,
     device: torch.device,
+    blocks: Blocks | None = None,
 ) -> Metadatas:
     """One metadata per sliding window the model's layers use (Gemma 3 interleaves windowed and global layers;
-    most models have one kind): each layer reads the one for its window."""
-    return {w: AttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device, w) for w in windows}
+    most models have one kind): each layer reads the one for its window. `blocks`: as `AttentionMetadata.build`."""
+    return {
+        w: AttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device, w, blocks=blocks)
+        for w in windows
+    }
 
 
 def _on(group: AttentionGroup | DecodeGroup, device: torch.device) -> AttentionGroup | DecodeGroup:
     return group.to(device) if isinstance(group, AttentionGroup) else group  # the kernel runs on the CPU only
 
 
-def _partition(context_lens: list[int], query_lens: list[int], lone: int | None = None) -> list[list[int]]:
-    """Decode rows together; prompt chunks of `lone` tokens or more (if given) a group each; the other chunks by
-    context length, longest first, a new group when it halves."""
-    decode = [r for r, q in enumerate(query_lens) if q == 1]
-    alone = [[r] for r, q in enumerate(query_lens) if _alone(q, lone)]
+def _partition(
+    context_lens: list[int], query_lens: list[int], lone: int | None = None, masked: list[bool] | None = None
+) -> list[list[int]]:
+    """Decode rows together; prompt chunks of `lone` tokens or more (if given) a group each, but those `masked`
+    (with image blocks), which the kernel cannot attend; the other chunks by context length, longest first, a new
+    group when it halves."""
+    masked = masked or [False] * len(query_lens)
+    decode = [r for r, q in enumerate(query_lens) if q == 1 and not masked[r]]
+    alone = [[r] for r, q in enumerate(query_lens) if _alone(q, lone) and not masked[r]]
     chunks = sorted(
-        (r for r, q in enumerate(query_lens) if q > 1 and not _alone(q, lone)), key=lambda r: -context_lens[r]
+        (r for r, q in enumerate(query_lens) if r not in decode and [r] not in alone), key=lambda r: -context_lens[r]
     )
     groups = [decode] if decode else []
     groups += alone
@@ -219,6 +237,7 @@ def _group(
     device: torch.device,
     sliding_window: int | None,
     kernel: bool = False,
+    blocks: Blocks | None = None,
 ) -> AttentionGroup:
     ctx = torch.tensor(context_lens, dtype=torch.long, device=device)
     qlen = torch.tensor(query_lens, dtype=torch.long, device=device)
@@ -238,11 +257,15 @@ def _group(
     query_index = torch.where(query_valid, first[:, None] + k[None, :], torch.zeros_like(query_pos))
 
     seen = (context[None, None, :] <= query_pos[:, :, None]) & (context[None, None, :] < ctx[:, None, None])
+    for row, spans in enumerate(blocks or ()):
+        for first, end in spans:  # positions; the span's tokens are all among this forward's (the chunk's)
+            inside = (query_pos[row] >= first) & (query_pos[row] < end)
+            seen[row] |= inside[:, None] & (context >= first)[None, :] & (context < end)[None, :]
     if sliding_window:
         seen &= context[None, None, :] > query_pos[:, :, None] - sliding_window
     seen &= query_valid[:, :, None]
     seen[:, :, 0] |= ~query_valid  # padding queries look at one token rather than none (no NaN)
-    causal = not sliding_window and len(set(query_lens)) == 1 and query_lens == context_lens
+    causal = not sliding_window and len(set(query_lens)) == 1 and query_lens == context_lens and not any(blocks or ())
     token_index = query_index[query_valid]
     return AttentionGroup(context_slots, seen[:, None], query_index, query_valid, token_index, causal, kernel)
 

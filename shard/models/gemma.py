@@ -128,10 +128,16 @@ class GemmaForCausalLM(torch.nn.Module):
         logits_index: torch.Tensor,
         reach: torch.Tensor | None = None,
         states_index: torch.Tensor | None = None,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last); with
-        `states_index`, also the final-norm hidden states [M, hidden] (float32) of those tokens (embeddings)."""
+        `states_index`, also the final-norm hidden states [M, hidden] (float32) of those tokens (embeddings).
+        `image_embeds`: (flat indices, embeddings) of image soft tokens, which replace those tokens' (scaled)
+        embeddings, as transformers' Gemma 3 puts its vision tower's output in place of its placeholders."""
         hidden = self.embed(input_ids) * self.embed_scale
+        if image_embeds is not None:
+            index, values = image_embeds
+            hidden[index] = values.to(hidden.dtype)
         rotations = {kind: rotary.cos_sin(positions, hidden.dtype) for kind, rotary in self.rotaries.items()}
         for layer, key_cache, value_cache in zip(self.layers, cache.keys, cache.values):
             hidden = layer(hidden, rotations, key_cache, value_cache, metas)

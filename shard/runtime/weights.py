@@ -50,6 +50,10 @@ class Weights:
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
+    def names(self) -> list[str]:
+        """Every tensor's name as the model asks for it (a tower read whole lists its own)."""
+        return list(self._files)
+
     def _handle(self, name: str):
         if name not in self._files:
             raise WeightError(f"tensor {name!r} is missing from the checkpoint")

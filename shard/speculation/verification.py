@@ -106,16 +106,18 @@ class ForwardRows:
     reaches: list[int] | None = None
     adapters: list[str] | None = None
     state_spans: list[tuple[int, int]] | None = None
+    images: list | None = None  # each row's image spans (shard/step/image_inputs.py): prompt chunks' only
 
 
-OPTIONAL = ("reaches", "adapters", "state_spans")
+OPTIONAL = ("reaches", "adapters", "state_spans", "images")
 
 
 def one_token_rows(rows: ForwardRows, split: list[bool]) -> ForwardRows:
     """`rows` with each row marked in `split` (a verify step's: every position's logits kept) made into one row per
     token over the same blocks, the same flat tokens and the same logits in the same order."""
     out = ForwardRows([], [], [], [], [])
-    out.reaches, out.adapters, out.state_spans = ([] if getattr(rows, n) is not None else None for n in OPTIONAL)
+    for name in OPTIONAL:
+        setattr(out, name, [] if getattr(rows, name) is not None else None)
     for i, tokens in enumerate(rows.new_tokens):
         parts = len(tokens) if split[i] else 1
         if split[i] and rows.logit_counts[i] != len(tokens):

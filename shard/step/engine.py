@@ -26,6 +26,7 @@ from conveyor.shard.layers import kv_quant
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits, weight_copies
 from conveyor.shard.models import language_config, model_for, weight_names
+from conveyor.shard.models.gemma3_vision import VisionEncoder
 from conveyor.shard.runtime import host_memory
 from conveyor.shard.runtime.device import to_device
 from conveyor.shard.runtime.process_group import ProcessGroup
@@ -34,7 +35,7 @@ from conveyor.shard.sampling.masks import Masks
 from conveyor.shard.sampling.sampler import Sampler
 from conveyor.shard.speculation import verification
 from conveyor.shard.speculation.verification import ForwardRows, one_token_rows
-from conveyor.shard.step import loading, pooling
+from conveyor.shard.step import image_inputs, loading, pooling
 from conveyor.shard.step.generations import Generations
 from conveyor.shard.step.loading import Draft
 from conveyor.v1 import shard_pb2 as pb
@@ -94,6 +95,7 @@ class Engine:
         )
         weights.quantize = self.quantize = quantize
         self.model = model_for(self.config, weights).eval()
+        self.vision = VisionEncoder.load(str(model_dir), checkpoint_config, self.dtype, device)
         self.weight_bytes = host_memory.model_bytes(self.model)
         log.info(
             "weights",
@@ -331,7 +333,8 @@ class Engine:
         lengths = [s + len(n) for s, n in zip(starts, new_tokens)]
         reaches = [max(n, len(r.input_ids)) for n, r in zip(lengths, rows)] if self.model.needs_reach else None
         blocks, adapters = [r.block_table for r in rows], [r.adapter for r in rows]
-        args = ForwardRows(new_tokens, starts, blocks, lengths, logit_counts, reaches, adapters, state_spans)
+        images = image_inputs.row_images(self.vision, rows, new_tokens, self.dtype)
+        args = ForwardRows(new_tokens, starts, blocks, lengths, logit_counts, reaches, adapters, state_spans, images)
         verifying = [r.is_decoding and len(n) > 1 for r, n in zip(rows, new_tokens)]
         if any(verifying):
             args = one_token_rows(args, verifying)  # the decode path's rows (speculation/verification.py)
@@ -344,6 +347,7 @@ class Engine:
             args.reaches,
             adapters=args.adapters,
             state_spans=args.state_spans,
+            images=args.images,
         )
 
     def forward(
@@ -359,27 +363,31 @@ class Engine:
         cache: KVCache | None = None,
         adapters: list[str] | None = None,
         state_spans: list[tuple[int, int]] | None = None,
+        images: list[image_inputs.RowImages] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The model over the KV pool: sequence i feeds `new_tokens[i]` at positions starts[i]..lengths[i]-1.
         `reaches[i]`: the longer of sequence i's prompt and its length (LongRoPE's choice; default: lengths).
         `model` and `cache`: another model and its pool (the draft model's); default: the target's.
         `adapters[i]`: sequence i's LoRA adapter ("": the base model); default: none for any (the draft model's
         forwards, whose layers carry no adapter). `state_spans[i]`: (first, count) of sequence i's new tokens whose
-        final-norm hidden states to return too, after the logits (embeddings)."""
+        final-norm hidden states to return too, after the logits (embeddings). `images[i]`: the image spans sequence
+        i's new tokens hold, with their embeddings (None: no sequence's do)."""
         model = self.model if model is None else model
         cache = self.cache if cache is None else cache
         device = self.device
         ids = to_device(torch.tensor([t for n in new_tokens for t in n], dtype=torch.long), device)
         positions = to_device(torch.cat([torch.arange(s, s + len(n)) for s, n in zip(starts, new_tokens)]), device)
         query_lens = [len(n) for n in new_tokens]
-        metas = build_per_window(model.windows, blocks, lengths, query_lens, self.block_size, device)
+        more, image_blocks = {}, None
+        if images is not None:
+            image_blocks, more["image_embeds"] = image_inputs.flat_inputs(images, starts, query_lens, device)
+        metas = build_per_window(model.windows, blocks, lengths, query_lens, self.block_size, device, image_blocks)
         ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
         keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
         reach = None
         if model.needs_reach:
             per_token = torch.repeat_interleave(torch.tensor(reaches or lengths), torch.tensor(query_lens))
             reach = to_device(per_token, device)
-        more = {}
         if state_spans is not None:
             firsts = [e - n + f for e, n, (f, _) in zip(ends, query_lens, state_spans)]
             kept = torch.cat([torch.arange(f, f + c) for f, (_, c) in zip(firsts, state_spans)])

@@ -155,7 +155,7 @@ class StoppingParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "resumed_tokens", "grammar", "adapter", "cache_scope", "pooling")
+    __slots__ = ("id", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "resumed_tokens", "grammar", "adapter", "cache_scope", "pooling", "images")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class Request(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     parameters: SamplingParameters
@@ -184,7 +185,20 @@ class Request(_message.Message):
     adapter: str
     cache_scope: str
     pooling: Pooling
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., adapter: _Optional[str] = ..., cache_scope: _Optional[str] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., adapter: _Optional[str] = ..., cache_scope: _Optional[str] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("offset", "length", "pixel_values", "shape")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    pixel_values: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., pixel_values: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Pooling(_message.Message):
     __slots__ = ("embed", "score")

@@ -1,0 +1,58 @@
+"""Gemma 3's image encoder: the SigLIP vision tower and the multi-modal projector, run by the shard at prefill.
+
+An image's pixel values (as the checkpoint's processor prepared them in the router) go through transformers' own
+SigLIP tower and Gemma 3 projector, loaded with the checkpoint's weights: they run once per image, at the chunk that
+first reads its tokens, and are not the hot path, so the reference code is the code. What they make, one embedding
+per soft token, stands in for the image's placeholder tokens' embeddings in the language model (`gemma.py`), which
+stays Conveyor's own. Every rank holds the whole tower and runs it (it is small beside the language model): the
+embeddings are then on every rank with no communication, and each rank's slice of the language model reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.shard.runtime.process_group import ProcessGroup
+from conveyor.shard.runtime.weights import WeightError, Weights
+
+# Where checkpoints keep the tower and the projector (Hub checkpoints: `vision_tower.`; transformers 5 may write
+# `model.vision_tower.`), as this module's own names.
+VISION_NAMES = {
+    "model.vision_tower.": "tower.",
+    "vision_tower.": "tower.",
+    "model.multi_modal_projector.": "projector.",
+    "multi_modal_projector.": "projector.",
+}
+
+
+class VisionEncoder(torch.nn.Module):
+    """Pixel values [N, C, H, W] to soft-token embeddings [N, mm_tokens_per_image, hidden] in the model's dtype."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers import SiglipVisionModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        self.tower = SiglipVisionModel(config.vision_config)
+        self.projector = Gemma3MultiModalProjector(config)
+        self.tokens_per_image = int(config.mm_tokens_per_image)
+
+    @classmethod
+    def load(cls, model_dir: str, config, dtype: torch.dtype, device: torch.device) -> VisionEncoder | None:
+        """The checkpoint's encoder, whole on this rank; None for a checkpoint without one (a text model)."""
+        if getattr(config, "model_type", None) != "gemma3" or getattr(config, "vision_config", None) is None:
+            return None
+        weights = Weights(model_dir, ProcessGroup(0, 1), dtype, device, VISION_NAMES)
+        encoder = cls(config)
+        state = {name: weights.get(name) for name in weights.names()}
+        missing, unexpected = encoder.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise WeightError(
+                f"the vision tower's tensors do not match: missing {missing[:3]}, unknown {unexpected[:3]}"
+            )
+        return encoder.to(dtype=dtype, device=device).eval()
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        hidden = self.tower(pixel_values=pixel_values).last_hidden_state
+        return self.projector(hidden)

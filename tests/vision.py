@@ -1,0 +1,56 @@
+"""Images for the image-text tests, and transformers' own answer for a chat with them (the oracle's reference)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+_MODELS: dict[Path, tuple] = {}
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A PNG of seeded noise: every seed a different picture."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def _load(model_dir: Path):
+    import torch
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    if model_dir not in _MODELS:
+        model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _MODELS[model_dir] = (model, AutoProcessor.from_pretrained(model_dir))
+    return _MODELS[model_dir]
+
+
+def reference_inputs(model_dir: Path, text: str, images: list[bytes]) -> dict:
+    """The processor's inputs for a user message of `images` then `text`, as transformers prepares a chat."""
+    from PIL import Image
+
+    _, processor = _load(model_dir)
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    pictures = [Image.open(io.BytesIO(data)) for data in images]
+    return processor(text=prompt, images=pictures or None, add_special_tokens=False, return_tensors="pt")
+
+
+def image_reference(model_dir: Path, text: str, images: list[bytes], max_new_tokens: int) -> list[int]:
+    """Greedy tokens of transformers' `generate()` for that chat alone, float32."""
+    import torch
+
+    model, _ = _load(model_dir)
+    inputs = reference_inputs(model_dir, text, images)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
