@@ -8,6 +8,8 @@ into and the next chunk of each prompt still being read. A preemption is a `Filt
 After every step each token goes to its sequence's stream at once, and sequences that finished, or whose client
 went away, are filtered out of the shards' batch so that their blocks are free for the next step. A plan of
 several steps (`StepPlan.steps`: all decoding, nobody waiting to join) is a `DecodeRun`, applied step by step.
+What the RPC says of each sequence is in router/core/step_messages.py, how its result reaches the streams in
+router/core/delivery.py, and who a failed step is blamed on in router/core/replay.py.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from contextlib import contextmanager
 from conveyor import tracing
 from conveyor.router.core.adapter_registry import AdapterRegistry
 from conveyor.router.core.block_allocator import BlockAllocator
-from conveyor.router.core.events import events_from_generation, pooled_event
+from conveyor.router.core.delivery import Delivery
 from conveyor.router.core.queue import GroupQueue, Queue
-from conveyor.router.core.sequence import Sequence, SequenceStatus
+from conveyor.router.core.replay import replay
+from conveyor.router.core.sequence import Sequence
 from conveyor.router.core.settle import Settle
+from conveyor.router.core.step_messages import new_request, step_updates
 from conveyor.router.core.step_planner import PlannerConfig, StepPlan, StepPlanner
 from conveyor.router.metrics import Metrics
 from conveyor.router.transport.connect import Connection
-from conveyor.router.transport.records import Batch, CachedBatch, NewRequest, RequestUpdate, StepResult
+from conveyor.router.transport.records import Batch, CachedBatch, StepResult
 from conveyor.router.transport.shard_client import Metadata, ShardedClient, ShardError
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class Scheduler:
         self.max_request_retries = max_request_retries
         self.settle = Settle()  # how long an idle server waits for a burst to finish arriving
         self.planner = StepPlanner(config, allocator, self.queue)
+        self.delivery = Delivery(self.planner, metrics, self.group)  # each step's tokens to their streams
         self._show_step_costs()
         self.recovering = False  # the shards' batch was lost and the loop waits for the shards to come back
         self.draining = False  # nothing new is placed here; what runs and waits here finishes (router/core/groups.py)
@@ -74,7 +79,7 @@ class Scheduler:
         # failure, its waiting sequences go to other groups; after any change, the label-less totals over all groups.
         self.on_lost: Callable[[], None] = lambda: None
         self.on_gauges: Callable[[], None] = lambda: None
-        self._batch: CachedBatch | None = None  # the running batch on the shards
+        self.batch: CachedBatch | None = None  # the running batch on the shards
         self._wakeup = asyncio.Event()
         self._batch_ids = itertools.count()
 
@@ -136,12 +141,12 @@ class Scheduler:
             if not self.running:
                 await self.settle.wait(lambda: len(self.queue))
             plan = self.planner.plan()
-            if plan.preempted and not await self._drop_preempted(plan.preempted):
+            if plan.preempted and not await self.drop_preempted(plan.preempted):
                 continue  # the shards were lost meanwhile: recovery put the plan's sequences back in the queue
             if plan.empty:
                 await self._idle()
                 continue
-            await self._step(plan)
+            await self.step(plan)
             self.update_gauges()
 
     async def _idle(self) -> None:
@@ -155,11 +160,11 @@ class Scheduler:
             await asyncio.wait_for(self._wakeup.wait(), min(until_deadline, IDLE_CHECK_SECONDS))
         except asyncio.TimeoutError:
             if until_deadline > IDLE_CHECK_SECONDS:  # the check's turn, not the static batch's
-                await self._check_shards()
+                await self.check_shards()
             return
         self._wakeup.clear()
 
-    async def _check_shards(self) -> None:
+    async def check_shards(self) -> None:
         """Reconnects if the shards do not answer, or answer as other processes than the ones warmed up. A request
         that arrives meanwhile cuts the check short: it is served at once rather than after a slow shard's Info
         (and a shard that is really gone fails its step, which recovers the same way)."""
@@ -183,15 +188,17 @@ class Scheduler:
 
     # --- one step -----------------------------------------------------------------------------------------
 
-    async def _step(self, plan: StepPlan) -> None:
+    async def step(self, plan: StepPlan) -> None:
+        """Posts the plan as one RPC (a decode run when it plans several steps) and applies its result: tokens
+        streamed, sequences that finished or were cancelled let go. A failed step recovers before it returns."""
         if plan.steps > 1:
-            await self._run(plan)
+            await self._decode_run(plan)
             return
         self._join(plan.admitted)
         self._count(plan)
         method = "prefill" if plan.admitted else "decode"
         in_batch = list(self.running)
-        joins_running = bool(plan.admitted) and self._batch is not None
+        joins_running = bool(plan.admitted) and self.batch is not None
         with self._step_span(method, in_batch) as metadata:
             try:
                 started = time.perf_counter()
@@ -202,29 +209,29 @@ class Scheduler:
                 return
         tgi = self.metrics.tgi
         tgi.step(method, len(plan.admitted), joins_running, time.perf_counter() - started)
-        self._observe(result, method)
+        self.delivery.observe(result, method)
         sent = time.perf_counter()
-        self._send(result)
+        self.delivery.deliver(result)
         tgi.decode.labels(method).observe(time.perf_counter() - sent)
         self.planner.advance(plan, {g.request_id: len(g.tokens.ids) for g in result.generations})
         if result.batch is None:  # every sequence of the batch finished
-            self._batch = None
+            self.batch = None
             self._forget(in_batch)
             return
         try:
             kept = time.perf_counter()
-            self._batch = await self._keep(result.batch, [s for s in in_batch if self._alive(s)])
+            self.batch = await self._keep(result.batch, [s for s in in_batch if self._alive(s)])
             tgi.filter.labels(method).observe(time.perf_counter() - kept)
         except ShardError as exc:
             await self._recover(exc)
 
-    async def _run(self, plan: StepPlan) -> None:
+    async def _decode_run(self, plan: StepPlan) -> None:
         """A decode run: up to `plan.steps` steps in one call, each applied as it comes (its tokens streamed at
         once, finished sequences let go); an arrival that could join, or a client gone, ends it after the step in
         progress, and the loop's next step is planned as usual."""
         with self._step_span("decode_run", list(self.running)) as metadata:
             try:
-                run = await self.client.decode_run([self._batch], plan.steps, metadata, _updates(plan))
+                run = await self.client.decode_run([self.batch], plan.steps, metadata, step_updates(plan))
                 self.metrics.decode_runs.inc()
                 try:
                     last = time.perf_counter()
@@ -238,8 +245,8 @@ class Scheduler:
                             await run.stop()
                 finally:
                     run.close()
-                if self._batch is not None:
-                    self._batch = await self._keep(self._batch, [s for s in self.running if self._alive(s)])
+                if self.batch is not None:
+                    self.batch = await self._keep(self.batch, [s for s in self.running if self._alive(s)])
             except ShardError as exc:
                 await self._recover(exc)
 
@@ -249,35 +256,22 @@ class Scheduler:
     def _apply_run_step(self, result: StepResult) -> None:
         """One step of a run: every sequence that got a token computed one more; those the shards dropped from
         the batch (finished) leave the running set."""
-        self._observe(result)
+        self.delivery.observe(result)
         stepped = {g.request_id for g in result.generations}
         for sequence in self.running:
             if sequence.id in stepped:
                 self.planner.advance_sequence(sequence, 1)
-        self._send(result)
+        self.delivery.deliver(result)
         live = set(result.batch.request_ids) if result.batch is not None else set()
         self._forget([s for s in self.running if s.id not in live])
-        self._batch = result.batch
-
-    def _observe(self, result: StepResult, method: str = "decode") -> None:
-        """The step's time inside the slowest shard, and its token masks' share."""
-        self.metrics.shard_step.observe(result.timings.total_ns / 1e9)
-        self.metrics.tgi.forward.labels(method).observe(result.timings.total_ns / 1e9)
-        if result.timings.mask_ns:
-            self.metrics.grammar_mask.observe(result.timings.mask_ns / 1e9)
-        if result.timings.disk_loaded_tokens:
-            self.metrics.prefix_cache_disk_hits.inc(result.timings.disk_loaded_tokens)
-            self.metrics.prefix_cache_disk_load.observe(result.timings.disk_load_ns / 1e9)
-        if result.timings.disk_bytes is not None:
-            self.metrics.kv_offload_bytes.set(result.timings.disk_bytes)
-            self.metrics.kv_offload_skipped.set(result.timings.disk_skipped_files)
+        self.batch = result.batch
 
     async def _post(self, plan: StepPlan, metadata: Metadata) -> StepResult:
-        updates = _updates(plan)
+        updates = step_updates(plan)
         if not plan.admitted:
-            return await self.client.decode([self._batch], metadata, updates)
+            return await self.client.decode([self.batch], metadata, updates)
         batch = Batch(id=next(self._batch_ids), requests=[new_request(s) for s in plan.admitted])
-        return await self.client.prefill(batch, metadata, self._batch, updates)
+        return await self.client.prefill(batch, metadata, self.batch, updates)
 
     def _join(self, sequences: Iterable[Sequence]) -> None:
         """Their wait in the queue ends the first time they join (not when a preempted one comes back)."""
@@ -306,50 +300,6 @@ class Scheduler:
         with tracing.span(method, spans[0] if spans else None, links=spans[1:], batch_size=len(spans)) as span:
             yield tracing.inject(span)
 
-    def _send(self, result: StepResult) -> None:
-        """Records each sequence's new tokens (the planner's prefix cache reads them) and streams them."""
-        by_id = {s.id: s for s in self.running}
-        for generation in result.generations:
-            sequence = by_id.get(generation.request_id)
-            if sequence is None:
-                continue
-            if not sequence.generated_ids:
-                self._count_disk_hits(sequence, generation.disk_cached_tokens)
-            if generation.pooled:  # a prompt-only request, finished: no tokens, no drafts
-                if not sequence.cancelled:
-                    sequence.events.put_nowait(pooled_event(generation, sequence.cached_prompt_tokens))
-                    sequence.status = SequenceStatus.FINISHED
-                continue
-            sequence.generated_ids.extend(generation.tokens.ids)
-            self._count_drafts(sequence, generation.drafted, len(generation.tokens.ids) - 1)
-            if sequence.cancelled:
-                continue
-            counts = (sequence.drafted_tokens, sequence.accepted_tokens, sequence.cached_prompt_tokens)
-            for event in events_from_generation(generation, *counts):
-                sequence.events.put_nowait(event)
-                if event.finished is not None:
-                    sequence.status = SequenceStatus.FINISHED
-
-    @staticmethod
-    def _count_disk_hits(sequence: Sequence, disk_tokens: int) -> None:
-        """Its first token came: the prompt tokens the shards read from their disk tier for it come with it (the
-        planner counted those it found in memory), so usage reports both tiers' hits."""
-        sequence.cached_prompt_tokens = min(sequence.num_prompt_tokens, sequence.cached_prompt_tokens + disk_tokens)
-
-    def _count_drafts(self, sequence: Sequence, drafted: int, accepted: int) -> None:
-        """Every step a sequence made tokens in: what it drafted feeds its acceptance record (a step without
-        drafts counts towards its next probe)."""
-        if self.planner.drafts is not None:
-            self.planner.drafts.record(sequence.draft_record, drafted, accepted)
-            self.metrics.speculative_acceptance.labels(group=str(self.group)).set(self.planner.drafts.pooled_rate)
-        if not drafted:
-            return
-        sequence.drafted_tokens += drafted
-        sequence.accepted_tokens += accepted
-        self.metrics.speculative_drafted.inc(drafted)
-        self.metrics.speculative_accepted.inc(accepted)
-        self.metrics.speculative_steps.inc()
-
     # --- leaving the batch --------------------------------------------------------------------------------
 
     @staticmethod
@@ -371,16 +321,16 @@ class Scheduler:
         for sequence in list(sequences):
             self.planner.remove(sequence)
 
-    async def _drop_preempted(self, preempted: list[Sequence]) -> bool:
+    async def drop_preempted(self, preempted: list[Sequence]) -> bool:
         """The planner took the preempted sequences' blocks: the shards must forget them before the next step.
         False when the shards failed meanwhile: the step just planned is void (it would decode a batch that no
         longer exists), and its sequences are back in the queue."""
         self.metrics.preemptions.inc(len(preempted))
         log.info("preempted", extra={"requests": [s.id for s in preempted]})
-        if self._batch is None:
+        if self.batch is None:
             return True
         try:  # the planner already took them out of the running set: keep what is left
-            self._batch = await self._keep(self._batch, list(self.running))
+            self.batch = await self._keep(self.batch, list(self.running))
         except ShardError as exc:
             await self._recover(exc)
             return False
@@ -395,36 +345,16 @@ class Scheduler:
         no duplicate. The loop then waits until the shards answer again (the launcher restarts a group that lost
         a rank; a hung group is killed here first), warms them up, and resumes with an empty KV pool."""
         log.error("shards lost; recovering", extra={"error": str(error)})
-        self.recovering, self._batch = True, None
+        self.recovering, self.batch = True, None
         # A group across nodes restarts whatever the failure: a node lost whole (its launcher with its ranks) moves
         # no epoch itself, and the ranks that survived may sit idle in a group that can never run again.
         if error.timed_out or self.client.restart_group is not None:
             self.client.kill()
-        self._replay(str(error))
+        self.metrics.requests_replayed.inc(replay(self.planner, self.max_request_retries, str(error)))
         self.on_lost()
         self.update_gauges()
         await self._reconnect()
         self.recovering = False
-
-    def _replay(self, message: str) -> None:
-        """The failed step is blamed on the suspects in it if there are any (sequences replayed after an earlier
-        failure that had not read their tokens back yet: they join alone, see StepPlanner._admit), else on every
-        sequence in it. A sequence blamed more than `max_request_retries` times ends with an error instead: a
-        prompt that kills the shards every time cannot kill them for ever."""
-        failed = list(self.running)
-        blamed = [s for s in failed if s.suspect] or failed
-        for sequence in reversed(failed):  # each goes to the front: in reverse, they keep their order
-            if sequence.is_finished or sequence.cancelled:
-                self.planner.remove(sequence)
-                continue
-            sequence.num_replays += sequence in blamed
-            if sequence.num_replays > self.max_request_retries:
-                self.planner.remove(sequence)
-                sequence.fail(f"the request was in {sequence.num_replays} failed steps, the last: {message}")
-                continue
-            sequence.suspect = True
-            self.planner.requeue(sequence)
-            self.metrics.requests_replayed.inc()
 
     async def _reconnect(self) -> None:
         """Tries until restarted shards answer and are warmed up; their KV died with them, so the pool starts
@@ -465,34 +395,3 @@ class Scheduler:
         metrics.group_kv_blocks_used.labels(group).set(self.allocator.num_blocks - self.allocator.free_blocks)
         metrics.group_serving.labels(group).set(int(self.serving))
         self.on_gauges()
-
-
-def new_request(sequence: Sequence) -> NewRequest:
-    """The sequence as a shard gets it when it joins: a resumed one (after a preemption) brings the tokens it
-    generated; its prefix-cache hit is the KV it starts with, and `step_tokens` the first chunk it reads."""
-    p = sequence.request.parameters
-    return NewRequest(
-        id=sequence.id,
-        input_ids=sequence.token_ids,
-        parameters=p,
-        resumed_tokens=len(sequence.generated_ids),
-        prefill_logprobs=p.decoder_input_details and not sequence.generated_ids,
-        blocks=sequence.block_table,
-        cache_len=sequence.num_computed_tokens,
-        chunk_len=sequence.step_tokens,
-        cache_scope=sequence.cache_scope.digest(),
-        pooling=sequence.request.pooling,
-    )
-
-
-def _updates(plan: StepPlan) -> list[RequestUpdate]:
-    """What the shards learn with the step of each running sequence: blocks it grew into, the chunk it reads, the
-    drafts it may have verified."""
-    return [_update(s) for s in plan.running if s.step_new_blocks or s.is_prefilling or s.step_drafts]
-
-
-def _update(sequence: Sequence) -> RequestUpdate:
-    chunk = sequence.step_tokens if sequence.is_prefilling else 0
-    return RequestUpdate(
-        request_id=sequence.id, new_blocks=sequence.step_new_blocks, chunk_len=chunk, speculate=sequence.step_drafts
-    )

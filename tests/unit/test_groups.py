@@ -82,8 +82,8 @@ def test_a_recovering_group_gets_nothing_and_round_robin_ignores_caches() -> Non
 
 def gauges(front: Groups, name: str) -> list[float]:
     """A group-labelled gauge's value for each group, as /metrics would show it now."""
-    gauge = getattr(front.metrics, name)
-    return [gauge.labels(str(i))._value.get() for i in range(len(front.schedulers))]
+    registry = front.metrics.registry
+    return [registry.get_sample_value(f"conveyor_{name}", {"group": str(i)}) for i in range(len(front.schedulers))]
 
 
 def test_a_failed_or_drained_group_sends_its_waiting_requests_to_the_others() -> None:
@@ -104,9 +104,10 @@ def test_a_failed_or_drained_group_sends_its_waiting_requests_to_the_others() ->
     assert late.group == 0  # neither the drained nor the recovering group gets new work
     front.resume(1)
     assert front.schedulers[1].serving and gauges(front, "group_serving") == [1, 1, 0]
-    assert front.metrics.queue_size._value.get() == 5
-    placements = front.metrics.placements
-    assert placements.labels("1", "moved")._value.get() == 4 and placements.labels("0", "moved")._value.get() == 4
+    registry = front.metrics.registry
+    assert registry.get_sample_value("conveyor_queue_size") == 5
+    for group in ("0", "1"):
+        assert registry.get_sample_value("conveyor_placements_total", {"group": group, "reason": "moved"}) == 4
 
 
 def test_with_every_group_down_a_request_waits_on_the_least_loaded_and_abort_ends_every_one() -> None:

@@ -9,6 +9,7 @@ from time import monotonic
 from types import SimpleNamespace
 
 from conveyor.router.core.block_allocator import BlockAllocator
+from conveyor.router.core.replay import replay
 from conveyor.router.core.scheduler import Scheduler
 from conveyor.router.core.sequence import Sequence
 from conveyor.router.core.settle import LOOKS_PER_GAP, SETTLE_QUIET_SECONDS, SETTLE_SECONDS, Settle
@@ -168,7 +169,7 @@ def test_a_failed_step_puts_the_running_sequences_back_in_order_as_suspects() ->
     s = scheduler()
     running = _running(s, 3)
     running[1].generated_ids = [7, 8]
-    s._replay("shard 0 failed Decode")
+    assert replay(s.planner, s.max_request_retries, "shard 0 failed Decode") == 3
     assert s.queue.take_all() == running  # at the front, in admission order, holding no block
     assert all(r.suspect and r.num_replays == 1 and not r.block_table for r in running)
     assert s.allocator.free_blocks == s.allocator.num_blocks
@@ -179,7 +180,7 @@ def test_a_failure_with_a_suspect_in_the_step_is_blamed_on_the_suspect_alone() -
     s = scheduler()
     innocent, crasher = _running(s, 2)
     crasher.suspect, crasher.num_replays = True, 2  # replayed twice already
-    s._replay("shard 0 failed Prefill")
+    assert replay(s.planner, s.max_request_retries, "shard 0 failed Prefill") == 1
     assert innocent.num_replays == 0 and innocent in s.queue.take_all()
     assert crasher.is_finished and crasher not in s.running  # a third failure: past max_request_retries (2)
     error = crasher.events.get_nowait()
@@ -210,9 +211,9 @@ async def test_shards_lost_while_dropping_preempted_sequences_void_the_planned_s
     running = _running(s, 3)
     preempted = running[2]
     s.planner.requeue(preempted)
-    s._batch = CachedBatch(id=1, request_ids=[r.id for r in running], size=3)
-    assert await s._drop_preempted([preempted]) is False
-    assert s._batch is None and not s.running and not s.recovering
+    s.batch = CachedBatch(id=1, request_ids=[r.id for r in running], size=3)
+    assert await s.drop_preempted([preempted]) is False
+    assert s.batch is None and not s.running and not s.recovering
     assert set(s.queue.take_all()) == set(running)
 
 
@@ -244,20 +245,20 @@ class _Shards:
 
 
 def _restarts(s: Scheduler) -> float:
-    return s.metrics.shard_restarts._value.get()
+    return s.metrics.registry.get_sample_value("conveyor_shard_restarts_total")
 
 
 async def test_an_idle_check_reconnects_only_to_restarted_or_silent_shards() -> None:
     s = scheduler()
     s.client = _Shards(["a", "b"])
     s.reconnect = _reconnected(s)
-    await s._check_shards()
+    await s.check_shards()
     assert _restarts(s) == 0  # the same processes: nothing to do
     s.client.answer = ["a", "c"]  # rank 1 was restarted, and is not warmed up
-    await s._check_shards()
+    await s.check_shards()
     assert _restarts(s) == 1 and not s.recovering and not s.client.killed
     s.client.answer = None  # down (its launcher restarts it): reconnect when it answers
-    await s._check_shards()
+    await s.check_shards()
     assert _restarts(s) == 2
 
 
@@ -275,10 +276,10 @@ async def test_an_arrival_cuts_an_idle_check_short() -> None:
     s = scheduler()
     s.client = _SilentShards(["a"])
     s.reconnect = _reconnected(s)
-    check = asyncio.ensure_future(s._check_shards())
+    check = asyncio.ensure_future(s.check_shards())
     await asyncio.sleep(0)
     assert not check.done()
-    s._wakeup.set()
+    s.wake()
     await asyncio.wait_for(check, 30)
     assert _restarts(s) == 0
 
@@ -330,10 +331,10 @@ def test_the_finished_event_counts_the_prompt_tokens_both_cache_tiers_served() -
     assert s.planner.plan().admitted == [a] and a.cached_prompt_tokens == 0  # an empty cache: nothing in memory
     first = _step([0], {0: 11})
     first.generations[0].disk_cached_tokens = 32
-    s._send(first)
+    s.delivery.deliver(first)
     last = _step([], {0: 12}, finished=(0,))
     last.generations[0].disk_cached_tokens = 16
-    s._send(last)
+    s.delivery.deliver(last)
     events = [a.events.get_nowait() for _ in range(a.events.qsize())]
     assert [e.token.id for e in events] == [11, 12]
     assert events[-1].finished is not None and events[-1].finished.cached_tokens == 32
@@ -345,11 +346,11 @@ async def test_a_decode_run_streams_each_step_lets_finished_ones_go_and_stops_fo
     )
     a, b = _running(s, 2)
     s.planner.advance(SimpleNamespace(sequences=[a, b]))  # prompts read: both decode now
-    s._batch = CachedBatch(id=0, request_ids=[0, 1], size=2)
+    s.batch = CachedBatch(id=0, request_ids=[0, 1], size=2)
     s.client = shards = _RunShards()
     plan = s.planner.plan()
     assert plan.steps == 4
-    running = asyncio.ensure_future(s._run(plan))
+    running = asyncio.ensure_future(s.step(plan))
     shards.results.put_nowait(_step([0], {0: 11, 1: 21}, finished=(1,)))  # b finishes at the first step
     shards.results.put_nowait(_step([0], {0: 12}))
     await wait_until(lambda: a.generated_ids == [11, 12])
@@ -360,8 +361,9 @@ async def test_a_decode_run_streams_each_step_lets_finished_ones_go_and_stops_fo
     await wait_until(lambda: shards.stopping)
     shards.results.put_nowait(None)  # the shards end the run
     await running
-    assert a.generated_ids == [11, 12, 13] and a.num_computed_tokens == 11 and s._batch.request_ids == [0]
-    assert s.metrics.decode_runs._value.get() == 1 and s.metrics.decode_runs_cut._value.get() == 1
+    assert a.generated_ids == [11, 12, 13] and a.num_computed_tokens == 11 and s.batch.request_ids == [0]
+    runs = [s.metrics.registry.get_sample_value(f"conveyor_decode_runs{cut}_total") for cut in ("", "_cut")]
+    assert runs == [1, 1]
     assert s.planner.plan().steps == 1  # the newcomer joins: one step
 
 
