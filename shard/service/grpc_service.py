@@ -7,7 +7,9 @@ Decodes in one call: each next step starts as soon as the last one's answer is s
 Forwards run on the shard's torch thread (`torch_thread.py`: the thread that loaded the model; torch releases the
 GIL), so the event loop keeps answering `Health` while a long prefill runs, and batches are only ever touched by
 that one thread. So do `LoadAdapter` and `UnloadAdapter`, between steps; a LoRA adapter named by a Hub id is
-downloaded first, on a thread of its own, so that steps go on meanwhile.
+downloaded first, on a thread of its own, so that steps go on meanwhile. The standard health service beside it
+answers what shard/service/health_report.py reports; the fault tests' failpoints are in
+shard/service/failpoints.py.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 
 from conveyor import tracing
 from conveyor.shard.adapters.adapter_files import AdapterError, read_timeout, resolve_source
 from conveyor.shard.batch.request_state import BadRequest
 from conveyor.shard.batch.running_batch import RunningBatch
+from conveyor.shard.service import failpoints
+from conveyor.shard.service.health_report import HealthReport
 from conveyor.shard.service.torch_thread import TorchThread
-from conveyor.shard.service.watchdog import WATCH_SECONDS, StepWatch, step_timeout
+from conveyor.shard.service.watchdog import StepWatch, step_timeout
 from conveyor.shard.step import step_timing
 from conveyor.shard.step.engine import Engine, StepOutput
 from conveyor.shard_channels import CHANNEL_OPTIONS, Security
@@ -39,22 +43,6 @@ from conveyor.v1 import shard_pb2 as pb
 from conveyor.v1 import shard_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-SHARD_SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
-
-# A failpoint for the fault tests: with CONVEYOR_FAILPOINT_EXIT_ON_TOKEN=<token id> in its environment, a shard
-# dies at once (as on a segfault) at any step that reads a prompt containing that token: "the request that
-# crashes the shard every time". Unset, it costs one comparison per step.
-FAILPOINT_TOKEN = (
-    int(os.environ["CONVEYOR_FAILPOINT_EXIT_ON_TOKEN"]) if "CONVEYOR_FAILPOINT_EXIT_ON_TOKEN" in os.environ else None
-)
-FAILPOINT_EXIT_CODE = 70
-# With CONVEYOR_FAILPOINT_HANG_ON_TOKEN=<token id>, the forward of any step that reads a prompt containing that
-# token never returns, while the event loop goes on answering: "the stuck forward" (shard/service/watchdog.py).
-FAILPOINT_HANG_TOKEN = (
-    int(os.environ["CONVEYOR_FAILPOINT_HANG_ON_TOKEN"]) if "CONVEYOR_FAILPOINT_HANG_ON_TOKEN" in os.environ else None
-)
 
 
 def rpc(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -111,21 +99,12 @@ class ShardService(pb_grpc.ShardServicer):
         cache as it was. Requests are parsed and updated on the worker thread, which alone touches batches.
         The first step of a `run` drops its finished requests from the batch at once."""
         taken = self._take(*cached_ids)
-        if (
-            new is not None
-            and FAILPOINT_TOKEN is not None
-            and any(FAILPOINT_TOKEN in r.input_ids for r in new.requests)
-        ):
-            log.error("failpoint: exiting", extra={"token": FAILPOINT_TOKEN})
-            os._exit(FAILPOINT_EXIT_CODE)
-
-        hang = new is not None and FAILPOINT_HANG_TOKEN is not None
-        hang = hang and any(FAILPOINT_HANG_TOKEN in r.input_ids for r in new.requests)
+        failpoints.exit_if_asked(new)
+        hang = failpoints.hangs(new)
 
         def step() -> StepOutput:
             if hang:
-                log.error("failpoint: the forward hangs", extra={"token": FAILPOINT_HANG_TOKEN})
-                threading.Event().wait()
+                failpoints.hang()
             batches = [RunningBatch.concatenate(taken)] if taken else []
             if batches:
                 batches[0].update(updates)
@@ -373,32 +352,3 @@ async def serve(
     service.stop_steps()
     await server.stop(grace=5)
     log.info("shard stopped")
-
-
-class HealthReport:
-    """Keeps the standard health service's answer true, for the whole server ("") and the Shard service."""
-
-    def __init__(self, watch: StepWatch, health_service: health.aio.HealthServicer) -> None:
-        self.watch, self.health_service = watch, health_service
-        self.stuck: str | None = None  # why the shard was last reported NOT_SERVING
-
-    async def run(self) -> None:
-        await self._set(SERVING)
-        while True:
-            await asyncio.sleep(WATCH_SECONDS)
-            await self.update()
-
-    async def update(self) -> None:
-        stuck, was = self.watch.stuck(), self.stuck
-        self.stuck = stuck
-        if (stuck is None) == (was is None):
-            return
-        await self._set(SERVING if stuck is None else NOT_SERVING)
-        if stuck is not None:
-            log.error("health: not serving", extra={"reason": stuck})
-        else:
-            log.warning("health: serving again")
-
-    async def _set(self, status: int) -> None:
-        for name in ("", SHARD_SERVICE):
-            await self.health_service.set(name, status)

@@ -3,7 +3,7 @@ shard)."""
 
 from __future__ import annotations
 
-from conveyor.shard.service.grpc_service import NOT_SERVING, SERVING, SHARD_SERVICE, HealthReport
+from conveyor.shard.service.health_report import NOT_SERVING, SERVING, SHARD_SERVICE, HealthReport
 from conveyor.shard.service.watchdog import MIN_STEP_TIMEOUT, STEP_TIMEOUT_WARMUPS, StepWatch, step_timeout
 
 
@@ -54,7 +54,7 @@ async def test_health_turns_not_serving_past_the_deadline_and_back_when_the_step
     clock, health = Clock(), Health()
     watch = StepWatch(timeout=10.0, clock=clock)
     report = HealthReport(watch, health)
-    await report._set(SERVING)
+    await report.set(SERVING)
     with watch.step():
         await report.update()
         assert health.status == {"": SERVING, SHARD_SERVICE: SERVING}
