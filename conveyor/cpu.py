@@ -5,7 +5,7 @@ Intel Xeons (AVX-512, avx512_bf16, VNNI, sometimes AMX). What differs between th
 (the GEMM packs bf16 weights, the benchmark adds its bf16 systems by default), whether bf16 computes prompts faster
 than float32 (the vendor and AMX decide), the instruction sets the benchmark records beside its numbers, and how
 many cores a process may use. Everything that depends on them asks here and nowhere else: a test fakes a CPU
-kind by replacing `_torch_bf16` and `CPUINFO`, and `CONVEYOR_CPU_BF16=0` makes a CPU with bf16 kernels behave as
+kind by replacing `torch_bf16` and `CPUINFO`, and `CONVEYOR_CPU_BF16=0` makes a CPU with bf16 kernels behave as
 one without, so that both branches run on a Xeon.
 
 The C++ kernels ship built for each x86 kind in `KINDS` (shard/kernels/toolchain.py), and a shard loads the last kind
@@ -78,7 +78,7 @@ def onednn_bf16() -> bool:
         raise ValueError(f"{BF16_SWITCH} must be 0 or 1 (or unset: ask the CPU), not {switch!r}")
     if switch == "0":
         return False
-    supported = _torch_bf16()
+    supported = torch_bf16()
     if switch == "1" and not supported:
         raise RuntimeError(f"{BF16_SWITCH}=1, but oneDNN has no bf16 kernels for this CPU")
     return supported
@@ -94,7 +94,7 @@ def native_bf16() -> bool:
     return found.avx512_bf16 or found.amx
 
 
-def _torch_bf16() -> bool:
+def torch_bf16() -> bool:
     """torch's own check, the one its oneDNN calls obey: AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT on x86. It says
     yes on an AVX-512 Xeon without avx512_bf16 too, where oneDNN converts; `Cpu` tells those apart for the report."""
     import torch

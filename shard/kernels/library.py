@@ -57,7 +57,7 @@ def load() -> bool:
     insists. Each caller has its own switch (CONVEYOR_ATTENTION for the decode attention, CONVEYOR_GEMM for the
     small-rows GEMM) and asks only when it is on."""
     chosen = backend()
-    if _loaded():
+    if loaded():
         return True  # a library registers its ops once per process: never load a second one
     try:
         path = library()
@@ -71,7 +71,8 @@ def load() -> bool:
     return True
 
 
-def _loaded() -> bool:
+def loaded() -> bool:
+    """Whether this process has a kernel library's ops registered already (torch registers them once)."""
     return hasattr(torch.ops.conveyor, "paged_decode_attention")
 
 

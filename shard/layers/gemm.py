@@ -102,7 +102,8 @@ def kernel(weight: torch.Tensor) -> str:
     return "onednn" if packs else "torch"
 
 
-def _small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The small-rows kernel's product of a few rows with a plain weight (the one call a layer makes into it)."""
     return torch.ops.conveyor.small_gemm(x, weight, bias)
 
 
@@ -150,12 +151,14 @@ def onednn_rows(found: cpu.Cpu) -> int | None:
 
 
 @functools.cache
-def _machine_onednn_rows() -> int | None:
+def machine_onednn_rows() -> int | None:
+    """`onednn_rows` for this machine, asked once per process (tests that set the variable clear the cache)."""
     return onednn_rows(cpu.probe())
 
 
 @functools.cache
-def _machine_small_rows() -> int:
+def machine_small_rows() -> int:
+    """`small_rows` for this machine, asked once per process."""
     return small_rows(cpu.probe())
 
 
@@ -166,13 +169,14 @@ def widens(found: cpu.Cpu) -> bool:
 
 
 @functools.cache
-def _machine_widens() -> bool:
+def machine_widens() -> bool:
+    """`widens` for this machine, asked once per process."""
     return widens(cpu.probe())
 
 
 def _widens_here(dtype: torch.dtype) -> bool:
     """Whether layers of this dtype pack a float32 copy on this machine (where they keep copies at all)."""
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and _machine_widens()
+    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and machine_widens()
 
 
 def weight_copies(dtype: torch.dtype) -> int:
@@ -216,7 +220,7 @@ class Gemm:
         self.wide: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight.float()) if wide else None
         few = small_rows_kernel(weight) and (plain_copy or not self.packed)
         self.plain: torch.Tensor | None = weight if few else None
-        self.small_rows = _machine_small_rows() if few else 0  # rows up to which the plain copy serves
+        self.small_rows = machine_small_rows() if few else 0  # rows up to which the plain copy serves
 
     def _quantize(self, weight: torch.Tensor, quantize: str) -> None:
         if quantize not in ("int8", "int4"):
@@ -238,7 +242,7 @@ class Gemm:
     def _tile_copy(self, plain_copy: bool) -> torch.Tensor | None:
         """An int8 layer's dequantized weight packed for oneDNN, for `onednn_rows` rows and more, where one is set,
         the copy fits (`plain_copy`) and oneDNN packs the model's dtype here; else None."""
-        rows = _machine_onednn_rows()
+        rows = machine_onednn_rows()
         if self.int8 is None or rows is None or not plain_copy or backend() != "auto":
             return None
         dense = self.int8.dequantize().to(self.dtype)
@@ -274,7 +278,7 @@ class Gemm:
             int4_gemm = torch.ops.conveyor.int4_vnni_gemm if self.vnni else torch.ops.conveyor.int4_gemm
             return int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
         if self.plain is not None and 0 < x.shape[0] <= self.small_rows:
-            return _small_gemm(x.contiguous(), self.plain, bias)
+            return small_gemm(x.contiguous(), self.plain, bias)
         if self.wide is not None and x.shape[0] >= WIDE_ROWS:
             wide_bias = None if bias is None else bias.float()
             return torch.ops.mkldnn._linear_pointwise(x.float(), self.wide, wide_bias, "none", [], "").to(self.dtype)

@@ -54,7 +54,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind) -> None:
     """This process sees `kind`; the switch is unset, as on a machine nobody configured."""
     (tmp_path / "cpuinfo").write_text(kind.cpuinfo())
     monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "cpuinfo")
-    monkeypatch.setattr(cpu, "_torch_bf16", lambda: kind.onednn_bf16)
+    monkeypatch.setattr(cpu, "torch_bf16", lambda: kind.onednn_bf16)
     monkeypatch.delenv(cpu.BF16_SWITCH, raising=False)
     monkeypatch.delenv(cpu.VARIANT_SWITCH, raising=False)
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
@@ -102,7 +102,7 @@ def test_the_switch_off_makes_a_xeon_look_like_an_epyc_to_everything(
 
 def test_no_cpuinfo_means_unknown_model_and_no_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "absent")
-    monkeypatch.setattr(cpu, "_torch_bf16", lambda: False)
+    monkeypatch.setattr(cpu, "torch_bf16", lambda: False)
     monkeypatch.delenv(cpu.BF16_SWITCH, raising=False)
     monkeypatch.delenv(cpu.VARIANT_SWITCH, raising=False)
     here = cpu.probe()

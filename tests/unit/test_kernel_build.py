@@ -50,7 +50,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
     (tmp_path / "none").mkdir()
     monkeypatch.setenv(kernels.LIBS_SWITCH, str(tmp_path / "none"))
-    monkeypatch.setattr(kernels, "_loaded", lambda: False)
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
     kernels.load.cache_clear()
     yield
     kernels.load.cache_clear()

@@ -26,14 +26,14 @@ def forced(monkeypatch: pytest.MonkeyPatch):
 
     def force(rows: int) -> None:
         monkeypatch.setenv(gemm.ONEDNN_ROWS_VARIABLE, str(rows))
-        gemm._machine_onednn_rows.cache_clear()
-        gemm._machine_small_rows.cache_clear()
+        gemm.machine_onednn_rows.cache_clear()
+        gemm.machine_small_rows.cache_clear()
 
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
     yield force
     monkeypatch.delenv(gemm.ONEDNN_ROWS_VARIABLE, raising=False)
-    gemm._machine_onednn_rows.cache_clear()
-    gemm._machine_small_rows.cache_clear()
+    gemm.machine_onednn_rows.cache_clear()
+    gemm.machine_small_rows.cache_clear()
 
 
 def test_only_an_amx_cpu_sends_rows_to_onednn_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,7 +76,7 @@ def test_without_the_variable_int8_layers_keep_their_kernel_here(forced, monkeyp
     if not kernels.load() or cpu.probe().amx:
         pytest.skip("needs the C++ kernels, on a CPU without AMX")
     monkeypatch.delenv(gemm.ONEDNN_ROWS_VARIABLE, raising=False)
-    gemm._machine_onednn_rows.cache_clear()
+    gemm.machine_onednn_rows.cache_clear()
     assert Gemm(torch.randn(8, 32), quantize="int8").tiles is None
 
 

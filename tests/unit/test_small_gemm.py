@@ -67,7 +67,7 @@ def test_gemm_sends_few_rows_to_the_kernel(built, monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
     calls: list[int] = []
     real = torch.ops.conveyor.small_gemm
-    monkeypatch.setattr(gemm, "_small_gemm", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(gemm, "small_gemm", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
     weight, bias = torch.randn(96, 64), torch.randn(96)
     layer = Gemm(weight, plain_copy)
     assert layer.packed  # float32 on CPU: oneDNN everywhere
@@ -129,7 +129,7 @@ def test_plain_copies_only_where_memory_allows(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("widens", [True, False], ids=["widens", "amx"])
 def test_weight_copies_count_the_float32_copy(monkeypatch: pytest.MonkeyPatch, widens: bool) -> None:
-    monkeypatch.setattr(gemm, "_machine_widens", lambda: widens)
+    monkeypatch.setattr(gemm, "machine_widens", lambda: widens)
     assert gemm.weight_copies(torch.float32) == 2
     assert gemm.weight_copies(torch.bfloat16) == (4 if widens else 2)
     assert plain_copy_fits(1000, 4000 / gemm.PLAIN_COPY_SHARE, gemm.weight_copies(torch.bfloat16))
@@ -146,7 +146,7 @@ def test_bf16_steps_of_wide_rows_compute_in_float32(
     rows stay on the bf16 kernels, within their tolerance of it. Either branch runs on any machine, and on an AVX2
     CPU too, where oneDNN packs no bf16 weight: the plain weight is then the only bf16 copy."""
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
-    monkeypatch.setattr(gemm, "_machine_widens", lambda: widens)
+    monkeypatch.setattr(gemm, "machine_widens", lambda: widens)
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     bias, x = torch.randn(96, generator=gen).bfloat16(), torch.randn(rows, 64, generator=gen).bfloat16()
