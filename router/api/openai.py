@@ -101,13 +101,34 @@ class MessageToolCall(_Open):
     function: CalledFunction
 
 
+class TextContent(Part):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(Part):
+    url: Annotated[str, Field(description="A base64 data URL (data:image/png;base64,...); http(s) is not fetched")]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageContent(Part):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextContent | ImageContent, Field(discriminator="type")]
+
+
 class Message(Part):
     """A message: system, user, assistant or tool. An assistant's may carry `tool_calls` instead of content (as
-    OpenAI returns them: arguments as JSON text); any other message needs a string `content`; a tool's answers
-    one of those calls by its `tool_call_id`."""
+    OpenAI returns them: arguments as JSON text); any other message needs a `content`: a string, or a list of text
+    and image parts (images for an image-text model only); a tool's answers one of those calls by its
+    `tool_call_id`."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: Annotated[str | None, Field(description="Required (a string) unless tool calls")] = None
+    content: Annotated[
+        str | list[ContentPart] | None, Field(description="Required (a string or parts) unless tool calls")
+    ] = None
     name: str | None = None
     tool_calls: Annotated[list[MessageToolCall] | None, Field(description="Only on assistant messages")] = None
     tool_call_id: Annotated[str | None, Field(description="Required on tool messages")] = None

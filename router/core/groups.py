@@ -57,7 +57,7 @@ class Groups:
 
     def view(self, index: int, sequence: Sequence) -> GroupView:
         scheduler = self.schedulers[index]
-        cached = scheduler.allocator.cached_prefix(sequence.token_ids, sequence.cache_scope)
+        cached = scheduler.allocator.cached_prefix(sequence.cache_tokens, sequence.cache_scope)
         return GroupView(index, cached, load(scheduler), serving=scheduler.serving)
 
     def choose(self, sequence: Sequence) -> Placed:

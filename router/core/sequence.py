@@ -136,6 +136,26 @@ class Sequence:
         return [*self.request.input_ids, *self.generated_ids]
 
     @property
+    def cache_tokens(self) -> list[int]:
+        """`token_ids` as the prefix cache keys them: each image's soft tokens (one id for every image) as the
+        negative of its pixels' digest, so that blocks holding two different images never match, and two requests
+        with the same image (and the same tokens before it) share them."""
+        tokens = self.token_ids
+        for image in self.request.parameters.images:
+            key = -1 - int.from_bytes(image.digest, "big")
+            tokens[image.offset : image.offset + image.length] = [key] * image.length
+        return tokens
+
+    def chunk_end(self, start: int, end: int, extend: bool = True) -> int:
+        """Where a prompt chunk [start, end) may end: never inside an image's soft tokens, which attend to each
+        other both ways and so are read in one chunk. Before the image if the chunk has tokens before it (or if not
+        `extend`), else after the image, past `end`."""
+        for image in self.request.parameters.images:
+            if image.offset < end < image.offset + image.length:
+                return image.offset if image.offset > start or not extend else image.offset + image.length
+        return end
+
+    @property
     def may_speculate(self) -> bool:
         """Drafts are verified by sampling each position as a plain step would; penalties (which count the tokens
         of the step before) and grammars (whose matcher would have to roll back) are not drafted for."""

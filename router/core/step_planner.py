@@ -179,13 +179,16 @@ class StepPlanner:
     def _grow(self, sequence: Sequence, budget: int, plan: StepPlan) -> bool:
         """Tokens and blocks for a running sequence; preempts the newest sequences (maybe itself) for blocks.
         False when it preempted itself."""
-        wanted = (
-            min(sequence.num_prefill_tokens - sequence.num_computed_tokens, budget) if sequence.is_prefilling else 1
-        )
+        done = sequence.num_computed_tokens
+        wanted = min(sequence.num_prefill_tokens - done, budget) if sequence.is_prefilling else 1
+        if sequence.is_prefilling:
+            wanted = sequence.chunk_end(done, done + wanted) - done
         if wanted <= 0:
             return True
         while True:
             tokens = min(wanted, self._room(sequence))
+            if tokens < wanted:
+                tokens = sequence.chunk_end(done, done + tokens, extend=False) - done
             if tokens > 0 or not self.running:
                 break
             victim = self.running.pop()
@@ -251,14 +254,14 @@ class StepPlanner:
 
     def _start(self, sequence: Sequence, budget: int, first: bool, plan: StepPlan) -> bool:
         """The first chunk of a waiting sequence, after its cached prefix; False (nothing held) if it must wait."""
-        tokens = sequence.token_ids
+        tokens = sequence.cache_tokens
         size = self.allocator.block_size
         whole = sequence.request.parameters.decoder_input_details and not sequence.generated_ids
         pooling = sequence.request.pooling
         fresh = whole or (pooling is not None and pooling.every_position)  # every position computed, none cached
         matched = [] if fresh else self.allocator.match(tokens, (len(tokens) - 1) // size, sequence.cache_scope)
         cache_len = len(matched) * size
-        chunk = min(len(tokens) - cache_len, budget)
+        chunk = sequence.chunk_end(cache_len, cache_len + min(len(tokens) - cache_len, budget)) - cache_len
         if chunk < len(tokens) - cache_len and not first:
             # Only a step's first prompt starts in part. A later one read in part would lengthen this step, and so
             # the first token of every prompt the step ends, without giving its own first token any sooner: it waits
@@ -307,7 +310,9 @@ class StepPlanner:
         if full > sequence.num_cached_blocks:
             # Past a conflict (the same content cached in another block) insert stops; trying again at
             # every step would only stop there again, so the count moves on either way.
-            self.allocator.insert(sequence.token_ids[: full * size], sequence.block_table[:full], sequence.cache_scope)
+            self.allocator.insert(
+                sequence.cache_tokens[: full * size], sequence.block_table[:full], sequence.cache_scope
+            )
             sequence.num_cached_blocks = full
 
     def remove(self, sequence: Sequence) -> None:

@@ -53,7 +53,7 @@ def render_chat(
     template writes it, raw or as JSON (`tojson`). A trusted deployment (`--chat-special-tokens`) keeps them as
     control tokens wherever they are written."""
     specials = [s for s in special_texts if s]
-    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    texts = [text for m in messages for text in _content_texts(m.get("content"))]
     calls = [c for m in messages for c in m.get("tool_calls") or ()]
     written = [*texts, *_strings(tools or []), *_strings([c.get("function", {}).get("arguments") for c in calls])]
     if trusted or not any(s in text for text in written for s in specials):
@@ -78,6 +78,15 @@ def render_chat(
     return ChatPrompt(text, tuple(spans))
 
 
+def _content_texts(content: Any) -> list[str]:
+    """A message's text: its string content, or its text parts' (an image-text chat's)."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
 def _quoted(pieces: list[str], position: int) -> bool:
     """Whether the placeholder at `position` stands between double quotes, as `tojson` writes a string."""
     return pieces[position - 1].endswith('"') and position + 1 < len(pieces) and pieces[position + 1].startswith('"')
@@ -91,8 +100,15 @@ def _placeholder(original: str, originals: list[tuple[str, bool]], raw: bool) ->
 def _marked_message(message: dict, originals: list[tuple[str, bool]], specials: list[str]) -> dict:
     """The message with its content (always) and any of its tool calls' argument strings holding a special
     token's text as placeholders."""
-    if isinstance(message.get("content"), str):
-        message = {**message, "content": _placeholder(message["content"], originals, raw=True)}
+    content = message.get("content")
+    if isinstance(content, str):
+        message = {**message, "content": _placeholder(content, originals, raw=True)}
+    elif isinstance(content, list):
+        parts = [
+            {**p, "text": _placeholder(p["text"], originals, raw=True)} if isinstance(p.get("text"), str) else p
+            for p in content
+        ]
+        message = {**message, "content": parts}
     if message.get("tool_calls"):
         message = {**message, "tool_calls": _marked(message["tool_calls"], originals, specials)}
     return message

@@ -16,6 +16,7 @@ from conveyor.router.api.base import ValidationError
 from conveyor.router.api.openai import MAX_CHOICES, ChatRequest, CompletionRequest, Message, MessageToolCall
 from conveyor.router.pipeline.chat_output import ChatOutput
 from conveyor.router.pipeline.chat_prompt import ChatPrompt, render_chat, template_kwargs
+from conveyor.router.pipeline.images import MAX_IMAGES, ImageReader, Pixels
 from conveyor.router.pipeline.reasoning import Reasoning
 from conveyor.router.pipeline.request import ValidRequest, from_chat, from_completion
 from conveyor.router.pipeline.tools import ToolUse, tool_use
@@ -57,11 +58,19 @@ class OpenAIRequests:
 
     def chat_choices(self, request: ChatRequest) -> list[Choice]:
         tools = tool_use(request)
-        prompt = self._render_chat([_message(m) for m in request.messages], tools, request.chat_template_kwargs)
+        reader = self.validation.images
+        pixels = _chat_images(request, reader)
+        messages = [_message(m, reader is not None) for m in request.messages]
+        prompt = self._render_chat(messages, tools, request.chat_template_kwargs)
+        if reader is not None:
+            prompt = reader.expand(prompt, len(pixels))
         parsers = self.validation.parsers
         reasoning = parsers.reasoning_of(prompt.text)
         grammar = _chat_constraint(request, tools, reasoning)
         valid = self.validation.validate(from_chat(request, prompt, grammar))
+        if pixels:
+            images = reader.place(valid.input_ids, pixels)
+            valid = replace(valid, parameters=replace(valid.parameters, images=images))
         return [Choice(i, with_seed(valid, i), parsers.output(tools, reasoning)) for i in range(request.n)]
 
     def _render_chat(self, messages: list[dict], tools: ToolUse | None, kwargs: dict | None) -> ChatPrompt:
@@ -95,10 +104,35 @@ def _chat_constraint(request: ChatRequest, tools: ToolUse | None, reasoning: Rea
     return reasoning.constrain(grammar) if reasoning is not None else grammar
 
 
-def _message(message: Message) -> dict[str, Any]:
+def _chat_images(request: ChatRequest, reader: ImageReader | None) -> list[Pixels]:
+    """The chat's images in order, decoded and resized (on this validation worker); refused for a text model or
+    past MAX_IMAGES."""
+    urls = [
+        p.image_url.url
+        for m in request.messages
+        if isinstance(m.content, list)
+        for p in m.content
+        if p.type == "image_url"
+    ]
+    if urls and reader is None:
+        raise ValidationError("this model takes no images: send text only")
+    if len(urls) > MAX_IMAGES:
+        raise ValidationError(f"at most {MAX_IMAGES} images per request (max_images). Given: {len(urls)}")
+    return [reader.pixels(url) for url in urls] if urls else []
+
+
+def _message(message: Message, images: bool = False) -> dict[str, Any]:
     """A message as the chat template gets it. An assistant's tool calls carry their arguments as JSON text in
-    OpenAI's API; chat templates expect them parsed."""
+    OpenAI's API; chat templates expect them parsed. Content parts: for an image-text model, as its processor's
+    template takes them (`{"type": "image"}` where an image goes); for a text model, their text joined."""
     out = message.model_dump(exclude_unset=True, exclude={"tool_calls"})
+    if isinstance(message.content, list):
+        if images:
+            out["content"] = [
+                {"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in message.content
+            ]
+        else:
+            out["content"] = "".join(p.text for p in message.content if p.type == "text")
     if message.tool_calls:
         out["content"] = message.content  # null beside calls: templates test for it
         out["tool_calls"] = [_template_call(c) for c in message.tool_calls]

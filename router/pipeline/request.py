@@ -30,6 +30,7 @@ from conveyor.router.api.tgi import (
     SharedSampling,
 )
 from conveyor.router.pipeline.chat_prompt import ChatPrompt, Span
+from conveyor.router.pipeline.images import ImageInput
 from conveyor.router.pipeline.rerank_prompt import RerankPair, rerank_prompt
 
 
@@ -52,6 +53,8 @@ class Parameters:
     cache_salt: str | None = None  # whose cached prompt blocks it may share (see Sequence.cache_scope)
     speculate: int | None = None  # most draft tokens per step, within the server's (None: the server's)
     adapter: str | None = None  # the LoRA adapter its tokens go through (None: the base model)
+    # The prompt's images (pipeline/images.py), which travel to the shards with the rest of these parameters.
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def seed(self) -> int | None:

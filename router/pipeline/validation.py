@@ -29,6 +29,7 @@ from conveyor.router.limits import Limits
 from conveyor.router.pipeline.chat_prompt import Span
 from conveyor.router.pipeline.fair_workers import FairWorkers
 from conveyor.router.pipeline.generation_defaults import GenerationDefaults
+from conveyor.router.pipeline.images import ImageReader
 from conveyor.router.pipeline.output_parsers import OutputParsers
 from conveyor.router.pipeline.request import Request, ValidRequest
 from conveyor.router.pipeline.rerank_prompt import RerankPair, rerank_parts
@@ -125,6 +126,7 @@ class Validation:
         self.limits = limits
         # The model's generation_config.json sampling, for what a request leaves unset (none without a model_dir).
         self.defaults = GenerationDefaults.read(model_dir, self.check_parameter) if model_dir else GenerationDefaults()
+        self.images = ImageReader.load(model_dir, tokenizer)  # an image-text checkpoint's processor, else None
         self.grammars = GrammarCache(tokenizer, None)
         self.on_compile = on_compile  # told the seconds each new grammar took to compile (a metric)
         executor = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")

@@ -63,6 +63,9 @@ def request_pb(r: NewRequest) -> pb.Request:
         adapter=p.adapter or "",
         cache_scope=r.cache_scope,
         pooling=None if r.pooling is None else pooling_pb(r.pooling),
+        images=[
+            pb.Image(offset=i.offset, length=i.length, pixel_values=i.pixel_values, shape=i.shape) for i in p.images
+        ],
     )
 
 

@@ -1,0 +1,164 @@
+"""A chat's images, from the data URLs a client sends to the pixels and soft tokens the model takes.
+
+The checkpoint's own processor config (`preprocessor_config.json`, or transformers 5's `processor_config.json`)
+decodes and resizes each image, here in the router, on a validation worker (off the event loop): what travels to
+the shards is the pixel values, beside the prompt. The chat template writes each image's placeholder
+(`<start_of_image>` for Gemma 3); the router expands it to the image's soft tokens as the model's processor does,
+so every image token is a prompt token the token limits, fair shares and `usage` count.
+
+Bounded before any work an image can make expensive: the data's bytes, the images per request, and the pixels the
+image's header declares (checked before its pixels are decoded, so no decompression bomb is ever expanded). Only
+data URLs are taken: fetching http(s) URLs is not implemented, and such an image is refused by name.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conveyor.router.api.base import ValidationError
+from conveyor.router.pipeline.chat_prompt import ChatPrompt
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image's data, decoded from base64
+MAX_IMAGE_PIXELS = 40_000_000  # width x height its header declares (a 6,000 x 6,000 photo fits)
+MAX_IMAGES = 16  # per request
+_DATA_URL = re.compile(r"data:(?P<type>[a-zA-Z0-9.+-]+/[a-zA-Z0-9.+-]+)?(;[^,;]*)*?;base64,", re.ASCII)
+_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, as the shards take it: its soft tokens' place and its pixel values."""
+
+    offset: int  # its first soft token in the prompt
+    length: int  # its soft tokens
+    pixel_values: bytes  # float32, little-endian
+    shape: tuple[int, ...]  # (C, H, W)
+    digest: bytes  # the pixel values' SHA-256: the prefix cache keys the image's blocks by it
+
+
+@dataclass(frozen=True)
+class Pixels:
+    """An image decoded and resized, before its place in the prompt is known."""
+
+    values: bytes
+    shape: tuple[int, ...]
+    digest: bytes
+
+
+class ImageReader:
+    """A Gemma 3 image-text checkpoint's processor, as the router uses it."""
+
+    def __init__(self, processor: Any, tokens: int, boi: str, image: str, eoi: str, image_id: int) -> None:
+        self.processor = processor
+        self.tokens_per_image = tokens
+        self.placeholder = boi
+        self.image_token_id = image_id
+        self.sequence = f"\n\n{boi}{image * tokens}{eoi}\n\n"  # what Gemma 3's processor puts for each placeholder
+
+    @classmethod
+    def load(cls, model_dir: str | None, tokenizer: Any) -> ImageReader | None:
+        """The reader of an image-text checkpoint (Gemma 3's, with its processor config); None for any other."""
+        if model_dir is None or not (Path(model_dir) / "config.json").exists():
+            return None
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        folder = Path(model_dir)
+        has_processor = any((folder / n).exists() for n in ("preprocessor_config.json", "processor_config.json"))
+        if config.get("model_type") != "gemma3" or "vision_config" not in config or not has_processor:
+            return None
+        from transformers import AutoImageProcessor
+
+        processor = AutoImageProcessor.from_pretrained(model_dir)
+        ids = [config.get(f"{n}_token_index") for n in ("boi", "image", "eoi")]
+        boi, image, eoi = tokenizer.convert_ids_to_tokens(ids)
+        return cls(processor, int(config.get("mm_tokens_per_image", 256)), boi, image, eoi, ids[1])
+
+    def pixels(self, url: str) -> Pixels:
+        """A data URL's image, decoded and resized by the checkpoint's processor; ValidationError naming the limit
+        or the fault."""
+        data = decode_data_url(url)
+        image = open_image(data)
+        values = self.processor(images=[image], return_tensors="np")["pixel_values"][0].astype("<f4")
+        raw = values.tobytes()
+        return Pixels(raw, tuple(values.shape), hashlib.sha256(raw).digest())
+
+    def expand(self, prompt: ChatPrompt, count: int) -> ChatPrompt:
+        """The rendered chat with each placeholder the template wrote (none inside the caller's text) as the image's
+        soft tokens; ValidationError if the template wrote other than one per image."""
+        text, out, at, found = prompt.text, "", 0, 0
+        spans: list[tuple[int, int]] = []
+        for start, stop in prompt.plain_spans:
+            piece = text[at:start]
+            found += piece.count(self.placeholder)
+            out += piece.replace(self.placeholder, self.sequence)
+            spans.append((len(out), len(out) + stop - start))
+            out += text[start:stop]
+            at = stop
+        found += text[at:].count(self.placeholder)
+        out += text[at:].replace(self.placeholder, self.sequence)
+        if found != count:
+            raise ValidationError(f"the chat template wrote {found} image placeholders for {count} images")
+        return ChatPrompt(out, tuple(spans))
+
+    def place(self, input_ids: tuple[int, ...], pixels: list[Pixels]) -> tuple[ImageInput, ...]:
+        """Each image's soft tokens in the tokenized prompt, in order; ValidationError if they do not match."""
+        runs: list[list[int]] = []
+        for position, token in enumerate(input_ids):
+            if token == self.image_token_id:
+                if runs and runs[-1][0] + runs[-1][1] == position:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([position, 1])
+        if len(runs) != len(pixels) or any(length != self.tokens_per_image for _, length in runs):
+            raise ValidationError("the prompt's image tokens do not match its images (was it truncated?)")
+        return tuple(ImageInput(o, n, p.values, p.shape, p.digest) for (o, n), p in zip(runs, pixels))
+
+
+def decode_data_url(url: str) -> bytes:
+    """A base64 data URL's bytes, within MAX_IMAGE_BYTES."""
+    if url.startswith(("http://", "https://")):
+        raise ValidationError("image URLs are not fetched on this server: send the image as a base64 data URL")
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise ValidationError("an image must be a base64 data URL (data:image/png;base64,...)")
+    if match["type"] and not match["type"].startswith("image/"):
+        raise ValidationError(f"an image's data URL holds {match['type']}, not an image")
+    encoded = url[match.end() :]
+    if len(encoded) > (MAX_IMAGE_BYTES + 2) // 3 * 4:
+        raise ValidationError(f"an image is larger than {MAX_IMAGE_BYTES} bytes (max_image_bytes)")
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValidationError("an image's data URL is not valid base64") from None
+
+
+def open_image(data: bytes):
+    """The image, its header checked against MAX_IMAGE_PIXELS before its pixels are decoded, in RGB."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.format not in _FORMATS:
+            raise ValidationError(f"image format {image.format} is not one of {sorted(_FORMATS)}")
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ValidationError(
+                f"an image of {width} x {height} pixels is over {MAX_IMAGE_PIXELS} pixels (max_image_pixels)"
+            )
+        image.load()
+        return image.convert("RGB")
+    except ValidationError:
+        raise
+    except Image.DecompressionBombError:
+        raise ValidationError(f"an image is over {MAX_IMAGE_PIXELS} pixels (max_image_pixels)") from None
+    except UnidentifiedImageError:
+        raise ValidationError("an image could not be decoded: not an image format this server reads") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise ValidationError(f"an image could not be decoded: {exc}") from None
