@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,9 +224,12 @@ def vllm_env(binding: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float, max_model_len: int = 2048) -> Iterator[str]:
+def vllm_serve(
+    model_dir: Path, dtype: str, binding: str, timeout: float, max_model_len: int = 2048, flags: Sequence[str] = ()
+) -> Iterator[str]:
     """vLLM's OpenAI server on CPU for the model directory (served under its path, as `transformers serve`);
-    `max_model_len` bounds a request's tokens (its KV space is set apart by VLLM_CPU_KVCACHE_SPACE)."""
+    `max_model_len` bounds a request's tokens (its KV space is set apart by VLLM_CPU_KVCACHE_SPACE); `flags` come
+    last (the embeddings benchmark's pooling runner)."""
     (port,) = free_ports(1)
     command = [
         str(vllm_python()),
@@ -243,6 +246,7 @@ def vllm_serve(model_dir: Path, dtype: str, binding: str, timeout: float, max_mo
         "--max-model-len",
         str(max_model_len),
         "--disable-uvicorn-access-log",
+        *flags,
     ]
     yield from _serve(command, f"vllm-cpu-{binding}", port, timeout, vllm_env(binding))
 

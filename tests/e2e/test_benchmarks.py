@@ -361,6 +361,22 @@ def test_speculation_benchmark_measures_drafts_off_and_on(tiny_model: Path, tmp_
     assert rows["conveyor-off/chat/1"]["drafted"] == rows["conveyor-off/edit/1"]["drafted"] == 0
 
 
+def test_embeddings_benchmark_serves_every_input(tmp_path: Path) -> None:
+    """benchmarks/embeddings.py on a tiny embedder, Conveyor alone: every input embedded (a failed request fails
+    the run), a rate per round."""
+    from benchmarks import embedding_model
+
+    model = embedding_model.ensure(tmp_path / "embedder", "tiny")
+    results = tmp_path / "embeddings.json"
+    flags = ["--model-dir", str(model), "--systems", "conveyor", "--inputs", "3", "--tokens", "24", "--rounds", "1"]
+    command = [sys.executable, "-m", "benchmarks.embeddings", *flags, "--json", str(results)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "inputs of 24 tokens" in out and "conveyor" in out
+    result = json.loads(results.read_text())
+    assert list(result["inputs_per_second"]) == ["conveyor"] and result["inputs_per_second"]["conveyor"][0] > 0
+    assert result["tokens"] == 24 and result["vectors"] == {}
+
+
 def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: Path, tmp_path: Path) -> None:
     """benchmarks/long_context.py on the tiny model, small: Conveyor (and over an int8 KV cache) serves every
     document and question, a peer

@@ -1,7 +1,7 @@
 """Embeddings and rerank through the real processes (launcher, router, shards over gRPC), on 1 and 2 shards.
 
 The checkpoint is the tiny random-weight Qwen3 model built offline, made an embedding and reranker checkpoint: the
-sentence-transformers files of a mean-pooled, normalized embedder (tests/sentence_transformers_files.py), and "yes"
+sentence-transformers files of a mean-pooled, normalized embedder (benchmarks/embedding_model.py), and "yes"
 and "no" added to its vocabulary (Qwen3-Reranker scores with their logits; the tiny tokenizer has neither as one
 token). One deployment per shard count serves both (`--task embed,rerank`) and generation, for every test here.
 
@@ -24,8 +24,8 @@ import httpx
 import pytest
 import torch
 from conftest import Deployments, Server, StreamWatcher, free_port, greedy_reference, start_server, used, wait_for
-from sentence_transformers_files import write_pooling_files
 
+from benchmarks.embedding_model import write_pooling_files
 from conveyor import demo_model
 from conveyor.router.pipeline.rerank_prompt import rerank_parts
 

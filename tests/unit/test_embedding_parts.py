@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import transformers
-from sentence_transformers_files import write_pooling_files
 
+from benchmarks.embedding_model import write_pooling_files
 from conveyor import demo_model
 from conveyor.pooling import PoolingConfigError, PoolingSpec, default_task, read_pooling, resolve_tasks
 from conveyor.router.api.base import ValidationError, parse

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import greedy_reference
-from sentence_transformers_files import write_pooling_files
 
+from benchmarks.embedding_model import write_pooling_files
 from conveyor import demo_model
 from conveyor.pooling import read_pooling
 from conveyor.shard.batch.request_state import BadRequest
