@@ -117,9 +117,12 @@ def test_a_folder_that_cannot_be_written_is_survived(tmp_path: Path) -> None:
 class _Request:
     """The fields of a shard's RequestState that the tier reads."""
 
-    def __init__(self, tokens: list[int], blocks: list[int], scope: str = "scope-a", adapter: str = "") -> None:
+    def __init__(
+        self, tokens: list[int], blocks: list[int], scope: str = "scope-a", adapter: str = "", images: int = 0
+    ) -> None:
         self.input_ids, self.block_table, self.cache_scope, self.adapter = tokens, blocks, scope, adapter
         self.computes_every_prompt_token, self.offload_keys = False, []
+        self.images = [object()] * images  # the tier reads only whether there are any
         self.num_computed_tokens, self.chunk_len, self.disk_cached_tokens = 0, len(tokens), 0
 
 
@@ -150,6 +153,9 @@ def test_a_prompt_written_by_one_request_is_read_by_the_next_of_its_scope_only(t
     through_adapter = _Request(tokens, [5, 4, 3, 2], adapter="sql")
     reader.load([through_adapter], fresh)
     assert through_adapter.num_computed_tokens == 0
+    with_an_image = _Request(tokens, [5, 4, 3, 2], images=1)  # its image's tokens are any image's: never read
+    reader.load([with_an_image], fresh)
+    assert with_an_image.num_computed_tokens == 0
 
 
 def test_a_chunk_keeps_its_last_token_to_compute(tmp_path: Path) -> None:
