@@ -146,6 +146,11 @@ class Sequence:
             tokens[image.offset : image.offset + image.length] = [key] * image.length
         return tokens
 
+    @property
+    def image_bytes(self) -> int:
+        """The pixel values its joining message carries to the shards."""
+        return sum(len(image.pixel_values) for image in self.request.parameters.images)
+
     def chunk_end(self, start: int, end: int, extend: bool = True) -> int:
         """Where a prompt chunk [start, end) may end: never inside an image's soft tokens, which attend to each
         other both ways and so are read in one chunk. Before the image if the chunk has tokens before it (or if not

@@ -24,6 +24,7 @@ from conveyor.router.core.draft_choice import DraftChooser, StepCosts
 from conveyor.router.core.policies import policy_for
 from conveyor.router.core.queue import GroupQueue, Queue
 from conveyor.router.core.sequence import Sequence, SequenceStatus
+from conveyor.router.pipeline.images import MAX_STEP_PIXEL_BYTES
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,11 @@ class StepPlanner:
         while budget > 0 and len(self.running) < limit and (sequence := self.queue.peek()) is not None:
             if sequence.suspect and plan.admitted:
                 break
+            if (
+                plan.admitted
+                and sum(s.image_bytes for s in plan.admitted) + sequence.image_bytes > MAX_STEP_PIXEL_BYTES
+            ):
+                break  # the step's message would carry too many images' pixels: it joins the next step
             if not self._start(sequence, budget, first=budget == whole_budget, plan=plan):
                 break
             self.queue.popleft()

@@ -29,6 +29,10 @@ from conveyor.router.pipeline.chat_prompt import ChatPrompt
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image's data, decoded from base64
 MAX_IMAGE_PIXELS = 40_000_000  # width x height its header declares (a 6,000 x 6,000 photo fits)
 MAX_IMAGES = 16  # per request
+# The pixel values a step's message carries to a shard (float32: 9.6 MB for Gemma 3's 896 x 896), well under the
+# shard channels' 64 MB message cap (conveyor/shard_channels.py): a request's images must fit, and a step admits
+# requests while theirs do (router/core/step_planner.py).
+MAX_STEP_PIXEL_BYTES = 48 * 1024 * 1024
 _DATA_URL = re.compile(r"data:(?P<type>[a-zA-Z0-9.+-]+/[a-zA-Z0-9.+-]+)?(;[^,;]*)*?;base64,", re.ASCII)
 _FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
 
@@ -85,7 +89,10 @@ class ImageReader:
         or the fault."""
         data = decode_data_url(url)
         image = open_image(data)
-        values = self.processor(images=[image], return_tensors="np")["pixel_values"][0].astype("<f4")
+        arrays = self.processor(images=[image], return_tensors="np")["pixel_values"]
+        if len(arrays) != 1:
+            raise ValidationError("the image processor made crops of an image (pan and scan): not supported yet")
+        values = arrays[0].astype("<f4")
         raw = values.tobytes()
         return Pixels(raw, tuple(values.shape), hashlib.sha256(raw).digest())
 

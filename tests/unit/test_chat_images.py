@@ -16,7 +16,7 @@ from conveyor.router.api.base import ValidationError, parse
 from conveyor.router.api.openai import ChatRequest
 from conveyor.router.core.sequence import Sequence
 from conveyor.router.limits import Limits
-from conveyor.router.pipeline.images import ImageInput
+from conveyor.router.pipeline.images import MAX_STEP_PIXEL_BYTES, ImageInput
 from conveyor.router.pipeline.openai_requests import OpenAIRequests
 from conveyor.router.pipeline.request import Parameters, ValidRequest
 from conveyor.router.pipeline.validation import Validation
@@ -80,8 +80,10 @@ def test_a_text_model_refuses_images_and_joins_text_parts(tiny_model: Path) -> N
     assert "one two" in valid.inputs and not valid.parameters.images
 
 
-def _image_sequence(n: int, digest: bytes, prompt: int = 40, offset: int = 10, length: int = 8) -> Sequence:
-    image = ImageInput(offset, length, b"", (3, 1, 1), digest)
+def _image_sequence(
+    n: int, digest: bytes, prompt: int = 40, offset: int = 10, length: int = 8, pixel_bytes: int = 0
+) -> Sequence:
+    image = ImageInput(offset, length, bytes(pixel_bytes), (3, 1, 1), digest)
     ids = tuple(range(prompt))
     parameters = Parameters(max_new_tokens=2, images=(image,))
     return Sequence(id=n, request=ValidRequest(inputs="x", input_ids=ids, parameters=parameters))
@@ -115,3 +117,13 @@ def test_the_prefix_cache_keys_image_blocks_by_the_image() -> None:
     sim.submit(again, other)
     sim.step()
     assert sim.work_of(again).cache_len == 32 and sim.work_of(other).cache_len == 0
+
+
+def test_a_step_carries_a_bounded_weight_of_pixels() -> None:
+    """Two requests whose images' pixels together pass MAX_STEP_PIXEL_BYTES join in two steps, not one."""
+    sim = Sim()
+    half = MAX_STEP_PIXEL_BYTES // 2 + 1
+    first, second = (_image_sequence(n, bytes([n]) * 32, pixel_bytes=half) for n in range(2))
+    sim.submit(first, second)
+    assert sim.step().admitted == [first]
+    assert sim.step().admitted == [second]
