@@ -38,13 +38,37 @@ class InputText(_Item):
     text: str
 
 
+class InputImage(_Item):
+    type: Literal["input_image"]
+    image_url: Annotated[
+        str, Field(description="A base64 data URL (data:image/png;base64,...); http(s) is not fetched")
+    ]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+InputPart = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Annotated[str | list[InputText], Field(description="Text, or text parts (input_text, output_text)")]
+    content: Annotated[
+        str | list[InputPart],
+        Field(description="Text, or parts: input_text, output_text, input_image (for an image-text model)"),
+    ]
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: its text, or, with images, OpenAI chat's text and image_url parts."""
+        if isinstance(self.content, str):
+            return self.content
+        if not any(isinstance(p, InputImage) for p in self.content):
+            return "".join(p.text for p in self.content)
+        return [
+            {"type": "image_url", "image_url": {"url": p.image_url}}
+            if isinstance(p, InputImage)
+            else {"type": "text", "text": p.text}
+            for p in self.content
+        ]
 
 
 class FunctionCallItem(_Item):

@@ -39,7 +39,7 @@ def messages_of(body: api.ResponsesRequest) -> list[dict[str, Any]]:
     for item in body.input:
         if isinstance(item, api.MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text()})
+            messages.append({"role": role, "content": item.chat_content()})
         elif isinstance(item, api.FunctionCallItem):
             call = {
                 "id": item.call_id,

@@ -141,3 +141,16 @@ def test_a_bad_image_is_refused_by_name(served: Server, gemma3_multimodal_model:
     body = response.json()
     assert named in str(body["error"]) and body["error_type"] == "validation", body
     _check(served, gemma3_multimodal_model, [png(28, 28, seed=43)])  # served on
+
+
+def test_the_responses_api_takes_input_images(served: Server, gemma3_multimodal_model: Path) -> None:
+    """An `input_image` part (a data URL) is the same image to the model as the chat route's."""
+    images = [png(28, 28, seed=51)]
+    content = [{"type": "input_image", "image_url": data_url(images[0])}, {"type": "input_text", "text": TEXT}]
+    body = {"input": [{"role": "user", "content": content}], "max_output_tokens": NEW_TOKENS, "temperature": 0}
+    with served.client() as client:
+        response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    expected = image_reference(gemma3_multimodal_model, TEXT, images, NEW_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_multimodal_model)
+    assert response.json()["output_text"] == tokenizer.decode(expected, skip_special_tokens=True)
