@@ -36,6 +36,23 @@ class TextBlockParam(Part):
     cache_control: CacheControl | None = None
 
 
+class Base64ImageSource(Part):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class ImageBlockParam(Part):
+    """An image in a user turn, for an image-text model: base64 data only (a `url` source is not fetched)."""
+
+    type: Literal["image"]
+    source: Base64ImageSource
+    cache_control: CacheControl | None = None
+
+    def data_url(self) -> str:
+        return f"data:{self.source.media_type};base64,{self.source.data}"
+
+
 class ToolUseBlockParam(Part):
     """A call an earlier answer made: the chat's assistant tool call."""
 
@@ -76,14 +93,19 @@ class RedactedThinkingBlockParam(Part):
 
 
 Block = Annotated[
-    TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam | RedactedThinkingBlockParam,
+    TextBlockParam
+    | ImageBlockParam
+    | ToolUseBlockParam
+    | ToolResultBlockParam
+    | ThinkingBlockParam
+    | RedactedThinkingBlockParam,
     Field(discriminator="type"),
 ]
 
 
 class MessageParam(Part):
-    """A turn: text, or blocks. A user's blocks are text and `tool_result`; an assistant's text, `tool_use` and
-    `thinking` (images and documents are not supported)."""
+    """A turn: text, or blocks. A user's blocks are text, `image` (base64, for an image-text model) and
+    `tool_result`; an assistant's text, `tool_use` and `thinking` (documents are not supported)."""
 
     role: Literal["user", "assistant"]
     content: Annotated[
@@ -96,10 +118,10 @@ class MessageParam(Part):
         if isinstance(self.content, str):
             return self
         kinds = {block.type for block in self.content}
-        if self.role == "user" and kinds - {"text", "tool_result"}:
-            raise ValueError("a user message carries text and `tool_result` blocks only")
-        if self.role == "assistant" and "tool_result" in kinds:
-            raise ValueError("an assistant message carries no `tool_result` blocks")
+        if self.role == "user" and kinds - {"text", "image", "tool_result"}:
+            raise ValueError("a user message carries text, `image` and `tool_result` blocks only")
+        if self.role == "assistant" and kinds & {"tool_result", "image"}:
+            raise ValueError("an assistant message carries no `tool_result` or `image` blocks")
         return self
 
 

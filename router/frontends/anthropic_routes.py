@@ -66,16 +66,31 @@ def _assistant(blocks: list[Any]) -> dict[str, Any]:
 
 def _user(blocks: list[Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    pending: list[Any] = []  # text and image blocks, one user message
     for block in blocks:
         if isinstance(block, api.ToolResultBlockParam):
-            if texts:
-                out.append({"role": "user", "content": BLOCKS_JOINED.join(texts)})
-                texts = []
+            if pending:
+                out.append(_user_message(pending))
+                pending = []
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
         else:
-            texts.append(block.text)
-    return out + ([{"role": "user", "content": BLOCKS_JOINED.join(texts)}] if texts else [])
+            pending.append(block)
+    return out + ([_user_message(pending)] if pending else [])
+
+
+def _user_message(blocks: list[Any]) -> dict[str, Any]:
+    """Text blocks joined; with images, the chat's text and image_url parts in the blocks' order."""
+    if not any(isinstance(b, api.ImageBlockParam) for b in blocks):
+        return {"role": "user", "content": BLOCKS_JOINED.join(b.text for b in blocks)}
+    parts: list[dict[str, Any]] = []
+    for block in blocks:
+        if isinstance(block, api.ImageBlockParam):
+            parts.append({"type": "image_url", "image_url": {"url": block.data_url()}})
+        elif parts and parts[-1]["type"] == "text":
+            parts[-1]["text"] += BLOCKS_JOINED + block.text
+        else:
+            parts.append({"type": "text", "text": block.text})
+    return {"role": "user", "content": parts}
 
 
 def chat_body(body: api.MessagesBase) -> dict[str, Any]:

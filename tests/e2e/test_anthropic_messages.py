@@ -361,7 +361,7 @@ def test_the_schema_maps_thinking_and_refuses_what_is_not_served() -> None:
     user = [{"role": "user", "content": "x"}]
     body = parse(api.MessagesRequest, {"max_tokens": 2, "messages": user, "thinking": {"type": "disabled"}})
     assert chat_body(body)["chat_template_kwargs"] == {"enable_thinking": False}
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}  # not fetched
     for refused in (
         {"max_tokens": 2, "messages": [{"role": "user", "content": [image]}]},
         {"max_tokens": 2, "messages": user, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},

@@ -154,3 +154,18 @@ def test_the_responses_api_takes_input_images(served: Server, gemma3_multimodal_
     expected = image_reference(gemma3_multimodal_model, TEXT, images, NEW_TOKENS)
     tokenizer = AutoTokenizer.from_pretrained(gemma3_multimodal_model)
     assert response.json()["output_text"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_anthropics_messages_api_takes_image_blocks(served: Server, gemma3_multimodal_model: Path) -> None:
+    """A base64 `image` block is the same image to the model as the chat route's."""
+    images = [png(28, 28, seed=61)]
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(images[0]).decode()}
+    content = [{"type": "image", "source": source}, {"type": "text", "text": TEXT}]
+    body = {"max_tokens": NEW_TOKENS, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+    with served.client() as client:
+        response = client.post("/v1/messages", json=body, headers={"x-api-key": "any"})
+    assert response.status_code == 200, response.text
+    expected = image_reference(gemma3_multimodal_model, TEXT, images, NEW_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_multimodal_model)
+    text = "".join(block["text"] for block in response.json()["content"] if block["type"] == "text")
+    assert text == tokenizer.decode(expected, skip_special_tokens=True).strip()
