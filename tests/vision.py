@@ -45,12 +45,20 @@ def reference_inputs(model_dir: Path, text: str, images: list[bytes]) -> dict:
     return processor(text=prompt, images=pictures or None, add_special_tokens=False, return_tensors="pt")
 
 
-def image_reference(model_dir: Path, text: str, images: list[bytes], max_new_tokens: int) -> list[int]:
-    """Greedy tokens of transformers' `generate()` for that chat alone, float32."""
+def image_reference(
+    model_dir: Path, text: str, images: list[bytes], max_new_tokens: int, chat: bool = True
+) -> list[int]:
+    """Greedy tokens of transformers' `generate()` for that chat alone, float32; not `chat`: for `text` as the
+    prompt itself, a placeholder where each image stands (TGI's prompts), with the tokenizer's BOS."""
     import torch
+    from PIL import Image
 
-    model, _ = _load(model_dir)
-    inputs = reference_inputs(model_dir, text, images)
+    model, processor = _load(model_dir)
+    if chat:
+        inputs = reference_inputs(model_dir, text, images)
+    else:
+        pictures = [Image.open(io.BytesIO(data)) for data in images]
+        inputs = processor(text=text, images=pictures, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()

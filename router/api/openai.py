@@ -121,9 +121,8 @@ ContentPart = Annotated[TextContent | ImageContent, Field(discriminator="type")]
 
 class Message(Part):
     """A message: system, user, assistant or tool. An assistant's may carry `tool_calls` instead of content (as
-    OpenAI returns them: arguments as JSON text); any other message needs a `content`: a string, or a list of text
-    and image parts (images for an image-text model only); a tool's answers one of those calls by its
-    `tool_call_id`."""
+    OpenAI returns them: arguments as JSON text); any other message needs a string `content` (or a list of text and
+    image parts, images for an image-text model only); a tool's answers one of those calls by its `tool_call_id`."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: Annotated[

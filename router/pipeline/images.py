@@ -34,6 +34,7 @@ MAX_IMAGES = 16  # per request
 # requests while theirs do (router/core/step_planner.py).
 MAX_STEP_PIXEL_BYTES = 48 * 1024 * 1024
 _DATA_URL = re.compile(r"data:(?P<type>[a-zA-Z0-9.+-]+/[a-zA-Z0-9.+-]+)?(;[^,;]*)*?;base64,", re.ASCII)
+_MARKDOWN = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")  # TGI's image in `inputs`: ![](data:image/png;base64,...)
 _FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
 
 
@@ -95,6 +96,25 @@ class ImageReader:
         values = arrays[0].astype("<f4")
         raw = values.tobytes()
         return Pixels(raw, tuple(values.shape), hashlib.sha256(raw).digest())
+
+    def read_all(self, urls: list[str]) -> list[Pixels]:
+        """A request's images, within MAX_IMAGES and MAX_STEP_PIXEL_BYTES."""
+        if len(urls) > MAX_IMAGES:
+            raise ValidationError(f"at most {MAX_IMAGES} images per request (max_images). Given: {len(urls)}")
+        pixels = [self.pixels(url) for url in urls]
+        if (size := sum(len(p.values) for p in pixels)) > MAX_STEP_PIXEL_BYTES:
+            raise ValidationError(
+                f"the images' pixel values take {size} bytes, over {MAX_STEP_PIXEL_BYTES} per request (max_pixel_bytes)"
+            )
+        return pixels
+
+    def markdown(self, inputs: str) -> tuple[str, list[Pixels]]:
+        """TGI's images: each `![](data URL)` in a prompt's text is that image's soft tokens where it stands."""
+        urls = [match[1] for match in _MARKDOWN.finditer(inputs)]
+        if not urls:
+            return inputs, []
+        pixels = self.read_all(urls)
+        return _MARKDOWN.sub(lambda _: self.sequence, inputs), pixels
 
     def expand(self, prompt: ChatPrompt, count: int) -> ChatPrompt:
         """The rendered chat with each placeholder the template wrote (none inside the caller's text) as the image's

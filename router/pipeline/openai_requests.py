@@ -16,7 +16,7 @@ from conveyor.router.api.base import ValidationError
 from conveyor.router.api.openai import MAX_CHOICES, ChatRequest, CompletionRequest, Message, MessageToolCall
 from conveyor.router.pipeline.chat_output import ChatOutput
 from conveyor.router.pipeline.chat_prompt import ChatPrompt, render_chat, template_kwargs
-from conveyor.router.pipeline.images import MAX_IMAGES, MAX_STEP_PIXEL_BYTES, ImageReader, Pixels
+from conveyor.router.pipeline.images import ImageReader, Pixels
 from conveyor.router.pipeline.reasoning import Reasoning
 from conveyor.router.pipeline.request import ValidRequest, from_chat, from_completion
 from conveyor.router.pipeline.tools import ToolUse, tool_use
@@ -114,16 +114,11 @@ def _chat_images(request: ChatRequest, reader: ImageReader | None) -> list[Pixel
         for p in m.content
         if p.type == "image_url"
     ]
-    if urls and reader is None:
+    if not urls:
+        return []
+    if reader is None:
         raise ValidationError("this model takes no images: send text only")
-    if len(urls) > MAX_IMAGES:
-        raise ValidationError(f"at most {MAX_IMAGES} images per request (max_images). Given: {len(urls)}")
-    pixels = [reader.pixels(url) for url in urls]
-    if (size := sum(len(p.values) for p in pixels)) > MAX_STEP_PIXEL_BYTES:
-        raise ValidationError(
-            f"the images' pixel values take {size} bytes, over {MAX_STEP_PIXEL_BYTES} per request (max_pixel_bytes)"
-        )
-    return pixels
+    return reader.read_all(urls)
 
 
 def _message(message: Message, images: bool = False) -> dict[str, Any]:

@@ -95,6 +95,7 @@ class Request:
     pooling: Pooling | None = None  # a prompt-only request (embeddings, rerank); None: it generates
     input_ids: tuple[int, ...] | None = None  # a prompt-only request's tokens as the caller gave them (not text)
     rerank: RerankPair | None = None  # a rerank request's pair, whose prompt is tokenized in the model card's pieces
+    markdown_images: bool = False  # TGI's: `![](data URL)` in `inputs` is an image, for an image-text model
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def from_tgi(inputs: str, p: GenerateParameters, *, stream: bool, grammar: Const
     parameters = _tgi_parameters(p)
     if grammar is not None:
         parameters = replace(parameters, grammar=grammar)
-    return Request(inputs, parameters, stream=stream, body=p, where="parameters.")
+    return Request(inputs, parameters, stream=stream, body=p, where="parameters.", markdown_images=True)
 
 
 def tgi_request(body: bytes | object, *, stream: bool, stream_field: bool = True) -> Request:

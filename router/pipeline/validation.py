@@ -160,7 +160,12 @@ class Validation:
             raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
         if parameters.grammar is not None:
             self.check_grammar(parameters.grammar)
-        input_ids = self._input_ids(inputs, parameters.truncate, request.add_special_tokens, request.plain_spans)
+        text, pixels = inputs, []
+        if request.markdown_images and self.images is not None:
+            text, pixels = self.images.markdown(inputs)
+        input_ids = self._input_ids(text, parameters.truncate, request.add_special_tokens, request.plain_spans)
+        if pixels:
+            parameters = replace(parameters, images=self.images.place(input_ids, pixels))
         max_new_tokens = _resolve_max_new_tokens(parameters.max_new_tokens, len(input_ids), self.limits)
         sampling = _with_seed(self.defaults.apply(parameters.sampling))
         adapter = self._adapter(request)

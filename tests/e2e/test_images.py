@@ -169,3 +169,17 @@ def test_anthropics_messages_api_takes_image_blocks(served: Server, gemma3_multi
     tokenizer = AutoTokenizer.from_pretrained(gemma3_multimodal_model)
     text = "".join(block["text"] for block in response.json()["content"] if block["type"] == "text")
     assert text == tokenizer.decode(expected, skip_special_tokens=True).strip()
+
+
+def test_tgis_markdown_images_in_inputs(served: Server, gemma3_multimodal_model: Path) -> None:
+    """TGI's `![](data URL)` in `inputs` is the image, where it stands in the prompt."""
+    images = [png(28, 28, seed=71)]
+    body = {"inputs": f"![]({data_url(images[0])}){TEXT}", "parameters": {"max_new_tokens": NEW_TOKENS}}
+    body["parameters"]["details"] = True
+    with served.client() as client:
+        response = client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_multimodal_model)
+    prompt = tokenizer.convert_ids_to_tokens(1021) + TEXT  # the placeholder, as the processor takes it
+    expected = image_reference(gemma3_multimodal_model, prompt, images, NEW_TOKENS, chat=False)
+    assert [t["id"] for t in response.json()["details"]["tokens"]] == expected
