@@ -121,11 +121,13 @@ TOKEN_RULES = (
     "which is not in `tools`",
     # the Responses API: items the model is not shown
     "`input` has nothing to answer",
+    # images (a chat's image parts, the Responses API's input_image, Anthropic's image blocks) to a text model
+    "this model takes no images",
     # Anthropic's Messages API: its rules between fields (router/api/anthropic.py's docstrings)
     "the last message must be the user's",
     "`tools` has two tools of the same name",
-    "a user message carries text and `tool_result` blocks only",
-    "an assistant message carries no `tool_result` blocks",
+    "a user message carries text, `image` and `tool_result` blocks only",
+    "an assistant message carries no `tool_result` or `image` blocks",
     # embeddings and rerank: a task this deployment was not started with (--task)
     "this deployment does not serve",
 )
