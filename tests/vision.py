@@ -34,19 +34,21 @@ def _load(model_dir: Path):
     return _MODELS[model_dir]
 
 
-def reference_inputs(model_dir: Path, text: str, images: list[bytes]) -> dict:
-    """The processor's inputs for a user message of `images` then `text`, as transformers prepares a chat."""
+def reference_inputs(model_dir: Path, text: str, images: list[bytes], before: str = "") -> dict:
+    """The processor's inputs for a user message of `before` (if any), `images`, then `text`, as transformers
+    prepares a chat."""
     from PIL import Image
 
     _, processor = _load(model_dir)
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    content = [{"type": "text", "text": before}] if before else []
+    content += [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
     prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     pictures = [Image.open(io.BytesIO(data)) for data in images]
     return processor(text=prompt, images=pictures or None, add_special_tokens=False, return_tensors="pt")
 
 
 def image_reference(
-    model_dir: Path, text: str, images: list[bytes], max_new_tokens: int, chat: bool = True
+    model_dir: Path, text: str, images: list[bytes], max_new_tokens: int, chat: bool = True, before: str = ""
 ) -> list[int]:
     """Greedy tokens of transformers' `generate()` for that chat alone, float32; not `chat`: for `text` as the
     prompt itself, a placeholder where each image stands (TGI's prompts), with the tokenizer's BOS."""
@@ -55,7 +57,7 @@ def image_reference(
 
     model, processor = _load(model_dir)
     if chat:
-        inputs = reference_inputs(model_dir, text, images)
+        inputs = reference_inputs(model_dir, text, images, before)
     else:
         pictures = [Image.open(io.BytesIO(data)) for data in images]
         inputs = processor(text=text, images=pictures, return_tensors="pt")

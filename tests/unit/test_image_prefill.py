@@ -102,3 +102,24 @@ def test_a_chunk_ending_inside_an_image_is_refused(engine: Engine, gemma3_multim
     start = _runs(torch.nonzero(inputs["token_type_ids"][0] == 1).flatten().tolist())[0][0]
     with pytest.raises(BadRequest, match="inside an image"):
         engine.step(engine.batch(pb.Batch(id=9, requests=[_request(0, inputs, chunk=start + 1)])))
+
+
+def test_a_cached_prefix_ending_inside_an_image(engine: Engine, gemma3_multimodal_model: Path) -> None:
+    """The prefix cache may end inside an image (its KV was computed with the whole image): the next request reads
+    the rest of the image's tokens, still seeing each other both ways, and gets transformers' tokens."""
+    model, images = gemma3_multimodal_model, [png(28, 28, seed=6)]
+    block = engine.block_size
+    for words in range(1, 12):  # text before the image until the image's tokens straddle the first block's end
+        before = " ".join(["look"] * words)
+        inputs = reference_inputs(model, TEXT, images, before)
+        offset, length = _runs(torch.nonzero(inputs["token_type_ids"][0] == 1).flatten().tolist())[0]
+        if offset < block < offset + length:
+            break
+    else:
+        pytest.fail("no prefix puts the image across a block boundary")
+    _generate(engine, engine.batch(pb.Batch(id=20, requests=[_request(0, inputs)])))  # writes blocks 0..
+    again = _request(1, inputs)
+    again.blocks[0] = 0  # the first request's first block, as a prefix-cache hit shares it
+    again.cache_len = block
+    tokens = _generate(engine, engine.batch(pb.Batch(id=21, requests=[again])))[1]
+    assert tokens == image_reference(model, TEXT, images, NEW_TOKENS, before=before)
