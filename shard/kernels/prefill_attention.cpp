@@ -14,12 +14,12 @@
 // last position any of its queries sees: S = Q K^T (brgemm), an online softmax on S (running max and sum per row,
 // the output rescaled when the max moves), O += P V (brgemm). The keys are transposed and the values laid out by
 // head once per call, both zero-padded to whole tiles, so that every task reads its tiles in place and the GEMM
-// shapes never change within a call (brgemm's JIT kernels are made once per shape).
+// shapes never change within a call (brgemm's JIT kernels are made once per shape). The paged entry point lays
+// them out straight from the KV pool's rows, so the context is never gathered into a copy first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "attention_simd.h"
@@ -145,31 +145,102 @@ struct Task {
   }
 };
 
-// query [Q, Hq, D], keys/values [C, Hkv, D] (the sequence's whole context, the chunk's own tokens last), all
-// float32; query i attends to keys 0..C-Q+i. Returns [Q, Hq, D].
+// The context's keys transposed, [Hkv, D, padded], and its values by head, [Hkv, padded, D], zero past the context.
+// Context row c is row rows[c] of keys/values ([N, Hkv, D], contiguous; rows null: row c), so that a pool's rows
+// are read where they lie rather than gathered into a copy first. Tasks are (KV head, run of kLayOutRows rows).
+struct LaidOut {
+  at::Tensor kt, vh;
+};
+
+constexpr int64_t kLayOutRows = 256;
+
+inline LaidOut lay_out(const Shape& s, const float* keys, const float* values, const int64_t* rows,
+                       const at::TensorOptions& options) {
+  const int64_t padded = s.padded(), width = s.kv_heads * s.dim, runs = (padded + kLayOutRows - 1) / kLayOutRows;
+  auto kt = at::empty({s.kv_heads, s.dim, padded}, options);
+  auto vh = at::empty({s.kv_heads, padded, s.dim}, options);
+  float* const k_out = kt.data_ptr<float>();
+  float* const v_out = vh.data_ptr<float>();
+  at::parallel_for(0, s.kv_heads * runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t / runs, first = t % runs * kLayOutRows, last = std::min(padded, first + kLayOutRows);
+      float* kg = k_out + g * s.dim * padded;
+      float* vg = v_out + g * padded * s.dim;
+      const int64_t filled = std::min(last, s.context);
+      for (int64_t c0 = first; c0 < filled; c0 += 8) {  // 8 rows at a time: each of kt's rows gets a run of 8
+        const int64_t n = std::min<int64_t>(8, filled - c0);
+        const float* k[8];
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t r = rows ? rows[c0 + j] : c0 + j;
+          k[j] = keys + r * width + g * s.dim;
+          std::memcpy(vg + (c0 + j) * s.dim, values + r * width + g * s.dim, s.dim * sizeof(float));
+        }
+        for (int64_t d = 0; d < s.dim; ++d)
+          for (int64_t j = 0; j < n; ++j) kg[d * padded + c0 + j] = k[j][d];
+      }
+      if (last > filled) {  // the last tile's padding: zeros, so padded keys score 0 and padded values add 0
+        const int64_t from = std::max(first, filled);
+        for (int64_t d = 0; d < s.dim; ++d) std::fill(kg + d * padded + from, kg + d * padded + last, 0.f);
+        std::fill(vg + from * s.dim, vg + last * s.dim, 0.f);
+      }
+    }
+  });
+  return {kt, vh};
+}
+
 template <typename V>
-at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat, "prefill_attention: float32 on CPU");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "float32 keys and values");
-  TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(), "[Q, Hq, D] and [C, Hkv, D]");
-  TORCH_CHECK(query.size(1) % keys.size(1) == 0 && query.size(2) == keys.size(2), "GQA heads and one head size");
-  TORCH_CHECK(keys.size(0) >= query.size(0), "the context holds the chunk");
-  const Shape shape{query.size(0), keys.size(0), query.size(1), keys.size(1), query.size(2)};
-  auto q = query.contiguous(), k = keys.contiguous(), v = values.contiguous();
+at::Tensor attend(const Shape& shape, const at::Tensor& query, const LaidOut& laid, double scale) {
+  auto q = query.contiguous();
   auto out = at::empty(query.sizes(), query.options());
-  const int64_t padded = shape.padded();
-  auto kt = at::zeros({shape.kv_heads, shape.dim, padded}, query.options());  // zeros: the last tile's padding
-  auto vh = at::zeros({shape.kv_heads, padded, shape.dim}, query.options());
-  kt.narrow(2, 0, shape.context).copy_(k.permute({1, 2, 0}));
-  vh.narrow(1, 0, shape.context).copy_(v.permute({1, 0, 2}));
   const int64_t blocks = shape.blocks(), tasks = blocks * shape.kv_heads;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Task<V> task(shape, q.data_ptr<float>(), kt.data_ptr<float>(), vh.data_ptr<float>(), out.data_ptr<float>(),
-                 static_cast<float>(scale));
+    Task<V> task(shape, q.data_ptr<float>(), laid.kt.data_ptr<float>(), laid.vh.data_ptr<float>(),
+                 out.data_ptr<float>(), static_cast<float>(scale));
     for (int64_t t = begin; t < end; ++t) task.run(t % shape.kv_heads, block_of(t / shape.kv_heads, blocks));
     at::native::cpublas::brgemm_release(false);
   });
   return out;
+}
+
+inline void check_query(const at::Tensor& query) {
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat, "prefill_attention: float32 on CPU");
+  TORCH_CHECK(query.dim() == 3, "the query is [Q, Hq, D]");
+}
+
+// query [Q, Hq, D], keys/values [C, Hkv, D] (the sequence's whole context, the chunk's own tokens last), all
+// float32; query i attends to keys 0..C-Q+i. Returns [Q, Hq, D].
+template <typename V>
+at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale) {
+  check_query(query);
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "float32 keys and values");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "[Q, Hq, D] and [C, Hkv, D]");
+  TORCH_CHECK(query.size(1) % keys.size(1) == 0 && query.size(2) == keys.size(2), "GQA heads and one head size");
+  TORCH_CHECK(keys.size(0) >= query.size(0), "the context holds the chunk");
+  const Shape shape{query.size(0), keys.size(0), query.size(1), keys.size(1), query.size(2)};
+  auto k = keys.contiguous(), v = values.contiguous();
+  return attend<V>(shape, query, lay_out(shape, k.data_ptr<float>(), v.data_ptr<float>(), nullptr, query.options()),
+                   scale);
+}
+
+// The same over a KV pool: key_pool/value_pool [N, Hkv, D] (the flat float32 pool), slots [C] the context's rows
+// in order. Reads the rows in place: no gathered copy of the context per layer.
+template <typename V>
+at::Tensor prefill_attention_paged(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                                   const at::Tensor& slots, double scale) {
+  check_query(query);
+  TORCH_CHECK(key_pool.scalar_type() == at::kFloat && value_pool.scalar_type() == at::kFloat, "float32 pools");
+  TORCH_CHECK(key_pool.dim() == 3 && key_pool.sizes() == value_pool.sizes(), "pools are [N, Hkv, D]");
+  TORCH_CHECK(key_pool.is_contiguous() && value_pool.is_contiguous(), "contiguous pools");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: [C] int64");
+  TORCH_CHECK(query.size(1) % key_pool.size(1) == 0 && query.size(2) == key_pool.size(2), "GQA heads, one head size");
+  TORCH_CHECK(slots.size(0) >= query.size(0), "the context holds the chunk");
+  const int64_t* rows = slots.data_ptr<int64_t>();
+  const int64_t pool_rows = key_pool.size(0);
+  TORCH_CHECK(std::all_of(rows, rows + slots.size(0), [&](int64_t r) { return r >= 0 && r < pool_rows; }),
+              "slots within the pool");
+  const Shape shape{query.size(0), slots.size(0), query.size(1), key_pool.size(1), query.size(2)};
+  const auto laid = lay_out(shape, key_pool.data_ptr<float>(), value_pool.data_ptr<float>(), rows, query.options());
+  return attend<V>(shape, query, laid, scale);
 }
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
@@ -177,6 +248,12 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.impl("prefill_attention", c10::DispatchKey::CPU, &prefill_attention<Widest>);
   m.def("prefill_attention_avx2(Tensor query, Tensor keys, Tensor values, float scale) -> Tensor");
   m.impl("prefill_attention_avx2", c10::DispatchKey::CPU, &prefill_attention<Avx2Loops>);
+  m.def("prefill_attention_paged(Tensor query, Tensor key_pool, Tensor value_pool, Tensor slots, float scale) -> Tensor");
+  m.impl("prefill_attention_paged", c10::DispatchKey::CPU, &prefill_attention_paged<Widest>);
+  m.def(
+      "prefill_attention_paged_avx2(Tensor query, Tensor key_pool, Tensor value_pool, Tensor slots, float scale) -> "
+      "Tensor");
+  m.impl("prefill_attention_paged_avx2", c10::DispatchKey::CPU, &prefill_attention_paged<Avx2Loops>);
 }
 
 #endif  // CONVEYOR_SIMD_ATTENTION

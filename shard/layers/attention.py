@@ -331,6 +331,10 @@ def _attend(
         )
     if group.kernel and not softcap and q.dtype == torch.float32:
         slots = group.context_slots[0]  # one sequence, unpadded: its context in order, the chunk's tokens last
+        if not kv_quant.quantized(flat_keys):  # the kernel reads the pool's rows in place
+            return torch.ops.conveyor.prefill_attention_paged(
+                q[group.token_index], flat_keys, flat_values, slots, scale
+            )
         keys, values = kv_quant.gather(flat_keys, slots, q.dtype), kv_quant.gather(flat_values, slots, q.dtype)
         return torch.ops.conveyor.prefill_attention(q[group.token_index], keys, values, scale)
     # index_select on the flattened slots: the same rows as advanced indexing, faster on CPU (this path's decode

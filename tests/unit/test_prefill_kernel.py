@@ -58,6 +58,37 @@ def test_large_scores_stay_finite(op: str) -> None:
     torch.testing.assert_close(out, reference(q, keys, values, 0.25), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(("context", "queries"), [(300, 300), (1000, 257), (129, 64), (5, 5), (1, 1)])
+def test_the_paged_kernel_reads_the_pool_in_place_with_the_same_bits(op: str, context: int, queries: int) -> None:
+    """Over a pool, the context's rows scattered in it: the same output as the kernel over the gathered rows."""
+    torch.manual_seed(context + queries)
+    heads, kv_heads, dim, pool_rows = 8, 2, 64, 1200
+    q = torch.randn(queries, heads, dim)
+    key_pool, value_pool = torch.randn(pool_rows, kv_heads, dim), torch.randn(pool_rows, kv_heads, dim)
+    slots = torch.randperm(pool_rows)[:context]
+    paged = getattr(torch.ops.conveyor, op.replace("prefill_attention", "prefill_attention_paged"))
+    out = paged(q, key_pool, value_pool, slots, dim**-0.5)
+    gathered = getattr(torch.ops.conveyor, op)(q, key_pool[slots], value_pool[slots], dim**-0.5)
+    assert torch.equal(out, gathered)
+    torch.testing.assert_close(out, reference(q, key_pool[slots], value_pool[slots], dim**-0.5), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("slots", "message"),
+    [
+        (torch.tensor([0, 1, 40]), "slots within the pool"),
+        (torch.tensor([0, -1, 2]), "slots within the pool"),
+        (torch.tensor([0, 1]), "the context holds the chunk"),
+        (torch.tensor([0, 1, 2], dtype=torch.int32), "slots: \\[C\\] int64"),
+    ],
+)
+def test_the_paged_kernel_refuses_slots_outside_its_pool(slots: torch.Tensor, message: str) -> None:
+    pool = torch.randn(40, 2, 8)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.conveyor.prefill_attention_paged(torch.randn(3, 2, 8), pool, pool, slots, 1.0)
+
+
 def test_a_chunk_longer_than_its_context_is_refused() -> None:
     with pytest.raises(RuntimeError, match="the context holds the chunk"):
         torch.ops.conveyor.prefill_attention(torch.randn(8, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8), 1.0)
