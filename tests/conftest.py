@@ -55,12 +55,31 @@ ORACLE_PROMPTS = [
 _LOOPBACK_GUARD = pytest.MonkeyPatch()
 
 
+# Every launcher this run started. A run ended by SIGTERM (`timeout`, `kill`) would otherwise leave the deployments
+# it shares across tests serving, with their memory, after it: they are stopped on the way out.
+_LAUNCHERS: list[subprocess.Popen] = []
+
+
+def _stop_launchers(*_: object) -> None:
+    for process in _LAUNCHERS:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # the launcher stops its shards and router in order
+
+
+def _ended(signum: int, frame: object) -> None:
+    """SIGTERM: the launchers stop, then pytest ends the session as on Ctrl-C (its teardowns run)."""
+    _stop_launchers()
+    raise KeyboardInterrupt
+
+
 def pytest_configure(config: pytest.Config) -> None:
     loopback.install(_LOOPBACK_GUARD)
+    signal.signal(signal.SIGTERM, _ended)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     _LOOPBACK_GUARD.undo()
+    _stop_launchers()
 
 
 @pytest.fixture(autouse=True)
@@ -453,6 +472,7 @@ def start_server(
         stderr=None if log is None else log.open("ab"),
         cwd=cwd,
     )
+    _LAUNCHERS.append(process)
     server = Server(f"http://127.0.0.1:{port}", process, model_dir, f"127.0.0.1:{grpc_port}")
     wait_until_serving(server)
     return server
