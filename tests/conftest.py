@@ -314,6 +314,12 @@ class Server:
     def shard_pids(self) -> list[int]:
         return [c.pid for c in self.children() if "conveyor.shard.main" in " ".join(c.cmdline())]
 
+    def socket_dir(self) -> str:
+        """The directory of the shards' sockets, from the launcher's command line for its shard."""
+        shard = next(c for c in self.children() if "conveyor.shard.main" in " ".join(c.cmdline()))
+        argv = shard.cmdline()
+        return os.path.dirname(argv[argv.index("--shard-uds-path") + 1])
+
     def shard_pid(self, rank: int) -> int:
         import psutil
 

@@ -79,13 +79,6 @@ def test_over_max_concurrent_requests_is_429_and_the_slots_come_back(capped: Cal
         )
 
 
-def _socket_dir(server) -> str:
-    """The directory of the shards' sockets, from the launcher's command line for its shard."""
-    shard = next(c for c in server.children() if "conveyor.shard.main" in " ".join(c.cmdline()))
-    argv = shard.cmdline()
-    return os.path.dirname(argv[argv.index("--shard-uds-path") + 1])
-
-
 def _draining(server) -> bool:
     """Both doors say so during a drain: /health (for load balancers) and a new request."""
     with server.client() as client:
@@ -105,7 +98,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(
         future = pool.submit(watcher.run)
         wait_for(lambda: watcher.received(2), 120, "the stream to start")
         children = [c.pid for c in server.children()]
-        socket_dir = _socket_dir(server)
+        socket_dir = server.socket_dir()
         assert stat.S_IMODE(os.stat(socket_dir).st_mode) == 0o700  # private: not a guessable name in shared /tmp
         server.process.send_signal(signal.SIGTERM)
         wait_for(lambda: _draining(server), 60, "/health and new requests to answer 503 during the drain")

@@ -37,7 +37,6 @@ from clients import (
     wait_until,
 )
 from conftest import Deployments, Server, free_port, start_server, used
-from test_lifecycle import _socket_dir
 
 from conveyor.client import AsyncClient, ConveyorError
 
@@ -150,7 +149,7 @@ async def test_sigterm_serves_running_waiting_and_queued_requests_and_refuses_ne
             started += [launch(client, call) for call in queued]
             await wait_until(lambda: in_server(client, BATCH, len(queued)), 60, "the others to be queued")
             family = psutil.Process(server.process.pid).children(recursive=True)
-            socket_dir = _socket_dir(server)
+            socket_dir = server.socket_dir()
             server.process.send_signal(signal.SIGTERM)
             await wait_until(lambda: refused(client, "/health"), 30, "/health to answer 503 during the drain")
             refusals = {route: await refused(client, route) for route in GENERATING_ROUTES}
@@ -180,7 +179,7 @@ async def test_streams_outlasting_the_graceful_timeout_end_with_an_error_event(o
             started += [launch(client, call) for call in [*streams[2:], Call(GENERATE, False, tgi(1000))]]
             await wait_until(lambda: in_server(client, 2, 5), 60, "the others to be queued")
             family = psutil.Process(server.process.pid).children(recursive=True)
-            socket_dir = _socket_dir(server)
+            socket_dir = server.socket_dir()
             server.process.send_signal(signal.SIGTERM)
             results = await asyncio.wait_for(asyncio.gather(*(task for _, task in started)), 120)
         *streamed, whole = results
@@ -202,7 +201,7 @@ async def test_a_sigkilled_launcher_takes_its_children_with_it(two_shards: Serve
     server = two_shards
     family = psutil.Process(server.process.pid).children(recursive=True)
     assert len(server.shard_pids()) == 2 and len(family) == 3, family
-    socket_dir = _socket_dir(server)
+    socket_dir = server.socket_dir()
     try:
         async with http_client(server.url, 4) as client:
             _, stream = launch(client, Call(GENERATE_STREAM, True, tgi(LONG)))
