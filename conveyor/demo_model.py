@@ -38,21 +38,34 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-# The image-text demo's template: a message's content is text, or a list of parts as transformers' processors
-# take them, where an image part is written as its placeholder (`<start_of_image>`, as Gemma 3's own template
-# writes it), which the processor (and the router) expand to the image's soft tokens.
+# The image-text demos' template: a message's content is text, or a list of parts as transformers' processors
+# take them, where an image part is written as its placeholder (`<start_of_image>` as Gemma 3's own template writes
+# it, `<image>` as SmolVLM's does), which the processor (and the router) expand to the image's tokens.
 BOI, EOI, IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
-IMAGE_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}" + BOI + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}" + EOS + "\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+# SmolVLM's (Idefics3's) image tokens, as its tokenizer has them: each tile's `<image>` run opens with the fake
+# token and the tile's `<row_i_col_j>` (the whole image, small: `<global-img>`), up to 6 x 6 tiles.
+FAKE, IDEFICS_IMAGE, GLOBAL_IMAGE = "<fake_token_around_image>", "<image>", "<global-img>"
+IDEFICS3_TOKENS = (FAKE, IDEFICS_IMAGE, "<end_of_utterance>", GLOBAL_IMAGE) + tuple(
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
 )
+
+
+def image_chat_template(placeholder: str) -> str:
+    """The demo's role-tagged template, with list contents whose image parts are written as `placeholder`."""
+    return (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "<|{{ message['role'] }}|>\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}" + placeholder + "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}" + EOS + "\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+
+
+IMAGE_CHAT_TEMPLATE = image_chat_template(BOI)
 
 
 @dataclass(frozen=True)
@@ -93,16 +106,16 @@ def training_corpus(max_bytes: int) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int, corpus_bytes: int, image_tokens: bool = False):
-    """`image_tokens`: the image-text demo's three image tokens take the vocabulary's last ids (the BPE is trained
-    three tokens short), where its config puts them."""
+def train_tokenizer(vocab_size: int, corpus_bytes: int, image_tokens: tuple[str, ...] = ()):
+    """`image_tokens`: an image-text demo's image tokens take the vocabulary's last ids, in order (the BPE is
+    trained that many tokens short), where its config puts them."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - 3 if image_tokens else vocab_size,
+        vocab_size=vocab_size - len(image_tokens),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -112,7 +125,7 @@ def train_tokenizer(vocab_size: int, corpus_bytes: int, image_tokens: bool = Fal
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
     )
     if image_tokens:
-        tok.add_special_tokens([AddedToken(t, special=True) for t in (BOI, EOI, IMAGE)])
+        tok.add_special_tokens([AddedToken(t, special=True) for t in image_tokens])
     return tok
 
 
@@ -121,25 +134,36 @@ def _progress(message: str) -> None:
     print(f"conveyor-demo-model: {message}", file=sys.stderr, flush=True)
 
 
-def _template_into_tokenizer_config(out_dir: Path, images: bool = False) -> None:
+def _template_into_tokenizer_config(out_dir: Path, arch: str = "llama") -> None:
     """Keeps the chat template in tokenizer_config.json, where every transformers version and TGI look for it
     (transformers 5 writes it to a separate chat_template.jinja instead). An image-text model's processor reads
     chat_template.jinja: it keeps the same template there."""
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = IMAGE_CHAT_TEMPLATE if images else CHAT_TEMPLATE
+    config["chat_template"] = template = _chat_template(arch)
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-    if images:
-        (out_dir / "chat_template.jinja").write_text(IMAGE_CHAT_TEMPLATE)
+    if arch in IMAGE_ARCHITECTURES:
+        (out_dir / "chat_template.jinja").write_text(template)
     else:
         (out_dir / "chat_template.jinja").unlink(missing_ok=True)
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3-multimodal")
-IMAGE_ARCHITECTURES = ("gemma3-multimodal",)  # built with a processor: image parts, soft tokens, pixel values
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3-multimodal", "idefics3")
+# Built with a processor (image parts, image tokens, pixel values): each one's image tokens, the vocabulary's last.
+IMAGE_TOKENS = {"gemma3-multimodal": (BOI, EOI, IMAGE), "idefics3": IDEFICS3_TOKENS}
+IMAGE_ARCHITECTURES = tuple(IMAGE_TOKENS)
 IMAGE_SIZE, PATCH_SIZE, TOKENS_PER_IMAGE = 28, 14, 4  # a 2x2 patch grid, one soft token per patch
+# SmolVLM's tiles: 56 x 56 pixels, a 4 x 4 patch grid pixel-shuffled by 2 into 4 tokens; an image is resized to at
+# most 112 pixels a side and split into up to 2 x 2 tiles, then the whole image at one tile's size.
+TILE_SIZE, LONGEST_EDGE, SCALE_FACTOR = 56, 112, 2
 PHI3_ORIGINAL_CONTEXT = 100  # tokens: LongRoPE's switch, between the test prompts' lengths
 MISTRAL_WINDOW = 16  # tokens: shorter than the test prompts with their generations, so the window really slides
+
+
+def _chat_template(arch: str) -> str:
+    if arch == "idefics3":
+        return image_chat_template(IDEFICS_IMAGE)
+    return IMAGE_CHAT_TEMPLATE if arch in IMAGE_ARCHITECTURES else CHAT_TEMPLATE
 
 
 def _model(arch: str, config_fields: dict, initializer_range: float):
@@ -157,6 +181,8 @@ def _model(arch: str, config_fields: dict, initializer_range: float):
         return _gemma(arch, config_fields)
     if arch == "gemma3-multimodal":
         return _gemma3_multimodal(config_fields)
+    if arch == "idefics3":
+        return _idefics3(config_fields)
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -244,12 +270,56 @@ def _gemma3_multimodal(config_fields: dict):
     return model
 
 
-def _image_processor(tokenizer):
-    """Gemma 3's processor for the image-text demo: its image processor at the vision tower's size (Gemma 3's
-    own normalisation), and the soft tokens per image its config says."""
-    from transformers import Gemma3Processor
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+def _idefics3(config_fields: dict):
+    """SmolVLM as it ships (`model_type` idefics3): the Llama text network of the `llama` demo under
+    `model.text_model.`, a one-layer SigLIP-style tower over TILE_SIZE tiles, and the connector that pixel-shuffles
+    its patches by SCALE_FACTOR and projects them. `<image>` is the image token."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig, LlamaForCausalLM
 
+    text = LlamaForCausalLM(LlamaConfig(**config_fields))
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=TILE_SIZE,
+        patch_size=PATCH_SIZE,
+    )
+    first = config_fields["vocab_size"] - len(IDEFICS3_TOKENS)
+    wrapper = Idefics3Config(
+        text_config=text.config.to_dict(),
+        vision_config=vision,
+        scale_factor=SCALE_FACTOR,
+        image_token_id=first + IDEFICS3_TOKENS.index(IDEFICS_IMAGE),
+        tie_word_embeddings=False,
+    )
+    model = Idefics3ForConditionalGeneration(wrapper)
+    model.model.text_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    with torch.no_grad():  # image embeddings as spread as the text's, so that another image is another answer
+        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.05)
+    return model
+
+
+def _processor(arch: str, tokenizer):
+    """The image-text demo's processor. Gemma 3's: its image processor at the vision tower's size (Gemma 3's own
+    normalisation), and the soft tokens per image its config says. SmolVLM's: images resized to LONGEST_EDGE and
+    split into TILE_SIZE tiles (`do_image_splitting`, as SmolVLM's checkpoints ship), 4 tokens per tile."""
+    from transformers import Gemma3Processor, Idefics3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    if arch == "idefics3":
+        image_processor = Idefics3ImageProcessorPil(
+            size={"longest_edge": LONGEST_EDGE},
+            max_image_size={"longest_edge": TILE_SIZE},
+            do_image_splitting=True,
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+        )
+        tokens = (TILE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2
+        return Idefics3Processor(image_processor, tokenizer, image_seq_len=tokens, chat_template=_chat_template(arch))
     size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     image_processor = Gemma3ImageProcessorPil(size=size, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     return Gemma3Processor(image_processor, tokenizer, IMAGE_CHAT_TEMPLATE, image_seq_length=TOKENS_PER_IMAGE)
@@ -284,21 +354,21 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama")
     out_dir.mkdir(parents=True, exist_ok=True)
     images = arch in IMAGE_ARCHITECTURES
     _progress(f"training a {spec.vocab_size}-token BPE tokenizer")
-    image_names = {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE} if images else {}
+    image_names = {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE} if arch == "gemma3-multimodal" else {}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(spec.vocab_size, spec.corpus_bytes, images),
+        tokenizer_object=train_tokenizer(spec.vocab_size, spec.corpus_bytes, IMAGE_TOKENS.get(arch, ())),
         bos_token=BOS,
         eos_token=EOS,
         unk_token=UNK,
         pad_token=PAD,
         model_max_length=spec.max_position_embeddings,
-        chat_template=IMAGE_CHAT_TEMPLATE if images else CHAT_TEMPLATE,
+        chat_template=_chat_template(arch),
         extra_special_tokens=image_names,
     )
     tokenizer.save_pretrained(out_dir)
     if images:
-        _image_processor(tokenizer).save_pretrained(out_dir)
-    _template_into_tokenizer_config(out_dir, images)
+        _processor(arch, tokenizer).save_pretrained(out_dir)
+    _template_into_tokenizer_config(out_dir, arch)
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = dict(
@@ -336,7 +406,7 @@ def ensure(out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "llama"
     finished = _is_built(out_dir)
     build_once(out_dir, lambda staging: build(staging, size, seed, arch), f"the {size} demo model", _is_built)
     if finished:  # a build from before the template last changed gets the new one
-        _template_into_tokenizer_config(out_dir, arch in IMAGE_ARCHITECTURES)
+        _template_into_tokenizer_config(out_dir, arch)
     return out_dir
 
 

@@ -206,6 +206,13 @@ def gemma3_multimodal_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smolvlm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SmolVLM (`model_type` idefics3): the Llama text network beside a SigLIP-style tower and the
+    pixel-shuffle connector, with SmolVLM's processor splitting an image into tiles."""
+    return demo_model.ensure(tmp_path_factory.mktemp("models") / "smolvlm", "tiny", seed=3, arch="idefics3")
+
+
+@pytest.fixture(scope="session")
 def gemma2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma-2-like model: Gemma 3's layout without q/k norms, one rope, soft-capped scores and logits."""
     return demo_model.ensure(tmp_path_factory.mktemp("models") / "gemma2", "tiny", seed=3, arch="gemma2")
