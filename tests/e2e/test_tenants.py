@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -487,17 +488,40 @@ def test_no_header_bytes_get_a_5xx(shared: Server, header: bytes, route: bytes, 
     assert status is not None and 200 <= int(status.group(1)) < 500, answer[:300]
 
 
+def refused_exchange(server: Server, request: bytes) -> bytes:
+    """Sends a request whose body waits for `100 Continue`, reads the whole answer (its head and Content-Length
+    bytes), then, as a client told no would, ends its side without the body, and reads until the server closes.
+    (Left open, aiohttp would wait its 10 s lingering time for the body before closing.)"""
+    with server.raw_connection(timeout=30) as connection:
+        connection.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer) < answer.index(b"\r\n\r\n") + 4 + content_length(answer):
+            chunk = connection.recv(65536)
+            assert chunk, f"closed before a whole answer: {answer[:300]!r}"
+            answer += chunk
+        connection.shutdown(socket.SHUT_WR)
+        return answer + read_until_closed(connection)
+
+
+def content_length(answer: bytes) -> int:
+    """The Content-Length of an answer's head (the last one, after any interim `100 Continue`)."""
+    lengths = re.findall(rb"(?im)^content-length: *(\d+)\r$", answer)
+    return int(lengths[-1]) if lengths else 0
+
+
 def test_expect_continue_without_a_key_gets_401_not_100(shared: Server) -> None:
     """The body is not invited from a caller the route will refuse."""
-    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 15\r\n"
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+    body = b'{"inputs": "x", "parameters": {"max_new_tokens": 2}}'  # not the default: up to --max-total-tokens
     for authorization in (b"", b"Authorization: Bearer wrong-key\r\n"):
-        answer = raw_exchange(shared, head + authorization + b"Expect: 100-continue\r\n\r\n")
+        answer = refused_exchange(shared, head % len(body) + authorization + b"Expect: 100-continue\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 401") and b"100 Continue" not in answer, answer[:300]
-    keyed = head + b"Authorization: Bearer " + KEYS["tenant"]["key"].encode() + b"\r\nExpect: 100-continue\r\n"
+    key = KEYS["tenant"]["key"].encode()
+    keyed = head % len(body) + b"Authorization: Bearer " + key + b"\r\nExpect: 100-continue\r\n"
     with shared.raw_connection(timeout=30) as connection:
         connection.sendall(keyed + b"Connection: close\r\n\r\n")
         assert connection.recv(25).startswith(b"HTTP/1.1 100 Continue")  # a keyed caller is invited
-        connection.sendall(b'{"inputs": "x"}')
+        connection.sendall(body)
         assert read_until_closed(connection).lstrip(b"\r\n").startswith(b"HTTP/1.1 200"), "no answer"
 
 
