@@ -26,10 +26,10 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
 
 def _load(model_dir: Path):
     import torch
-    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    if model_dir not in _MODELS:
-        model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model_dir not in _MODELS:  # Gemma3ForConditionalGeneration, Idefics3ForConditionalGeneration (SmolVLM)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
         _MODELS[model_dir] = (model, AutoProcessor.from_pretrained(model_dir))
     return _MODELS[model_dir]
 

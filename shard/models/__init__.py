@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.shard.models import gemma, llama
+from conveyor.shard.models import gemma, gemma3_vision, idefics3_vision, llama
 from conveyor.shard.runtime.weights import WeightError, Weights
 
 ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
@@ -21,7 +21,13 @@ WRAPPERS: dict[str, dict[str, str]] = {
         "language_model.lm_head.": "lm_head.",
         "lm_head.": "lm_head.",
     },
+    "idefics3": {  # SmolVLM: a Llama text model
+        "model.text_model.": "model.",
+        "lm_head.": "lm_head.",
+    },
 }
+# Each image-text family's vision encoder (tower and projector, whole on every rank), by the wrapper's model_type.
+VISION_ENCODERS = {"gemma3": gemma3_vision.VisionEncoder, "idefics3": idefics3_vision.VisionEncoder}
 MODEL_TYPES = (*ARCHITECTURES, *WRAPPERS)
 
 
@@ -40,6 +46,13 @@ def language_config(config):
 def weight_names(config) -> dict[str, str] | None:
     """Checkpoint name prefixes to the text model's own, for a wrapper; None: the names are the model's."""
     return WRAPPERS.get(config.model_type)
+
+
+def vision_encoder_for(model_dir: str, config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module | None:
+    """The checkpoint's vision encoder, loaded whole on this rank; None for a model that takes no images. Its
+    `bidirectional`: whether an image's tokens see each other both ways in the language model."""
+    encoder = VISION_ENCODERS.get(getattr(config, "model_type", None))
+    return None if encoder is None else encoder.load(model_dir, config, dtype, device)
 
 
 def model_for(config, weights: Weights) -> torch.nn.Module:

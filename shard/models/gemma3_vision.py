@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.shard.runtime.process_group import ProcessGroup
-from conveyor.shard.runtime.weights import WeightError, Weights
+from conveyor.shard.models.vision_weights import read_whole
 
 # Where checkpoints keep the tower and the projector (Hub checkpoints: `vision_tower.`; transformers 5 may write
 # `model.vision_tower.`), as this module's own names.
@@ -27,6 +26,8 @@ VISION_NAMES = {
 
 class VisionEncoder(torch.nn.Module):
     """Pixel values [N, C, H, W] to soft-token embeddings [N, mm_tokens_per_image, hidden] in the model's dtype."""
+
+    bidirectional = True  # an image's soft tokens see each other both ways in the language model
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -42,15 +43,7 @@ class VisionEncoder(torch.nn.Module):
         """The checkpoint's encoder, whole on this rank; None for a checkpoint without one (a text model)."""
         if getattr(config, "model_type", None) != "gemma3" or getattr(config, "vision_config", None) is None:
             return None
-        weights = Weights(model_dir, ProcessGroup(0, 1), dtype, device, VISION_NAMES)
-        encoder = cls(config)
-        state = {name: weights.get(name) for name in weights.names()}
-        missing, unexpected = encoder.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise WeightError(
-                f"the vision tower's tensors do not match: missing {missing[:3]}, unknown {unexpected[:3]}"
-            )
-        return encoder.to(dtype=dtype, device=device).eval()
+        return read_whole(cls(config), model_dir, VISION_NAMES, dtype, device)
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -172,11 +172,17 @@ class LlamaForCausalLM(torch.nn.Module):
         logits_index: torch.Tensor,
         reach: torch.Tensor | None = None,
         states_index: torch.Tensor | None = None,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [N, vocab] for the flat tokens at `logits_index` (usually each sequence's last). `reach`: for
         LongRoPE (`needs_reach`), each token's sequence's longer of prompt and length so far. With `states_index`,
-        also the final-norm hidden states [M, hidden] (float32) of those tokens (embeddings)."""
+        also the final-norm hidden states [M, hidden] (float32) of those tokens (embeddings). `image_embeds`:
+        (flat indices, embeddings) of image tokens, which replace those tokens' embeddings, as transformers'
+        Idefics3 (SmolVLM) puts its connector's output in place of its `<image>` tokens."""
         hidden, delta = self.embed(input_ids), None  # the residual stream is added to in place from here on
+        if image_embeds is not None:
+            index, values = image_embeds
+            hidden[index] = values.to(hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, reach)
         meta = metas[self.sliding_window]
         if self.decode_stack is not None and self.decode_stack.serves(hidden.shape[0], meta.groups):

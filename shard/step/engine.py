@@ -25,8 +25,7 @@ from conveyor.shard.batch.running_batch import RunningBatch
 from conveyor.shard.layers import kv_quant
 from conveyor.shard.layers.attention import KVCache, build_per_window
 from conveyor.shard.layers.gemm import plain_copy_fits, weight_copies
-from conveyor.shard.models import language_config, model_for, weight_names
-from conveyor.shard.models.gemma3_vision import VisionEncoder
+from conveyor.shard.models import language_config, model_for, vision_encoder_for, weight_names
 from conveyor.shard.runtime import host_memory
 from conveyor.shard.runtime.device import to_device
 from conveyor.shard.runtime.process_group import ProcessGroup
@@ -95,7 +94,7 @@ class Engine:
         )
         weights.quantize = self.quantize = quantize
         self.model = model_for(self.config, weights).eval()
-        self.vision = VisionEncoder.load(str(model_dir), checkpoint_config, self.dtype, device)
+        self.vision = vision_encoder_for(str(model_dir), checkpoint_config, self.dtype, device)
         self.weight_bytes = host_memory.model_bytes(self.model)
         log.info(
             "weights",
@@ -381,6 +380,8 @@ class Engine:
         more, image_blocks = {}, None
         if images is not None:
             image_blocks, more["image_embeds"] = image_inputs.flat_inputs(images, starts, query_lens, device)
+            if not self.vision.bidirectional:  # SmolVLM: the image's tokens attend causally, as text does
+                image_blocks = None
         metas = build_per_window(model.windows, blocks, lengths, query_lens, self.block_size, device, image_blocks)
         ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
         keep = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, logit_counts)])
