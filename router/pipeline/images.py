@@ -3,8 +3,9 @@
 The checkpoint's own processor config (`preprocessor_config.json`, or transformers 5's `processor_config.json`)
 decodes and resizes each image, here in the router, on a validation worker (off the event loop): what travels to
 the shards is the pixel values, beside the prompt. The chat template writes each image's placeholder
-(`<start_of_image>` for Gemma 3); the router expands it to the image's soft tokens as the model's processor does,
-so every image token is a prompt token the token limits, fair shares and `usage` count.
+(`<start_of_image>` for Gemma 3, `<image>` for SmolVLM); the router expands it to the image's tokens as the model's
+processor does (SmolVLM's: per tile, where the processor splits the image), so every image token is a prompt token
+the token limits, fair shares and `usage` count.
 
 Bounded before any work an image can make expensive: the data's bytes, the images per request, and the pixels the
 image's header declares (checked before its pixels are decoded, so no decompression bomb is ever expanded). Only
@@ -40,7 +41,7 @@ _FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image of a prompt, as the shards take it: its soft tokens' place and its pixel values."""
+    """One image (or one tile of one) of a prompt, as the shards take it: its soft tokens' place and its pixels."""
 
     offset: int  # its first soft token in the prompt
     length: int  # its soft tokens
@@ -50,92 +51,112 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
-class Pixels:
-    """An image decoded and resized, before its place in the prompt is known."""
+class Tile:
+    """An image decoded and resized, or one tile of it where the processor splits images (SmolVLM)."""
 
     values: bytes
     shape: tuple[int, ...]
     digest: bytes
 
 
-class ImageReader:
-    """A Gemma 3 image-text checkpoint's processor, as the router uses it."""
+@dataclass(frozen=True)
+class Pixels:
+    """An image as the processor made it, before its place in the prompt is known: its tiles (one, unless the
+    processor splits images), in the order of their tokens, and the text that stands for it in the prompt."""
 
-    def __init__(self, processor: Any, tokens: int, boi: str, image: str, eoi: str, image_id: int) -> None:
+    tiles: tuple[Tile, ...]
+    sequence: str
+
+
+class ImageReader:
+    """An image-text checkpoint's processor, as the router uses it; a family's own layout of an image's tokens in
+    its subclass (`Gemma3Images`, `Idefics3Images`)."""
+
+    def __init__(self, processor: Any, placeholder: str, image_id: int, tokens: int) -> None:
         self.processor = processor
-        self.tokens_per_image = tokens
-        self.placeholder = boi
+        self.placeholder = placeholder  # what the chat template writes for each image
         self.image_token_id = image_id
-        self.sequence = f"\n\n{boi}{image * tokens}{eoi}\n\n"  # what Gemma 3's processor puts for each placeholder
+        self.tokens_per_image = tokens  # per tile: one run of the image token each
 
     @classmethod
     def load(cls, model_dir: str | None, tokenizer: Any) -> ImageReader | None:
-        """The reader of an image-text checkpoint (Gemma 3's, with its processor config); None for any other."""
+        """The reader of an image-text checkpoint (Gemma 3's or SmolVLM's, with its processor config); None for
+        any other."""
         if model_dir is None or not (Path(model_dir) / "config.json").exists():
             return None
         config = json.loads((Path(model_dir) / "config.json").read_text())
         folder = Path(model_dir)
         has_processor = any((folder / n).exists() for n in ("preprocessor_config.json", "processor_config.json"))
-        if config.get("model_type") != "gemma3" or "vision_config" not in config or not has_processor:
+        family = {"gemma3": Gemma3Images, "idefics3": Idefics3Images}.get(config.get("model_type"))
+        if family is None or "vision_config" not in config or not has_processor:
             return None
         from transformers import AutoImageProcessor
 
-        processor = AutoImageProcessor.from_pretrained(model_dir)
-        ids = [config.get(f"{n}_token_index") for n in ("boi", "image", "eoi")]
-        boi, image, eoi = tokenizer.convert_ids_to_tokens(ids)
-        return cls(processor, int(config.get("mm_tokens_per_image", 256)), boi, image, eoi, ids[1])
+        return family.of(AutoImageProcessor.from_pretrained(model_dir), config, tokenizer, folder)
+
+    def _tiles(self, image: Any) -> tuple[Any, str]:
+        """The processor's pixel values for the image, [tiles, C, H, W], and the text that stands for it."""
+        raise NotImplementedError
 
     def pixels(self, url: str) -> Pixels:
-        """A data URL's image, decoded and resized by the checkpoint's processor; ValidationError naming the limit
-        or the fault."""
+        """A data URL's image, decoded and resized (and split) by the checkpoint's processor; ValidationError naming
+        the limit or the fault."""
         data = decode_data_url(url)
-        image = open_image(data)
-        arrays = self.processor(images=[image], return_tensors="np")["pixel_values"]
-        if len(arrays) != 1:
-            raise ValidationError("the image processor made crops of an image (pan and scan): not supported yet")
-        values = arrays[0].astype("<f4")
-        raw = values.tobytes()
-        return Pixels(raw, tuple(values.shape), hashlib.sha256(raw).digest())
+        arrays, sequence = self._tiles(open_image(data))
+        tiles = []
+        for array in arrays:
+            values = array.astype("<f4")
+            raw = values.tobytes()
+            tiles.append(Tile(raw, tuple(values.shape), hashlib.sha256(raw).digest()))
+        return Pixels(tuple(tiles), sequence)
 
     def read_all(self, urls: list[str]) -> list[Pixels]:
         """A request's images, within MAX_IMAGES and MAX_STEP_PIXEL_BYTES."""
         if len(urls) > MAX_IMAGES:
             raise ValidationError(f"at most {MAX_IMAGES} images per request (max_images). Given: {len(urls)}")
         pixels = [self.pixels(url) for url in urls]
-        if (size := sum(len(p.values) for p in pixels)) > MAX_STEP_PIXEL_BYTES:
+        if (size := sum(len(t.values) for p in pixels for t in p.tiles)) > MAX_STEP_PIXEL_BYTES:
             raise ValidationError(
                 f"the images' pixel values take {size} bytes, over {MAX_STEP_PIXEL_BYTES} per request (max_pixel_bytes)"
             )
         return pixels
 
     def markdown(self, inputs: str) -> tuple[str, list[Pixels]]:
-        """TGI's images: each `![](data URL)` in a prompt's text is that image's soft tokens where it stands."""
+        """TGI's images: each `![](data URL)` in a prompt's text is that image's tokens where it stands."""
         urls = [match[1] for match in _MARKDOWN.finditer(inputs)]
         if not urls:
             return inputs, []
         pixels = self.read_all(urls)
-        return _MARKDOWN.sub(lambda _: self.sequence, inputs), pixels
+        sequences = iter(p.sequence for p in pixels)
+        return _MARKDOWN.sub(lambda _: next(sequences), inputs), pixels
 
-    def expand(self, prompt: ChatPrompt, count: int) -> ChatPrompt:
-        """The rendered chat with each placeholder the template wrote (none inside the caller's text) as the image's
-        soft tokens; ValidationError if the template wrote other than one per image."""
+    def expand(self, prompt: ChatPrompt, pixels: list[Pixels]) -> ChatPrompt:
+        """The rendered chat with each placeholder the template wrote (none inside the caller's text) as its
+        image's tokens; ValidationError if the template wrote other than one per image."""
         text, out, at, found = prompt.text, "", 0, 0
+
+        def fill(piece: str) -> str:
+            nonlocal found
+            parts = piece.split(self.placeholder)
+            filled = parts[0]
+            for part in parts[1:]:
+                filled += (pixels[found].sequence if found < len(pixels) else "") + part
+                found += 1
+            return filled
+
         spans: list[tuple[int, int]] = []
         for start, stop in prompt.plain_spans:
-            piece = text[at:start]
-            found += piece.count(self.placeholder)
-            out += piece.replace(self.placeholder, self.sequence)
+            out += fill(text[at:start])
             spans.append((len(out), len(out) + stop - start))
             out += text[start:stop]
             at = stop
-        found += text[at:].count(self.placeholder)
-        out += text[at:].replace(self.placeholder, self.sequence)
-        if found != count:
-            raise ValidationError(f"the chat template wrote {found} image placeholders for {count} images")
+        out += fill(text[at:])
+        if found != len(pixels):
+            raise ValidationError(f"the chat template wrote {found} image placeholders for {len(pixels)} images")
         return ChatPrompt(out, tuple(spans))
 
     def place(self, input_ids: tuple[int, ...], pixels: list[Pixels]) -> tuple[ImageInput, ...]:
-        """Each image's soft tokens in the tokenized prompt, in order; ValidationError if they do not match."""
+        """Each tile's image tokens in the tokenized prompt, in order; ValidationError if they do not match."""
         runs: list[list[int]] = []
         for position, token in enumerate(input_ids):
             if token == self.image_token_id:
@@ -143,9 +164,65 @@ class ImageReader:
                     runs[-1][1] += 1
                 else:
                     runs.append([position, 1])
-        if len(runs) != len(pixels) or any(length != self.tokens_per_image for _, length in runs):
+        tiles = [tile for p in pixels for tile in p.tiles]
+        if len(runs) != len(tiles) or any(length != self.tokens_per_image for _, length in runs):
             raise ValidationError("the prompt's image tokens do not match its images (was it truncated?)")
-        return tuple(ImageInput(o, n, p.values, p.shape, p.digest) for (o, n), p in zip(runs, pixels))
+        return tuple(ImageInput(o, n, t.values, t.shape, t.digest) for (o, n), t in zip(runs, tiles))
+
+
+class Gemma3Images(ImageReader):
+    """Gemma 3: one image, one tile; the template's `<start_of_image>` becomes the image's soft tokens between
+    `<start_of_image>` and `<end_of_image>`, blank lines around, as Gemma 3's processor writes them."""
+
+    sequence: str  # the same for every image
+
+    @classmethod
+    def of(cls, processor: Any, config: dict, tokenizer: Any, folder: Path) -> Gemma3Images:
+        ids = [config.get(f"{n}_token_index") for n in ("boi", "image", "eoi")]
+        boi, image, eoi = tokenizer.convert_ids_to_tokens(ids)
+        reader = cls(processor, boi, ids[1], int(config.get("mm_tokens_per_image", 256)))
+        reader.sequence = f"\n\n{boi}{image * reader.tokens_per_image}{eoi}\n\n"
+        return reader
+
+    def _tiles(self, image: Any) -> tuple[Any, str]:
+        arrays = self.processor(images=[image], return_tensors="np")["pixel_values"]
+        if len(arrays) != 1:
+            raise ValidationError("the image processor made crops of an image (pan and scan): not supported yet")
+        return arrays, self.sequence
+
+
+class Idefics3Images(ImageReader):
+    """SmolVLM (Idefics3): where the processor config splits images (`do_image_splitting`), an image is resized
+    (`size`) and cut into `max_image_size` tiles, rows x columns, then the whole image at a tile's size; every tile
+    is `image_seq_len` `<image>` tokens after `<fake_token_around_image>` and its `<row_i_col_j>` (the whole image:
+    `<global-img>`), as Idefics3's processor writes them for the template's `<image>`. Each tile travels to the
+    shards as an image of its own."""
+
+    FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
+
+    @classmethod
+    def of(cls, processor: Any, config: dict, tokenizer: Any, folder: Path) -> Idefics3Images:
+        image_id = int(config.get("image_token_id", 128257))
+        vision = config["vision_config"]
+        # The processor's own count (its config), else the model's: a tile's patches after the pixel shuffle.
+        tokens = (vision.get("image_size", 224) // vision.get("patch_size", 32)) ** 2 // config.get(
+            "scale_factor", 2
+        ) ** 2
+        if (folder / "processor_config.json").exists():
+            tokens = int(json.loads((folder / "processor_config.json").read_text()).get("image_seq_len", tokens))
+        return cls(processor, tokenizer.convert_ids_to_tokens(image_id), image_id, tokens)
+
+    def _tiles(self, image: Any) -> tuple[Any, str]:
+        out = self.processor(images=[image], return_row_col_info=True, return_tensors="np")
+        if "pixel_attention_mask" in out and not out["pixel_attention_mask"].all():
+            raise ValidationError("the image processor padded a tile of an image: not supported")
+        rows, cols = out["rows"][0][0], out["cols"][0][0]
+        tile = self.FAKE + "{}" + self.placeholder * self.tokens_per_image
+        whole = tile.format(self.GLOBAL) + self.FAKE
+        grid = "".join(
+            "".join(tile.format(f"<row_{r + 1}_col_{c + 1}>") for c in range(cols)) + "\n" for r in range(rows)
+        )
+        return out["pixel_values"][0], f"{grid}\n{whole}" if rows or cols else whole
 
 
 def decode_data_url(url: str) -> bytes:

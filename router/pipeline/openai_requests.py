@@ -63,7 +63,7 @@ class OpenAIRequests:
         messages = [_message(m, reader is not None) for m in request.messages]
         prompt = self._render_chat(messages, tools, request.chat_template_kwargs)
         if reader is not None:
-            prompt = reader.expand(prompt, len(pixels))
+            prompt = reader.expand(prompt, pixels)
         parsers = self.validation.parsers
         reasoning = parsers.reasoning_of(prompt.text)
         grammar = _chat_constraint(request, tools, reasoning)

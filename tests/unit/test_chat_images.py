@@ -127,3 +127,39 @@ def test_a_step_carries_a_bounded_weight_of_pixels() -> None:
     sim.submit(first, second)
     assert sim.step().admitted == [first]
     assert sim.step().admitted == [second]
+
+
+def test_smolvlm_prompt_and_tiles_are_the_processors(smolvlm_model: Path) -> None:
+    """SmolVLM's processor splits each image into tiles (2 x 2, 1 x 2, and a small one upscaled to 2 x 2), each
+    behind its `<row_i_col_j>`, then the whole image: the router's prompt ids and each tile's pixels equal the
+    processor's, every tile an image of its own to the shards, in order."""
+    images = [png(40, 30, seed=1), png(60, 20, seed=2), png(10, 10, seed=3)]
+    valid = _requests(smolvlm_model).chat_choices(_body(images))[0].request
+    reference = reference_inputs(smolvlm_model, TEXT, images)
+    assert list(valid.input_ids) == reference["input_ids"][0].tolist()
+    placed = valid.parameters.images
+    tiles = [t for t in reference["pixel_values"][0] if t.any()]  # the processor pads the batch with empty tiles
+    assert len(placed) == len(tiles) == 5 + 3 + 5
+    for image, pixels in zip(placed, tiles):
+        assert np.array_equal(np.frombuffer(image.pixel_values, "<f4").reshape(image.shape), pixels.numpy())
+    image_token = AutoTokenizer.from_pretrained(smolvlm_model).convert_tokens_to_ids("<image>")
+    ids = reference["input_ids"][0].tolist()
+    assert [(i.offset, i.length) for i in placed] == _runs([int(t == image_token) for t in ids])
+    assert len({i.digest for i in placed}) == len(placed)
+
+
+def test_smolvlm_markdown_images_are_the_processors(smolvlm_model: Path) -> None:
+    """TGI's `![](data URL)` in `inputs` is the processor's expansion of `<image>` where it stands."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    images = [png(60, 20, seed=4)]
+    tokenizer = AutoTokenizer.from_pretrained(smolvlm_model)
+    validation = Validation(tokenizer, Limits(400, 500), model_dir=str(smolvlm_model))
+    text, pixels = validation.images.markdown(f"Look: ![]({data_url(images[0])}) and say.")
+    processor = AutoProcessor.from_pretrained(smolvlm_model)
+    reference = processor(text="Look: <image> and say.", images=[Image.open(io.BytesIO(images[0]))])
+    assert tokenizer(text)["input_ids"] == reference["input_ids"][0]
+    assert len(pixels[0].tiles) == 3
