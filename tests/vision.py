@@ -64,3 +64,46 @@ def image_reference(
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def text_reference(model_dir: Path, prompt: str, max_new_tokens: int) -> list[int]:
+    """Greedy tokens of the image-text model's `generate()` for a text prompt (the tokenizer's BOS), no image."""
+    import torch
+
+    model, processor = _load(model_dir)
+    ids = processor.tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def chat(server, images: list[bytes], text: str, max_tokens: int, urls: list[str] | None = None):
+    """An OpenAI chat with `images` (or image `urls`) then `text` in one user message, greedy, with logprobs."""
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls or [data_url(i) for i in images]]
+    body = {
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "ignore_eos": False,
+    }
+    with server.client() as client:
+        return client.post("/v1/chat/completions", json=body)
+
+
+def check_chat(server, model: Path, images: list[bytes], text: str, max_tokens: int) -> dict:
+    """One chat's answer equals transformers' tokens; its usage counts the image's tokens."""
+    from transformers import AutoTokenizer
+
+    response = chat(server, images, text, max_tokens)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    expected = image_reference(model, text, images, max_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    # The route answers text: the reference's text, token for token (the logprobs' entries), and as many tokens.
+    assert answer["choices"][0]["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert len(answer["choices"][0]["logprobs"]["content"]) == len(expected)
+    usage = answer["usage"]
+    assert usage["completion_tokens"] == len(expected)
+    assert usage["prompt_tokens"] == reference_inputs(model, text, images)["input_ids"].shape[1]
+    return answer

@@ -27,7 +27,7 @@ from conftest import (
     wait_for,
 )
 from transformers import AutoTokenizer
-from vision import data_url, image_reference, png, reference_inputs
+from vision import chat, check_chat, data_url, image_reference, png
 
 NEW_TOKENS = 8
 TEXT = "Describe the picture above in a few words, then say what colour it mostly is."
@@ -52,32 +52,11 @@ def served(deployments: Deployments) -> Server:
 
 
 def _chat(server: Server, images: list[bytes], text: str = TEXT, urls: list[str] | None = None):
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls or [data_url(i) for i in images]]
-    body = {
-        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
-        "max_tokens": NEW_TOKENS,
-        "temperature": 0,
-        "logprobs": True,
-        "ignore_eos": False,
-    }
-    with server.client() as client:
-        return client.post("/v1/chat/completions", json=body)
+    return chat(server, images, text, NEW_TOKENS, urls)
 
 
 def _check(server: Server, model: Path, images: list[bytes]) -> dict:
-    """One chat's answer equals transformers' tokens; its usage counts the image's soft tokens."""
-    response = _chat(server, images)
-    assert response.status_code == 200, response.text
-    answer = response.json()
-    expected = image_reference(model, TEXT, images, NEW_TOKENS)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    # The route answers text: the reference's text, token for token (the logprobs' entries), and as many tokens.
-    assert answer["choices"][0]["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
-    assert len(answer["choices"][0]["logprobs"]["content"]) == len(expected)
-    usage = answer["usage"]
-    assert usage["completion_tokens"] == len(expected)
-    assert usage["prompt_tokens"] == reference_inputs(model, TEXT, images)["input_ids"].shape[1]
-    return answer
+    return check_chat(server, model, images, TEXT, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("deployment", ["1-shard", "2-shards"])
