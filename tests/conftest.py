@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -382,6 +383,27 @@ def read_until_closed(connection: socket.socket) -> bytes:
     while chunk := connection.recv(65536):
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def read_answer_until_closed(connection: socket.socket) -> bytes:
+    """For a request whose body the client will not send (refused, or slower than its length): one whole answer
+    (its head, and its Content-Length bytes), then the client ends its side as a client told no would, and what
+    follows until the server closes. Left open, the server would read for the body it did not take during aiohttp's
+    lingering time (10 s) before closing. An interim `100 Continue` counts as an answer, and is in what is returned."""
+    answer = b""
+    while (end := answer.find(b"\r\n\r\n")) < 0 or len(answer) < end + 4 + _content_length(answer):
+        chunk = connection.recv(65536)
+        if not chunk:
+            return answer  # closed by the server: all there is
+        answer += chunk
+    connection.shutdown(socket.SHUT_WR)
+    return answer + read_until_closed(connection)
+
+
+def _content_length(answer: bytes) -> int:
+    """The Content-Length of an answer's head (the last head's, after any interim `100 Continue`); 0 if none."""
+    lengths = re.findall(rb"(?im)^content-length: *(\d+)\r$", answer)
+    return int(lengths[-1]) if lengths else 0
 
 
 class StreamWatcher:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, StreamWatcher, read_until_closed, start_server, wait_for
+from conftest import Server, StreamWatcher, read_answer_until_closed, read_until_closed, start_server, wait_for
 
 IDLE_TIMEOUT, BODY_TIMEOUT, PER_CLIENT = 2, 2, 4
 # A test's bound: the limits plus a wide margin for a loaded machine (the connection used to stay open for ever).
@@ -64,7 +64,7 @@ def test_a_body_that_will_not_come_whole_is_refused(server: Server, length: int,
             b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n{" % length
         )
-        answer = read_until_closed(connection)
+        answer = read_answer_until_closed(connection)
     assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error_type"] == error_type
 
@@ -75,7 +75,7 @@ def test_expect_continue_over_the_payload_limit_gets_413_not_100(server: Server)
             b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 50000000\r\nExpect: 100-continue\r\n\r\n"
         )
-        answer = read_until_closed(connection)
+        answer = read_answer_until_closed(connection)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"100 Continue" not in answer
     body = {"inputs": "x", "parameters": {"max_new_tokens": 1}}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from conftest import Server, StreamWatcher, read_until_closed, start_server, wait_for
+from conftest import Server, StreamWatcher, read_answer_until_closed, read_until_closed, start_server, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -489,24 +488,10 @@ def test_no_header_bytes_get_a_5xx(shared: Server, header: bytes, route: bytes, 
 
 
 def refused_exchange(server: Server, request: bytes) -> bytes:
-    """Sends a request whose body waits for `100 Continue`, reads the whole answer (its head and Content-Length
-    bytes), then, as a client told no would, ends its side without the body, and reads until the server closes.
-    (Left open, aiohttp would wait its 10 s lingering time for the body before closing.)"""
+    """Sends a request whose body waits for `100 Continue`, and reads the answer until the server closes."""
     with server.raw_connection(timeout=30) as connection:
         connection.sendall(request)
-        answer = b""
-        while b"\r\n\r\n" not in answer or len(answer) < answer.index(b"\r\n\r\n") + 4 + content_length(answer):
-            chunk = connection.recv(65536)
-            assert chunk, f"closed before a whole answer: {answer[:300]!r}"
-            answer += chunk
-        connection.shutdown(socket.SHUT_WR)
-        return answer + read_until_closed(connection)
-
-
-def content_length(answer: bytes) -> int:
-    """The Content-Length of an answer's head (the last one, after any interim `100 Continue`)."""
-    lengths = re.findall(rb"(?im)^content-length: *(\d+)\r$", answer)
-    return int(lengths[-1]) if lengths else 0
+        return read_answer_until_closed(connection)
 
 
 def test_expect_continue_without_a_key_gets_401_not_100(shared: Server) -> None:
