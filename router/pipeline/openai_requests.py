@@ -124,8 +124,12 @@ def _chat_images(request: ChatRequest, reader: ImageReader | None) -> list[Pixel
 def _message(message: Message, images: bool = False) -> dict[str, Any]:
     """A message as the chat template gets it. An assistant's tool calls carry their arguments as JSON text in
     OpenAI's API; chat templates expect them parsed. Content parts: for an image-text model, as its processor's
-    template takes them (`{"type": "image"}` where an image goes); for a text model, their text joined."""
+    template takes them (`{"type": "image"}` where an image goes), and string content as one text part (SmolVLM's
+    template reads every message's content as parts: it wrote nothing of a string); for a text model, their text
+    joined."""
     out = message.model_dump(exclude_unset=True, exclude={"tool_calls"})
+    if images and isinstance(message.content, str) and not message.tool_calls:
+        out["content"] = [{"type": "text", "text": message.content}]
     if isinstance(message.content, list):
         if images:
             out["content"] = [

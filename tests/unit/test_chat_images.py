@@ -163,3 +163,27 @@ def test_smolvlm_markdown_images_are_the_processors(smolvlm_model: Path) -> None
     reference = processor(text="Look: <image> and say.", images=[Image.open(io.BytesIO(images[0]))])
     assert tokenizer(text)["input_ids"] == reference["input_ids"][0]
     assert len(pixels[0].tiles) == 3
+
+
+# SmolVLM's own chat template (SmolVLM-Instruct's): every message's content is read as a list of parts.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_string_content_reaches_a_template_of_parts(smolvlm_model: Path) -> None:
+    """A message whose content is a string is one text part to an image-text model's template: SmolVLM's own
+    writes nothing of a string."""
+    tokenizer = AutoTokenizer.from_pretrained(smolvlm_model)
+    tokenizer.chat_template = SMOLVLM_TEMPLATE
+    requests = OpenAIRequests(Validation(tokenizer, Limits(400, 500), model_dir=str(smolvlm_model)))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    valid = requests.chat_choices(parse(ChatRequest, {"messages": messages}))[0].request
+    assert (
+        valid.inputs
+        == "<|im_start|>System: Be brief.<end_of_utterance>\nUser: Hello there<end_of_utterance>\nAssistant:"
+    )
