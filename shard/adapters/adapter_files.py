@@ -43,13 +43,15 @@ REFUSED_FIELDS = {
 }
 UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 # A LoRA matrix of a decoder layer's projection, under the names PEFT saves for a causal LM (`base_model.model.`
-# then the model's own names), a multimodal wrapper's text model included; `.weight` is absent in old adapters.
+# then the model's own names), a multimodal wrapper's text model included (Gemma 3's `language_model`, SmolVLM's
+# `text_model`); `.weight` is absent in old adapters.
 KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.|model\.language_model\.|language_model\.model\.)"
+    r"^(?:base_model\.model\.)?(?:model\.|model\.language_model\.|language_model\.model\.|model\.text_model\.)"
     r"layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\.(?P<module>\w+)\.lora_(?P<matrix>[AB])(?:\.weight)?$"
 )
-# Tensors of a multimodal wrapper's other towers: never run by a text-only shard, so never read.
-SKIPPED = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
+# Tensors of a multimodal wrapper's vision side (tower, projector, SmolVLM's connector): an adapter changes the
+# language model only, so these are never read.
+SKIPPED = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector|connector)\.")
 
 
 @dataclass(frozen=True)

@@ -448,6 +448,21 @@ def test_a_multimodal_wrappers_text_layers_are_read_and_its_vision_tower_left_ou
     assert files.rank == 4 and files.scale == 4.0
 
 
+def test_smolvlms_text_layers_are_read_and_its_connector_left_out(tmp_path: Path) -> None:
+    from conveyor.shard.adapters.adapter_files import read
+
+    names = [
+        "base_model.model.model.text_model.layers.0.self_attn.v_proj.lora_{}.weight",
+        "base_model.model.model.connector.modality_projection.proj.lora_{}.weight",
+        "base_model.model.model.vision_model.encoder.layers.0.mlp.fc1.lora_{}.weight",
+    ]
+    tensors = {name.format(m): torch.ones(*shape) for name in names for m, shape in (("A", (4, 8)), ("B", (16, 4)))}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    files = read("smol", tmp_path, ["SmolVLM-256M-Instruct"])
+    assert sorted(str(t) for t in files.matrices) == ["layers.0.self_attn.v_proj"]
+
+
 # --- a quantized base ---------------------------------------------------------------------------------------
 
 
