@@ -24,7 +24,7 @@
 namespace conveyor::decode_stack_kernel {
 
 // How a linear layer's weight is held (shard/layers/gemm.py's Gemm, whose call this mirrors branch for branch).
-enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Vnni = 3 };
+enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
 
 // x @ W.T (+ bias) through oneDNN's kernel for a weight it packed (what Gemm calls `_linear_pointwise`).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -50,8 +50,6 @@ struct Linear {
         return int8_gemm_kernel::int8_gemm(x, weight, scales, bias);
       case kInt4:
         return int4_gemm_kernel::int4_gemm(x, weight, scales, bias);
-      case kInt4Vnni:
-        return int4_vnni_gemm_kernel::int4_vnni_gemm(x, weight, scales, bias);
       default:
         if (plain.defined() && x.size(0) <= small_rows) return small_gemm_kernel::small_gemm(x, plain, bias);
         return packed ? onednn_linear(x, weight, bias) : at::linear(x, weight, bias);
@@ -90,7 +88,7 @@ class DecodeStack : public torch::CustomClassHolder {
   void add_linear(int64_t kind, c10::optional<at::Tensor> plain, int64_t small_rows, at::Tensor weight, bool packed,
                   c10::optional<at::Tensor> scales, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "add_layer first, then its four linears");
-    TORCH_CHECK(kind >= kDense && kind <= kInt4Vnni, "an unknown weight kind ", kind);
+    TORCH_CHECK(kind >= kDense && kind <= kInt4, "an unknown weight kind ", kind);
     TORCH_CHECK(kind == kDense || scales.has_value(), "a quantized weight comes with its scales");
     layers_.back().linears.push_back(Linear{kind, plain.value_or(at::Tensor()), small_rows, std::move(weight), packed,
                                             scales.value_or(at::Tensor()), std::move(bias)});

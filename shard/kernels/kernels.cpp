@@ -3,7 +3,6 @@
 // Each kernel keeps its own file, its own namespace and its torch reference (see each file's head).
 #include "greedy.cpp"
 #include "int4_gemm.cpp"
-#include "int4_vnni_gemm.cpp"
 #include "int8_gemm.cpp"
 #include "kv_quant.cpp"
 #include "paged_attention.cpp"

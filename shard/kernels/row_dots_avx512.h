@@ -14,9 +14,9 @@
 
 namespace conveyor::avx512 {
 
-// 16 values from `p` as floats: a whole vector (the kernels' loads; quantized_rows.h's integer kernels and the
-// decode attention, attention_simd.h, read through these too), or with `mask` the first lanes only (a row's tail:
-// masked loads cost whole vectors a fifth of the bandwidth, see dot_block).
+// 16 values from `p` as floats: a whole vector (the kernels' loads; the decode attention, attention_simd.h, reads
+// through these too), or with `mask` the first lanes only (a row's tail: masked loads cost whole vectors a fifth of
+// the bandwidth, see dot_block).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -25,7 +25,7 @@ from conveyor.shard.runtime.process_group import ProcessGroup
 
 SWITCH = "CONVEYOR_DECODE"  # fused (the default: one call per step) or layers (the Python modules)
 CHOICES = ("fused", "layers")
-DENSE, INT8, INT4, INT4_VNNI = 0, 1, 2, 3  # decode_stack.cpp's Kind
+DENSE, INT8, INT4 = 0, 1, 2  # decode_stack.cpp's Kind
 
 
 def chosen() -> str:
@@ -57,7 +57,7 @@ def _linear_args(gemm: Gemm, bias: torch.Tensor | None) -> tuple:
     if gemm.int8 is not None:
         return INT8, None, 0, gemm.int8.values, False, gemm.int8.scales, bias
     if gemm.int4 is not None:
-        return INT4_VNNI if gemm.vnni else INT4, None, 0, gemm.int4.packed, False, gemm.int4.scales, bias
+        return INT4, None, 0, gemm.int4.packed, False, gemm.int4.scales, bias
     return DENSE, gemm.plain, gemm.small_rows, gemm.weight, gemm.packed, None, bias
 
 

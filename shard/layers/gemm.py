@@ -116,16 +116,6 @@ def small_rows_kernel(weight: torch.Tensor) -> bool:
     return library.load()
 
 
-def vnni() -> bool:
-    """Whether int4 layers round their input to int8, a scale per block of 32 inputs, and take the integer kernel
-    (AVX-512 VNNI built in), rather than widening the weights to x's dtype (`int4_gemm`): faster from one row to a
-    whole prefill (`make bench ARGS="--quantized int4"`). int8 layers widen on every CPU kind (`int8_gemm.cpp` says
-    why: rounding x to int8 changed the real model's greedy answers)."""
-    from conveyor.shard.kernels import library
-
-    return library.load() and torch.ops.conveyor.int8_vnni_available()
-
-
 def small_rows(found: cpu.Cpu) -> int:
     """Rows up to which a layer takes the small-rows kernel on this kind of CPU (the kernel's AVX-512 loop needs
     AVX512F, BW and VL, as the library of each AVX-512 kind is built with, its AVX2 loop AVX2 and FMA; `found` is
@@ -205,7 +195,6 @@ class Gemm:
         self.dtype = weight.dtype
         self.int8: Int8BlockWeight | None = None
         self.int4: Int4Weight | None = None
-        self.vnni = False  # int4: x rounded to int8 too, the integer kernel (see vnni())
         self.tiles: torch.Tensor | None = None  # int8: a dequantized copy packed for oneDNN, from `tile_rows` rows
         self.tile_rows = 0
         if quantize is not None:
@@ -234,7 +223,6 @@ class Gemm:
         if quantize == "int8":
             self.int8 = Int8BlockWeight.quantize(weight)
         else:
-            self.vnni = vnni()
             self.int4 = Int4Weight.quantize(weight)
         self.packed, self.plain, self.weight, self.wide = False, None, None, None
         self.small_rows = 0
@@ -275,8 +263,7 @@ class Gemm:
         if self.int8 is not None:
             return torch.ops.conveyor.int8_gemm(x.contiguous(), self.int8.values, self.int8.scales, bias)
         if self.int4 is not None:
-            int4_gemm = torch.ops.conveyor.int4_vnni_gemm if self.vnni else torch.ops.conveyor.int4_gemm
-            return int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
+            return torch.ops.conveyor.int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
         if self.plain is not None and 0 < x.shape[0] <= self.small_rows:
             return small_gemm(x.contiguous(), self.plain, bias)
         if self.wide is not None and x.shape[0] >= WIDE_ROWS:

@@ -1,18 +1,16 @@
 """Quantization at load (`--quantize int8|int4`): what the linear layers keep instead of float weights.
 
 int8: symmetric, q = round(w / s) in [-127, 127] with a float16 scale per block of 32 inputs, s = max|w| / 127 over
-the block (`Int8BlockWeight`, llama.cpp's q8_0 weights), on every CPU kind, against x in float (`int8_gemm.cpp` says
-why x is not rounded to int8 as well: it changed the real model's greedy answers). int4: 4 bits and a float16 scale
-per 32 inputs (`Int4Weight`, llama.cpp's q4_0). On a tensor-parallel rank the rows and columns it holds are
-quantized on their own (a row-parallel slice's scales cover its part of the inputs only), which needs no
+the block (`Int8BlockWeight`, llama.cpp's q8_0 weights). int4: 4 bits and a float16 scale per 32 inputs
+(`Int4Weight`, llama.cpp's q4_0). Both kernels widen each weight back to float as they read it, against x in float
+on every CPU kind, so answers do not depend on the CPU (`int8_gemm.cpp` and `int4_gemm.cpp` say why x is not rounded
+to int8 as well: it changed the real model's greedy answers). On a tensor-parallel rank the rows and columns it holds
+are quantized on their own (a row-parallel slice's scales cover its part of the inputs only), which needs no
 communication. A weight takes one byte plus 2 per 32 (int8) or half a byte plus 2 per 32 (int4) against float32's
 four.
 
-int4 on a CPU with AVX-512 VNNI rounds each layer's input to int8 as well, with a float scale per block of 32 inputs
-(as llama.cpp's q4_0 x q8_0), and each block's products are integer (`shard/kernels/int4_vnni_gemm.cpp`); elsewhere
-`int4_gemm.cpp` widens each weight back to float as it reads it (`layers/gemm.py` chooses). Why blocks and not one
-scale per row: a real model's activations and weights carry a few outliers, which a row's single scale spends the
-8 bits on (`python -m benchmarks.accuracy --quantize int8 int4` measures the KL from float32 per token, mean, p99
+Why blocks and not one scale per row: a real model's weights carry a few outliers, which a row's single scale spends
+the 8 bits on (`python -m benchmarks.accuracy --quantize int8 int4` measures the KL from float32 per token, mean, p99
 and max). The embedding table is int8 with a scale per row (`Int8Weight`) under either quantization (a lookup widens
 only the rows it reads); norms stay in the model's dtype, being small.
 """

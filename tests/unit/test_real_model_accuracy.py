@@ -14,17 +14,22 @@ input to int8 in blocks of 32 (the old AVX-512 VNNI kernel) tipped it into "L'Et
 against float x, on every CPU kind, and float32 over an int8 KV cache answer each chat question as float32 does, up
 to float32's own first near tie (two tokens within TIE_NATS, which float32's summation order alone may tip). `make
 test` runs this module again as an AVX2 CPU would (CONVEYOR_CPU_VARIANT=avx2), so both the machine's kernel library
-and the AVX2 one are held. int4 is not held to answers (its weights' error alone changes most of them, as llama.cpp's
-q4_0 does): only to its KL bound.
+and the AVX2 one are held. int4's weights alone change most answers from float32's (as llama.cpp's q4_0 does), so
+int4 is held to its own weights' answers instead: the same int4 weights, dequantized, multiplied by torch against
+float x. Its kernels once rounded x to int8 on VNNI CPUs, which made its answers depend on the CPU's float noise
+(shard/kernels/int4_gemm.cpp).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from benchmarks import accuracy, real_model
 from benchmarks.accuracy import Scores
 from conveyor.shard.kernels import library as kernels
+from conveyor.shard.layers.gemm import Gemm
 
 # Mean KL(p_float32 || p_quant) per scored token, nats, on this window: bounds with room to spare over what the
 # accuracy benchmark measures (int8, a scale per 32 weights against float x: 0.0012, top-1 97.7%, on an AMD EPYC
@@ -66,13 +71,41 @@ def held_prefix(scorer: accuracy.Scorer, question: str, answer: list[int]) -> in
     return min(ANSWER_PREFIX, len(answer), int(ties[0]) if len(ties) else len(answer))
 
 
-@pytest.fixture(scope="module")
-def float32_answers(scorers: dict[str, accuracy.Scorer]) -> list[tuple[str, list[int], int]]:
-    """Each chat question, float32's greedy answer and how many of its tokens the others are held to, worked out
-    once for every mode's test."""
-    reference = scorers["float32"]
+def reference_answers(reference: accuracy.Scorer) -> list[tuple[str, list[int], int]]:
+    """Each chat question, the reference's greedy answer and how many of its tokens others are held to."""
     answers = [(question, reference.greedy(question)) for question in accuracy.CHAT_QUESTIONS]
     return [(question, answer, held_prefix(reference, question, answer)) for question, answer in answers]
+
+
+@pytest.fixture(scope="module")
+def float32_answers(scorers: dict[str, accuracy.Scorer]) -> list[tuple[str, list[int], int]]:
+    """float32's answers, worked out once for every mode's test."""
+    return reference_answers(scorers["float32"])
+
+
+class DenseProduct:
+    """A quantized layer as torch computes it: its dequantized weight against x as it comes, in float."""
+
+    def __init__(self, gemm: Gemm) -> None:
+        self.weight = gemm.dense()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+@pytest.fixture(scope="module")
+def int4_weights_answers() -> list[tuple[str, list[int], int]]:
+    """The answers of int4's own weights: the model loaded with --quantize int4, every quantized layer then
+    multiplied by torch (and the fused decode step, which calls the kernels, set aside)."""
+    reference = accuracy.Scorer(real_model.prepare(), "int4", accuracy.WINDOW)
+    model = reference.engine.model
+    for module in model.modules():
+        gemm = getattr(module, "gemm", None)
+        if isinstance(gemm, Gemm) and (gemm.int4 is not None or gemm.int8 is not None):
+            module.gemm = DenseProduct(gemm)
+    if hasattr(model, "decode_stack"):
+        model.decode_stack = None
+    return reference_answers(reference)
 
 
 @pytest.mark.parametrize("mode", ["int8", accuracy.KV_MODE])
@@ -87,6 +120,18 @@ def test_greedy_answers_are_float32s(
         )
     held = sum(n for _, _, n in float32_answers)
     assert held >= 5 * len(accuracy.CHAT_QUESTIONS), held  # ties excused on a question or two, not on most
+
+
+def test_int4_answers_as_its_weights_do_in_torch(
+    scorers: dict[str, accuracy.Scorer], int4_weights_answers: list[tuple[str, list[int], int]]
+) -> None:
+    tokenizer = scorers["float32"].engine.tokenizer
+    for question, want, n in int4_weights_answers:
+        got = scorers["int4"].greedy(question)
+        assert got[:n] == want[:n], (
+            f"int4 on {question!r}: {tokenizer.decode(got)!r}, in torch: {tokenizer.decode(want)!r} (first {n} held)"
+        )
+    assert sum(n for _, _, n in int4_weights_answers) >= 5 * len(accuracy.CHAT_QUESTIONS)
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
