@@ -115,12 +115,28 @@ def greedy_reference(model_dir: Path, prompt: str, max_new_tokens: int) -> list[
     if key not in _REFERENCES:
         model, tokenizer = _load(model_dir)
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), one_torch_thread():
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
             )
         _REFERENCES[key] = out[0, ids.shape[1] :].tolist()
     return list(_REFERENCES[key])
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """This process's torch on one thread meanwhile. A test model's reference (a `generate()`, a forward) is too
+    small to gain from a second thread, and on 2 cores shared with the deployments' processes, torch's threads
+    waiting on each other made it ~10x slower (150 tokens of the tiny model: 21 s on 2 threads, 1.8 s on one, the
+    same tokens). The deployments keep their own threads."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 _LOADED: dict[Path, tuple] = {}
