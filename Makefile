@@ -82,7 +82,7 @@ bench: $(TEST_STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m benchmarks.long_context
 	$(BIN)/python -m benchmarks.prefix_restart
 	$(BIN)/python -m benchmarks.placement
-	$(BIN)/python -m benchmarks.accuracy --quantize int8 int4 --kv-cache-dtype int8 --llamacpp-kv
+	$(BIN)/python -m benchmarks.accuracy --quantize int8 int4 --kv-cache-dtype int8 --llamacpp --cpu-variants
 	$(BIN)/python -m benchmarks.speculation
 	$(BIN)/python -m benchmarks.lora
 

@@ -18,8 +18,10 @@ float32 model on the same tokens:
 
 Then each mode's greedy answers to a few chat questions (`CHAT_QUESTIONS`), beside float32's: an average KL hides
 a near tie that a quantization tips (rounding x to int8 in blocks once turned "What is the capital of France?" into
-"L'Etoile, ..."), and a greedy answer shows it. Run it once per kernel variant (`CONVEYOR_CPU_VARIANT=avx2`, ...)
-to see every CPU kind's answers.
+"L'Etoile, ..."), and a greedy answer shows it. `--cpu-variants` runs everything again under each kernel variant
+this CPU can run (`CONVEYOR_CPU_VARIANT`, in a child process each), so every CPU kind's scores and answers stand
+side by side; `--llamacpp` adds llama.cpp's q8_0 and q4_0 weights (and its q8_0 KV cache) against its own float32 on
+the same text and windows, from `llama-perplexity --kl-divergence`.
 
 `--kv-cache-dtype int8` adds the mode `kv-int8`: float32 weights over an int8 KV cache (shard/layers/kv_quant.py).
 Each window is one prompt, so its tokens attend to the cache's 8-bit rows of the tokens before them, as a served
@@ -33,6 +35,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -232,6 +235,7 @@ def compare(
 
 
 LLAMACPP_KV_MODE = "llama.cpp q8_0 KV"
+LLAMACPP_WEIGHTS = {"int8": "q8_0", "int4": "q4_0"}  # llama.cpp's own format of each quantization
 _LLAMACPP_FIGURES = {  # llama-perplexity's summary lines: the Scores field each gives
     "Mean PPL(Q)": "perplexity",
     "Mean    KLD": "mean_kl",
@@ -241,7 +245,7 @@ _LLAMACPP_FIGURES = {  # llama-perplexity's summary lines: the Scores field each
 }
 
 
-def parse_llamacpp(output: str, tokens: int) -> Scores:
+def parse_llamacpp(output: str, tokens: int, mode: str = LLAMACPP_KV_MODE) -> Scores:
     """llama-perplexity --kl-divergence's summary as Scores (its "Same top p" is a percentage)."""
     found: dict[str, float] = {}
     for line in output.splitlines():
@@ -252,29 +256,58 @@ def parse_llamacpp(output: str, tokens: int) -> Scores:
     if missing:
         raise ValueError(f"llama-perplexity printed no {', '.join(sorted(missing))}")
     found["same_top1"] /= 100
-    return Scores(LLAMACPP_KV_MODE, tokens, **found)
+    return Scores(mode, tokens, **found)
 
 
-def llamacpp_kv(model_dir: Path, text: Path, window: int, windows: int) -> Scores | None:
-    """llama.cpp's q8_0 KV cache against its float one on the same text and windows (its f32 GGUF, flash
-    attention on both runs, as a quantized V cache needs), or None where llama.cpp is not installed (make bench
-    builds it)."""
+def llamacpp(
+    model_dir: Path, text: Path, window: int, windows: int, quantizations: list[str], kv_int8: bool
+) -> list[Scores]:
+    """llama.cpp's own q8_0 / q4_0 weights (for each of `quantizations`) and, with `kv_int8`, its q8_0 KV cache,
+    each against its float32 GGUF on the same text and windows (flash attention on every run, as a quantized V cache
+    needs); none where llama.cpp is not installed (make bench builds it)."""
     from benchmarks import deploy  # the peers' tools: only this comparison needs them
 
     server = deploy.llamacpp_server()
     if not isinstance(server, Path):
         note(f"accuracy: no llama.cpp to compare with ({server})")
-        return None
-    command = [str(server.with_name("llama-perplexity")), "-m", str(deploy.gguf(model_dir, "float32"))]
-    command += ["-f", str(text), "-c", str(window), "-t", str(os.cpu_count() or 1), "-fa", "on"]
+        return []
+    perplexity = str(server.with_name("llama-perplexity"))
+    common = ["-f", str(text), "-c", str(window), "-t", str(os.cpu_count() or 1), "-fa", "on"]
+    runs = [(f"llama.cpp {LLAMACPP_WEIGHTS[q]}", deploy.gguf(model_dir, q), []) for q in quantizations]
+    if kv_int8:
+        runs.append((LLAMACPP_KV_MODE, deploy.gguf(model_dir, "float32"), ["-ctk", "q8_0", "-ctv", "q8_0"]))
+    out = []
     with tempfile.TemporaryDirectory() as folder:
         base = ["--kl-divergence-base", str(Path(folder) / "base.kld")]
-        note("accuracy: llama.cpp's float KV cache (the base)")
-        subprocess.run([*command, *base], check=True, capture_output=True)
-        note("accuracy: llama.cpp's q8_0 KV cache")
-        quantized = [*command, *base, "--kl-divergence", "-ctk", "q8_0", "-ctv", "q8_0"]
-        done = subprocess.run(quantized, check=True, capture_output=True, text=True)
-    return parse_llamacpp(done.stdout + done.stderr, windows * (window // 2 - 1))
+        note("accuracy: llama.cpp's float32 (the base)")
+        float32 = str(deploy.gguf(model_dir, "float32"))
+        subprocess.run([perplexity, "-m", float32, *common, *base], check=True, capture_output=True)
+        for mode, model, flags in runs:
+            note(f"accuracy: {mode}")
+            command = [perplexity, "-m", str(model), *common, *base, "--kl-divergence", *flags]
+            done = subprocess.run(command, check=True, capture_output=True, text=True)
+            out.append(parse_llamacpp(done.stdout + done.stderr, windows * (window // 2 - 1), mode))
+    return out
+
+
+def runnable_variants() -> list[str]:
+    """The kernel variants this CPU can run (conveyor.cpu.KINDS at or below its own), least capable first."""
+    from conveyor import cpu
+
+    flags = cpu.probe().flags
+    return [kind for kind, needs in cpu.KINDS.items() if needs <= flags]
+
+
+def under_variant(variant: str, argv: list[str]) -> dict:
+    """This benchmark's JSON output, run again in a child as a CPU of kind `variant` would run it (the kernel
+    library, oneDNN's and ATen's ISA all capped to it, as make test's AVX2 rerun caps them)."""
+    environ = dict(os.environ, CONVEYOR_CPU_VARIANT=variant)
+    if variant == "avx2":
+        environ.update(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    command = [sys.executable, "-m", "benchmarks.accuracy", *argv, "--json"]
+    note(f"accuracy: every mode again as CONVEYOR_CPU_VARIANT={variant}")
+    done = subprocess.run(command, env=environ, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
 
 
 def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
@@ -307,11 +340,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
     parser.add_argument("--json", action="store_true", help="print the scores as JSON instead of a table")
     parser.add_argument(
-        "--llamacpp-kv",
+        "--llamacpp",
         action="store_true",
-        help=f"add llama.cpp's q8_0 KV cache against its float one on the same text ({LLAMACPP_KV_MODE!r})",
+        help="add llama.cpp's q8_0 / q4_0 weights (and q8_0 KV cache) against its float32 on the same text",
+    )
+    parser.add_argument(
+        "--cpu-variants",
+        action="store_true",
+        help="score every mode again under each kernel variant this CPU runs (CONVEYOR_CPU_VARIANT)",
     )
     args = parser.parse_args(argv)
+    if args.cpu_variants:
+        return by_variant([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--cpu-variants"], args)
     if args.model_id is None:
         from benchmarks.real_model import prepare
 
@@ -319,15 +359,38 @@ def main(argv: list[str] | None = None) -> None:
     kv_int8 = args.kv_cache_dtype == "int8"
     scorers = load(args.model_id, args.quantize, args.window, kv_int8)
     scores = score(scorers, args.text.read_text(), args.window, args.max_windows)
-    if args.llamacpp_kv and args.max_windows is None:
+    if args.llamacpp and args.max_windows is None:
         windows = scores[0].tokens // (args.window // 2 - 1)  # float32's: every window's scored tokens
-        if (theirs := llamacpp_kv(args.model_id, args.text, args.window, windows)) is not None:
-            scores.append(theirs)
+        scores += llamacpp(args.model_id, args.text, args.window, windows, args.quantize, kv_int8)
     found = answers(scorers)
     if args.json:
-        print(json.dumps({"scores": [asdict(s) for s in scores], "answers": found}, indent=2))
+        tokenizer = scorers["float32"].engine.tokenizer
+        texts = {mode: [tokenizer.decode(a) for a in each] for mode, each in found.items()}
+        print(json.dumps({"scores": [asdict(s) for s in scores], "answers": found, "texts": texts}, indent=2))
     else:
         print(table(scores) + "\n\n" + answers_table(scorers, found))
+
+
+def by_variant(argv: list[str], args: argparse.Namespace) -> None:
+    """Every mode under each runnable kernel variant (llama.cpp's rows once, from the first): one table of scores
+    with the variant in each mode's name, then each question's answers per variant."""
+    runs = {variant: under_variant(variant, argv) for variant in runnable_variants()}
+    scores: list[Scores] = []
+    for variant, found in runs.items():
+        for row in found["scores"]:
+            mine = not row["mode"].startswith("llama.cpp")
+            if mine or variant == next(iter(runs)):
+                scores.append(Scores(**{**row, "mode": f"{variant} {row['mode']}" if mine else row["mode"]}))
+    if args.json:
+        print(json.dumps({"by_variant": runs}, indent=2))
+        return
+    lines = [table(scores), ""]
+    for i, question in enumerate(CHAT_QUESTIONS):
+        lines.append(question)
+        for variant, found in runs.items():
+            for mode, answers_ in found["texts"].items():
+                lines.append(f"  {variant:<12} {mode:<8} {answers_[i]!r}")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
