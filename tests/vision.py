@@ -6,6 +6,8 @@ import base64
 import io
 from pathlib import Path
 
+from conftest import one_torch_thread
+
 _MODELS: dict[Path, tuple] = {}
 
 
@@ -61,7 +63,7 @@ def image_reference(
     else:
         pictures = [Image.open(io.BytesIO(data)) for data in images]
         inputs = processor(text=text, images=pictures, return_tensors="pt")
-    with torch.inference_mode():
+    with torch.inference_mode(), one_torch_thread():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
@@ -72,7 +74,7 @@ def text_reference(model_dir: Path, prompt: str, max_new_tokens: int) -> list[in
 
     model, processor = _load(model_dir)
     ids = processor.tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.inference_mode():
+    with torch.inference_mode(), one_torch_thread():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import ORACLE_PROMPTS, Server, _load, greedy_reference, start_server
+from conftest import ORACLE_PROMPTS, Server, _load, greedy_reference, one_torch_thread, start_server
 
 from conveyor.router.api.base import parse
 from conveyor.router.api.tgi import Sampling
@@ -80,7 +80,7 @@ def reference_with_file_defaults(folder: Path, prompt: str, n: int) -> list[int]
     model, tokenizer = _load(folder)
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
     assert model.generation_config.repetition_penalty == DEFAULTS["repetition_penalty"]
-    with torch.inference_mode():
+    with torch.inference_mode(), one_torch_thread():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
 

@@ -20,7 +20,16 @@ from pathlib import Path
 import httpx
 import pytest
 import sseclient
-from conftest import ORACLE_PROMPTS, Server, free_port, greedy_reference, start_server, start_servers, wait_for
+from conftest import (
+    ORACLE_PROMPTS,
+    Server,
+    free_port,
+    greedy_reference,
+    one_torch_thread,
+    start_server,
+    start_servers,
+    wait_for,
+)
 
 from conveyor.client import Client
 
@@ -45,7 +54,7 @@ def merged_reference(model_dir: Path, adapter_dir: Path, prompt: str, max_new_to
     model = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.inference_mode():
+    with torch.inference_mode(), one_torch_thread():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
 

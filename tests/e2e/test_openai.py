@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import Server, greedy_reference
+from conftest import Server, greedy_reference, one_torch_thread
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def greedy_reference_ids(server: Server, ids: list[int], n: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
+    with torch.inference_mode(), one_torch_thread():
         out = model.generate(
             torch.tensor([ids]),
             attention_mask=torch.ones((1, len(ids)), dtype=torch.long),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ALL_PROJECTIONS, greedy_reference, save_lora_adapter
+from conftest import ALL_PROJECTIONS, greedy_reference, one_torch_thread, save_lora_adapter
 from safetensors.torch import load_file, save_file
 
 from conveyor.shard.adapters.adapter_files import AdapterError
@@ -61,7 +61,7 @@ def merged_reference(model_dir: Path, adapter: Path, prompt: str, max_new_tokens
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model = PeftModel.from_pretrained(base, adapter).merge_and_unload().eval()
         ids = AutoTokenizer.from_pretrained(model_dir)(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
+        with torch.inference_mode(), one_torch_thread():
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
             )
