@@ -97,21 +97,27 @@ void dots_avx2(const float* x, int64_t in, const uint8_t* packed, const c10::Hal
 template <typename scalar_t>
 void rows(const float* x, int64_t count, const uint8_t* w, const c10::Half* scales, const scalar_t* bias,
           scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end, bool avx2) {
-  float sums[kRowsAtOnce];
+  float sums[conveyor::kWideRows];
   const int64_t groups = in / kGroup;
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = w + o * (in / 2);
     const c10::Half* row_scales = scales + o * groups;
     const float b = bias ? widen(bias[o]) : 0.f;
-    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
-      constexpr int kRows = decltype(chunk)::value;
+    const auto store = [&](int64_t m, int rows) {
+      for (int j = 0; j < rows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] + b);
+    };
 #ifdef CONVEYOR_SIMD_ATTENTION
-      if (avx2)
-        dots_avx2<kRows>(x + m * in, in, row, row_scales, sums);
-      else
+    if (avx2) {  // each group unpacked once for up to kWideRows rows of x
+      conveyor::for_row_chunks<conveyor::kWideRows>(count, [&](auto chunk, int64_t m) {
+        dots_avx2<decltype(chunk)::value>(x + m * in, in, row, row_scales, sums);
+        store(m, decltype(chunk)::value);
+      });
+      continue;
+    }
 #endif
-        dots<kRows>(x + m * in, in, row, row_scales, sums);
-      for (int j = 0; j < kRows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] + b);
+    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+      dots<decltype(chunk)::value>(x + m * in, in, row, row_scales, sums);
+      store(m, decltype(chunk)::value);
     });
   }
 }

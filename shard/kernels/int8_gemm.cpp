@@ -112,12 +112,12 @@ inline void dots_avx2(const float* x, int64_t in, const int8_t* w, const c10::Ha
     }
 }
 
-template <int kOut, typename scalar_t>
+template <int kOut, int kMost, typename scalar_t>
 void rows_avx2_block(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                      scalar_t* out, int64_t in, int64_t out_features, int64_t o) {
-  float sums[kRowsAtOnce * kOut];
+  float sums[kMost * kOut];
   const int64_t blocks = (in + kBlock - 1) / kBlock;
-  conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+  conveyor::for_row_chunks<kMost>(count, [&](auto chunk, int64_t m) {
     constexpr int kRows = decltype(chunk)::value;
     dots_avx2<kRows, kOut>(x + m * in, in, w + o * in, scales + o * blocks, blocks, sums);
     for (int j = 0; j < kRows; ++j)
@@ -132,8 +132,12 @@ template <typename scalar_t>
 void rows_avx2(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
   int64_t o = begin;
-  for (; o + 2 <= end; o += 2) rows_avx2_block<2>(x, count, w, scales, bias, out, in, out_features, o);
-  for (; o < end; ++o) rows_avx2_block<1>(x, count, w, scales, bias, out, in, out_features, o);
+  if (count > kRowsAtOnce) {  // one weight row at a time, up to kWideRows rows of x in registers
+    for (; o < end; ++o) rows_avx2_block<1, conveyor::kWideRows>(x, count, w, scales, bias, out, in, out_features, o);
+    return;
+  }
+  for (; o + 2 <= end; o += 2) rows_avx2_block<2, kRowsAtOnce>(x, count, w, scales, bias, out, in, out_features, o);
+  for (; o < end; ++o) rows_avx2_block<1, kRowsAtOnce>(x, count, w, scales, bias, out, in, out_features, o);
 }
 #endif
 

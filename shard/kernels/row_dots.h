@@ -37,16 +37,25 @@ inline void dot_rows(const float* x, int64_t in, const weight_t* w, float* sums)
   if constexpr (kRows > 3) sums[3] = s3;
 }
 
-// Calls chunk(std::integral_constant<int, k>{}, m) for x's rows m..m+k-1, in chunks of up to kRowsAtOnce.
-template <typename Chunk>
+// Rows of x the quantized kernels' AVX2 loops take in one chunk past kRowsAtOnce: they widen each block of weights
+// once per chunk, so a step verifying up to seven drafts (k + 1 rows of one sequence) widens it once, where chunks
+// of four would widen it twice (issue 66's k-row cost: the widening, not the read, bounds those loops on AVX2).
+constexpr int64_t kWideRows = 8;
+
+// f(std::integral_constant<int, n>{}) for a run-time n in [1, kMost].
+template <int kMost, typename F>
+inline void with_rows(int n, F f) {
+  if constexpr (kMost > 1) {
+    if (n < kMost) return with_rows<kMost - 1>(n, f);
+  }
+  f(std::integral_constant<int, kMost>{});
+}
+
+// Calls chunk(std::integral_constant<int, k>{}, m) for x's rows m..m+k-1, in chunks of up to kMost.
+template <int kMost = kRowsAtOnce, typename Chunk>
 inline void for_row_chunks(int64_t count, Chunk chunk) {
-  for (int64_t m = 0; m < count; m += kRowsAtOnce) {
-    switch (std::min(kRowsAtOnce, count - m)) {
-      case 1: chunk(std::integral_constant<int, 1>{}, m); break;
-      case 2: chunk(std::integral_constant<int, 2>{}, m); break;
-      case 3: chunk(std::integral_constant<int, 3>{}, m); break;
-      default: chunk(std::integral_constant<int, 4>{}, m); break;
-    }
+  for (int64_t m = 0; m < count; m += kMost) {
+    with_rows<kMost>(static_cast<int>(std::min<int64_t>(kMost, count - m)), [&](auto rows) { chunk(rows, m); });
   }
 }
 

@@ -94,27 +94,32 @@ void rows_avx2_block(const float* x, const scalar_t* w, const scalar_t* bias, sc
     }
 }
 
-// Each block of weight rows is read from memory once and dotted with every row of x, four rows at a time, while
+// Each block of weight rows is read from memory once and dotted with every row of x, kMost rows at a time, while
 // it is still in L1.
-template <int kOut, typename scalar_t>
+template <int kOut, int kMost, typename scalar_t>
 void rows_avx2_blocks(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out,
                       int64_t in, int64_t out_features, int64_t begin, int64_t end) {
   int64_t o = begin;
   for (; o + kOut <= end; o += kOut)
-    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+    conveyor::for_row_chunks<kMost>(count, [&](auto chunk, int64_t m) {
       rows_avx2_block<decltype(chunk)::value, kOut>(x, w, bias, out, in, out_features, m, o);
     });
   for (; o < end; ++o)
-    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+    conveyor::for_row_chunks<kMost>(count, [&](auto chunk, int64_t m) {
       rows_avx2_block<decltype(chunk)::value, 1>(x, w, bias, out, in, out_features, m, o);
     });
 }
 
+// Past four rows of x (a step verifying drafts), one weight row at a time against up to kWideRows rows of x, so
+// that each weight vector is loaded and widened once for all of them rather than once per four.
 template <typename scalar_t>
 void rows_avx2(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in,
                int64_t out_features, int64_t begin, int64_t end) {
-  if (count <= 2) return rows_avx2_blocks<conveyor::avx2::kOutFor<2>>(x, count, w, bias, out, in, out_features, begin, end);
-  rows_avx2_blocks<conveyor::avx2::kOutFor<4>>(x, count, w, bias, out, in, out_features, begin, end);
+  using conveyor::avx2::kOutFor;
+  constexpr int kFour = conveyor::kRowsAtOnce;
+  if (count <= 2) return rows_avx2_blocks<kOutFor<2>, kFour>(x, count, w, bias, out, in, out_features, begin, end);
+  if (count <= kFour) return rows_avx2_blocks<kOutFor<4>, kFour>(x, count, w, bias, out, in, out_features, begin, end);
+  rows_avx2_blocks<1, conveyor::kWideRows>(x, count, w, bias, out, in, out_features, begin, end);
 }
 #endif
 

@@ -26,7 +26,7 @@ def built() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("shape", [(48, 64), (37, 131), (1000, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("op", ["small_gemm", "small_gemm_portable", "small_gemm_widening", "small_gemm_avx2"])
