@@ -164,6 +164,24 @@ class Config:
     )
     http_body_timeout: float = flag(30.0, "seconds a request's body may take to arrive after its headers (408)")
     max_connections_per_client: int = flag(256, "HTTP connections one client address may hold open at once")
+    # Images (an image-text model's; router/pipeline/images.py and image_urls.py)
+    max_images_per_request: int = flag(16, "images one request may carry (422 above)")
+    max_image_bytes: int = flag(20_971_520, "an image's data in bytes, decoded or fetched (422 above)")
+    max_image_pixels: int = flag(
+        40_000_000, "an image's width x height as its header declares, checked before decoding (422 above)"
+    )
+    image_url_fetch: bool = flag(
+        False,
+        "fetch http(s) image URLs (off: only data URLs are taken), from the hosts --image-url-allowed-hosts names",
+        action=argparse.BooleanOptionalAction,
+    )
+    image_url_allowed_hosts: str | None = flag(
+        None,
+        "comma-separated hosts image URLs may name: a name, .domain (it and every name under it), * (any), or an IP "
+        "address or network; a host must resolve to public addresses only, unless the list names the address or "
+        "its network (loopback, private, link-local are reached only so); redirects are checked the same way",
+    )
+    image_url_timeout: float = flag(10.0, "seconds a request's image URLs may take to arrive, all of them together")
     # Token limits (defaults from the model, see router/limits.py)
     max_input_tokens: int | None = flag(None, "longest prompt (default: max total - 1)")
     max_total_tokens: int | None = flag(None, "prompt + new tokens (default: the model's positions, at most 4096)")

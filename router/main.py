@@ -39,6 +39,8 @@ from conveyor.router.frontends.connections import ClientCap, ConnectionLimits
 from conveyor.router.frontends.grpc_server import TextGenerationService
 from conveyor.router.limits import LimitError
 from conveyor.router.metrics import Metrics
+from conveyor.router.pipeline.image_urls import ImageUrls
+from conveyor.router.pipeline.images import ImageLimits
 from conveyor.router.pipeline.output_parsers import output_parsers
 from conveyor.router.pipeline.prompt_requests import TaskError, Tasks
 from conveyor.router.pipeline.validation import Validation
@@ -80,6 +82,14 @@ async def run(args: Config) -> None:
         chat_special_tokens=args.chat_special_tokens,
         adapters=lambda: infer.adapters.served,
         parsers=parsers,
+        image_limits=ImageLimits(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels),
+        image_urls=ImageUrls(
+            args.image_url_fetch,
+            args.image_url_allowed_hosts,
+            args.image_url_timeout,
+            args.max_image_bytes,
+            asyncio.get_running_loop(),
+        ),
     )
     server = HttpServer(
         infer,

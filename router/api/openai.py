@@ -107,7 +107,10 @@ class TextContent(Part):
 
 
 class ImageUrl(Part):
-    url: Annotated[str, Field(description="A base64 data URL (data:image/png;base64,...); http(s) is not fetched")]
+    url: Annotated[
+        str,
+        Field(description="A base64 data URL (data:image/png;base64,...), or http(s) where the server fetches URLs"),
+    ]
     detail: Literal["auto", "low", "high"] | None = None
 
 

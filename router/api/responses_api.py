@@ -41,7 +41,8 @@ class InputText(_Item):
 class InputImage(_Item):
     type: Literal["input_image"]
     image_url: Annotated[
-        str, Field(description="A base64 data URL (data:image/png;base64,...); http(s) is not fetched")
+        str,
+        Field(description="A base64 data URL (data:image/png;base64,...), or http(s) where the server fetches URLs"),
     ]
     detail: Literal["auto", "low", "high"] | None = None
 

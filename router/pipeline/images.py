@@ -8,8 +8,9 @@ processor does (SmolVLM's: per tile, where the processor splits the image), so e
 the token limits, fair shares and `usage` count.
 
 Bounded before any work an image can make expensive: the data's bytes, the images per request, and the pixels the
-image's header declares (checked before its pixels are decoded, so no decompression bomb is ever expanded). Only
-data URLs are taken: fetching http(s) URLs is not implemented, and such an image is refused by name.
+image's header declares (checked before its pixels are decoded, so no decompression bomb is ever expanded); the
+first three are flags (`ImageLimits`). Data URLs are read here; http(s) URLs are fetched only where
+`--image-url-fetch` allows it, under its rules (image_urls.py), else refused by name.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from typing import Any
 
 from conveyor.router.api.base import ValidationError
 from conveyor.router.pipeline.chat_prompt import ChatPrompt
+from conveyor.router.pipeline.image_urls import ImageUrls
 
+# The defaults of --max-image-bytes, --max-image-pixels and --max-images-per-request (conveyor/config.py).
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image's data, decoded from base64
 MAX_IMAGE_PIXELS = 40_000_000  # width x height its header declares (a 6,000 x 6,000 photo fits)
 MAX_IMAGES = 16  # per request
@@ -37,6 +40,15 @@ MAX_STEP_PIXEL_BYTES = 48 * 1024 * 1024
 _DATA_URL = re.compile(r"data:(?P<type>[a-zA-Z0-9.+-]+/[a-zA-Z0-9.+-]+)?(;[^,;]*)*?;base64,", re.ASCII)
 _MARKDOWN = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")  # TGI's image in `inputs`: ![](data:image/png;base64,...)
 _FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The bounds on a request's images the deployment sets (flags), each refused by its flag's name."""
+
+    max_images: int = MAX_IMAGES
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    max_image_pixels: int = MAX_IMAGE_PIXELS
 
 
 @dataclass(frozen=True)
@@ -77,11 +89,15 @@ class ImageReader:
         self.placeholder = placeholder  # what the chat template writes for each image
         self.image_token_id = image_id
         self.tokens_per_image = tokens  # per tile: one run of the image token each
+        self.limits = ImageLimits()
+        self.urls = ImageUrls(False, None, 0.0, self.limits.max_image_bytes)  # fetching off unless configured
 
     @classmethod
-    def load(cls, model_dir: str | None, tokenizer: Any) -> ImageReader | None:
-        """The reader of an image-text checkpoint (Gemma 3's or SmolVLM's, with its processor config); None for
-        any other."""
+    def load(
+        cls, model_dir: str | None, tokenizer: Any, limits: ImageLimits | None = None, urls: ImageUrls | None = None
+    ) -> ImageReader | None:
+        """The reader of an image-text checkpoint (Gemma 3's or SmolVLM's, with its processor config), under the
+        deployment's limits and URL fetching; None for any other."""
         if model_dir is None or not (Path(model_dir) / "config.json").exists():
             return None
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -92,17 +108,24 @@ class ImageReader:
             return None
         from transformers import AutoImageProcessor
 
-        return family.of(AutoImageProcessor.from_pretrained(model_dir), config, tokenizer, folder)
+        reader = family.of(AutoImageProcessor.from_pretrained(model_dir), config, tokenizer, folder)
+        reader.limits = limits or ImageLimits()
+        reader.urls = urls or ImageUrls(False, None, 0.0, reader.limits.max_image_bytes)
+        return reader
 
     def _tiles(self, image: Any) -> tuple[Any, str]:
         """The processor's pixel values for the image, [tiles, C, H, W], and the text that stands for it."""
         raise NotImplementedError
 
-    def pixels(self, url: str) -> Pixels:
-        """A data URL's image, decoded and resized (and split) by the checkpoint's processor; ValidationError naming
-        the limit or the fault."""
-        data = decode_data_url(url)
-        arrays, sequence = self._tiles(open_image(data))
+    def pixels(self, url: str, data: bytes | None = None) -> Pixels:
+        """A data URL's image (or the bytes fetched for a URL), decoded and resized (and split) by the checkpoint's
+        processor; ValidationError naming the limit or the fault."""
+        limits = self.limits
+        if data is None:
+            data = decode_data_url(url, limits.max_image_bytes)
+        elif len(data) > limits.max_image_bytes:
+            raise ValidationError(f"an image is larger than {limits.max_image_bytes} bytes (--max-image-bytes)")
+        arrays, sequence = self._tiles(open_image(data, limits.max_image_pixels))
         tiles = []
         for array in arrays:
             values = array.astype("<f4")
@@ -111,10 +134,14 @@ class ImageReader:
         return Pixels(tuple(tiles), sequence)
 
     def read_all(self, urls: list[str]) -> list[Pixels]:
-        """A request's images, within MAX_IMAGES and MAX_STEP_PIXEL_BYTES."""
-        if len(urls) > MAX_IMAGES:
-            raise ValidationError(f"at most {MAX_IMAGES} images per request (max_images). Given: {len(urls)}")
-        pixels = [self.pixels(url) for url in urls]
+        """A request's images (the http(s) ones fetched first, all at once, where fetching is on), within the
+        images per request and MAX_STEP_PIXEL_BYTES."""
+        most = self.limits.max_images
+        if len(urls) > most:
+            raise ValidationError(f"at most {most} images per request (--max-images-per-request). Given: {len(urls)}")
+        remote = list(dict.fromkeys(url for url in urls if url.startswith(("http://", "https://"))))
+        fetched = dict(zip(remote, self.urls.fetch_all(remote))) if remote else {}
+        pixels = [self.pixels(url, fetched.get(url)) for url in urls]
         if (size := sum(len(t.values) for p in pixels for t in p.tiles)) > MAX_STEP_PIXEL_BYTES:
             raise ValidationError(
                 f"the images' pixel values take {size} bytes, over {MAX_STEP_PIXEL_BYTES} per request (max_pixel_bytes)"
@@ -225,26 +252,27 @@ class Idefics3Images(ImageReader):
         return out["pixel_values"][0], f"{grid}\n{whole}" if rows or cols else whole
 
 
-def decode_data_url(url: str) -> bytes:
-    """A base64 data URL's bytes, within MAX_IMAGE_BYTES."""
-    if url.startswith(("http://", "https://")):
-        raise ValidationError("image URLs are not fetched on this server: send the image as a base64 data URL")
+def decode_data_url(url: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """A base64 data URL's bytes, within `max_bytes`."""
     match = _DATA_URL.match(url)
     if match is None:
         raise ValidationError("an image must be a base64 data URL (data:image/png;base64,...)")
     if match["type"] and not match["type"].startswith("image/"):
         raise ValidationError(f"an image's data URL holds {match['type']}, not an image")
     encoded = url[match.end() :]
-    if len(encoded) > (MAX_IMAGE_BYTES + 2) // 3 * 4:
-        raise ValidationError(f"an image is larger than {MAX_IMAGE_BYTES} bytes (max_image_bytes)")
+    if len(encoded) > (max_bytes + 2) // 3 * 4:
+        raise ValidationError(f"an image is larger than {max_bytes} bytes (--max-image-bytes)")
     try:
-        return base64.b64decode(encoded, validate=True)
+        data = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
         raise ValidationError("an image's data URL is not valid base64") from None
+    if len(data) > max_bytes:
+        raise ValidationError(f"an image is larger than {max_bytes} bytes (--max-image-bytes)")
+    return data
 
 
-def open_image(data: bytes):
-    """The image, its header checked against MAX_IMAGE_PIXELS before its pixels are decoded, in RGB."""
+def open_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS):
+    """The image, its header checked against `max_pixels` before its pixels are decoded, in RGB."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -252,16 +280,16 @@ def open_image(data: bytes):
         if image.format not in _FORMATS:
             raise ValidationError(f"image format {image.format} is not one of {sorted(_FORMATS)}")
         width, height = image.size
-        if width * height > MAX_IMAGE_PIXELS:
+        if width * height > max_pixels:
             raise ValidationError(
-                f"an image of {width} x {height} pixels is over {MAX_IMAGE_PIXELS} pixels (max_image_pixels)"
+                f"an image of {width} x {height} pixels is over {max_pixels} pixels (--max-image-pixels)"
             )
         image.load()
         return image.convert("RGB")
     except ValidationError:
         raise
     except Image.DecompressionBombError:
-        raise ValidationError(f"an image is over {MAX_IMAGE_PIXELS} pixels (max_image_pixels)") from None
+        raise ValidationError(f"an image is over {max_pixels} pixels (--max-image-pixels)") from None
     except UnidentifiedImageError:
         raise ValidationError("an image could not be decoded: not an image format this server reads") from None
     except (OSError, ValueError, SyntaxError) as exc:

@@ -29,7 +29,8 @@ from conveyor.router.limits import Limits
 from conveyor.router.pipeline.chat_prompt import Span
 from conveyor.router.pipeline.fair_workers import FairWorkers
 from conveyor.router.pipeline.generation_defaults import GenerationDefaults
-from conveyor.router.pipeline.images import ImageReader
+from conveyor.router.pipeline.image_urls import ImageUrls
+from conveyor.router.pipeline.images import ImageLimits, ImageReader
 from conveyor.router.pipeline.output_parsers import OutputParsers
 from conveyor.router.pipeline.request import Request, ValidRequest
 from conveyor.router.pipeline.rerank_prompt import RerankPair, rerank_parts
@@ -115,6 +116,8 @@ class Validation:
         chat_special_tokens: bool = False,
         adapters: Callable[[], Collection[str]] = tuple,
         parsers: OutputParsers | None = None,
+        image_limits: ImageLimits | None = None,
+        image_urls: ImageUrls | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # How the model writes tool calls and reasoning (output_parsers.py), for the chat routes.
@@ -126,7 +129,8 @@ class Validation:
         self.limits = limits
         # The model's generation_config.json sampling, for what a request leaves unset (none without a model_dir).
         self.defaults = GenerationDefaults.read(model_dir, self.check_parameter) if model_dir else GenerationDefaults()
-        self.images = ImageReader.load(model_dir, tokenizer)  # an image-text checkpoint's processor, else None
+        # An image-text checkpoint's processor, else None.
+        self.images = ImageReader.load(model_dir, tokenizer, image_limits, image_urls)
         self.grammars = GrammarCache(tokenizer, None)
         self.on_compile = on_compile  # told the seconds each new grammar took to compile (a metric)
         executor = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
