@@ -4,7 +4,9 @@ with images the processor splits into tiles yield exactly the greedy tokens tran
 the same batch, on 1 and 2 shards (the vision encoder whole on each rank, the Llama text model split); the prefix
 cache shares an image's blocks only with the same image; TGI's markdown images are the processor's `<image>`.
 
-One deployment per shard count for the module (test_images.py holds Gemma 3's, and the refusals both share).
+One deployment per shard count for the module (test_images.py holds Gemma 3's, and the refusals both share), and
+one with int8 weights (`--quantize int8`, the language model's layers), whose image prompt's log-probabilities stay
+within test_quantize.py's int8 bound of float32's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from pathlib import Path
 
 import pytest
 from conftest import ORACLE_PROMPTS, Deployments, Server, StreamWatcher, free_port, start_server, wait_for
+from test_quantize import LOGPROB_BOUND
 from vision import check_chat, data_url, image_reference, png, text_reference
+
+from conveyor.shard.kernels import library as kernels
 
 NEW_TOKENS = 8
 TEXT = "Describe the picture above in a few words, then say what colour it mostly is."
@@ -26,7 +31,13 @@ def deployments(smolvlm_model: Path) -> Iterator[Deployments]:
     def start(*flags: str) -> Server:
         return start_server(smolvlm_model, "--max-total-tokens", "512", "--master-port", str(free_port()), *flags)
 
-    deployments = Deployments({"1-shard": start, "2-shards": lambda: start("--num-shard", "2")})
+    starts = {
+        "1-shard": start,
+        "2-shards": lambda: start("--num-shard", "2"),
+        "int8": lambda: start("--quantize", "int8"),
+    }
+    # int8 is started by its own test, once the C++ kernels it needs are known to be built.
+    deployments = Deployments(starts, wanted=["1-shard", "2-shards"])
     yield deployments
     codes = deployments.stop()
     assert codes == [0] * len(codes)
@@ -81,3 +92,29 @@ def test_tgis_markdown_images_in_inputs(served: Server, smolvlm_model: Path) -> 
     assert response.status_code == 200, response.text
     expected = image_reference(smolvlm_model, "<image>" + TEXT, images, NEW_TOKENS, chat=False)
     assert [t["id"] for t in response.json()["details"]["tokens"]] == expected
+
+
+def _prompt_logprobs(server: Server, image: bytes) -> list[float]:
+    """The log-probabilities of an image prompt's tokens (TGI's markdown image, then the text), each after the
+    image's embeddings where it follows them."""
+    parameters = {"max_new_tokens": 1, "decoder_input_details": True, "details": True}
+    body = {"inputs": f"![]({data_url(image)}){TEXT}", "parameters": parameters}
+    with server.client() as client:
+        response = client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return [t["logprob"] for t in response.json()["details"]["prefill"][1:]]
+
+
+def test_int8_weights_serve_an_image_within_the_int8_bound(deployments: Deployments) -> None:
+    """The language model's layers in int8 (the vision encoder in float32): the image prompt's log-probabilities
+    stay within test_quantize.py's int8 bound of the float32 deployment's, on average."""
+    if not kernels.load():
+        pytest.skip("the C++ kernels did not build here")
+    quantized, full = deployments.get("int8"), deployments.get("1-shard")
+    assert quantized.info()["quantize"] == "int8"
+    image = png(60, 20, seed=91)
+    a, b = _prompt_logprobs(full, image), _prompt_logprobs(quantized, image)
+    assert len(a) == len(b) > 20
+    mean = sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+    print(f"int8, an image prompt: mean |logprob difference| {mean:.4f} nats over {len(a)} tokens")
+    assert 0 < mean <= LOGPROB_BOUND["int8"], mean
