@@ -364,3 +364,24 @@ def _outcome(server: Server, outcome: str) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     prefix = f'conveyor_requests_total{{outcome="{outcome}"}} '
     return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
+def test_the_responses_api_and_tgi_markdown_fetch_image_urls(
+    served: Server, image_host: ImageHost, gemma3_multimodal_model: Path, cat_answer: str
+) -> None:
+    """An `input_image` URL is fetched as the chat route's is; so is TGI's `![](URL)` in `inputs`."""
+    url = f"{image_host.base}/cat.png"
+    content = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": TEXT}]
+    body = {"input": [{"role": "user", "content": content}], "max_output_tokens": NEW_TOKENS, "temperature": 0}
+    with served.client() as client:
+        response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["output_text"] == cat_answer
+    parameters = {"max_new_tokens": NEW_TOKENS, "details": True}
+    with served.client() as client:
+        fetched = client.post("/generate", json={"inputs": f"![]({url}){TEXT}", "parameters": parameters})
+        sent = client.post(
+            "/generate", json={"inputs": f"![]({data_url(image_host.image)}){TEXT}", "parameters": parameters}
+        )
+    assert fetched.status_code == 200 and sent.status_code == 200, (fetched.text, sent.text)
+    assert [t["id"] for t in fetched.json()["details"]["tokens"]] == [t["id"] for t in sent.json()["details"]["tokens"]]
