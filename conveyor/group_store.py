@@ -12,8 +12,10 @@ elastic rendezvous cut down to what one fixed-size group needs.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 KEY = "conveyor/epoch"
 
@@ -25,7 +27,10 @@ def prefix(epoch: int) -> str:
 
 class GroupStore:
     def __init__(self, host: str, port: int, host_it: bool, timeout: float) -> None:
-        """`host_it` on node 0's launcher, which serves the store; every other process is a client of it."""
+        """`host_it` on node 0's launcher, which serves the store; every other process is a client of it. torch is
+        imported here, not with the module: the router imports this module and otherwise needs no torch."""
+        import torch.distributed as dist
+
         self.store = dist.TCPStore(
             host, port, is_master=host_it, wait_for_workers=False, timeout=timedelta(seconds=timeout)
         )
@@ -44,4 +49,6 @@ class GroupStore:
 
     def rendezvous(self, epoch: int) -> dist.Store:
         """The store a rank of `epoch` joins its group through."""
+        import torch.distributed as dist
+
         return dist.PrefixStore(prefix(epoch), self.store)

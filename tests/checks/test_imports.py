@@ -79,3 +79,12 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, lin
     result = lint_imports(tmp_path)
     _, _, broken = result.stdout.partition("Broken contracts")  # each broken contract's name and its imports
     assert result.returncode != 0 and contract in broken, result.stdout + result.stderr
+
+
+def test_the_router_and_the_launcher_start_without_torch() -> None:
+    """Neither process computes with tensors, and importing torch costs each start over a second on a small CPU
+    (every deployment a test or a restart brings up pays it): torch stays out of their imports, including
+    conveyor.group_store's, which imports torch.distributed only when a multi-node store is made."""
+    code = "import sys, conveyor.router.main, conveyor.launcher.main; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "False", done.stdout
