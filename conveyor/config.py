@@ -41,7 +41,7 @@ class Config:
     model_id: str = flag(
         "demo",
         "a local model directory, a Hugging Face Hub id (org/name, downloaded once into HF_HOME's cache), or "
-        "'demo' (built on first use)",
+        "'demo' (built on first use; 'demo-vision': an image-text one)",
     )
     revision: str | None = flag(None, "the Hub revision of --model-id: a branch, tag or commit (default: main)")
     served_model_name: str | None = flag(

@@ -415,6 +415,9 @@ def _is_built(out_dir: Path) -> bool:
 
 
 DEMO_MODEL = "demo"
+# The image-text demo (`--model-id demo-vision`): Gemma 3's image-text layout at the demo's size, random weights,
+# built on first use as the text demo is, so that images can be tried with nothing downloaded.
+DEMO_VISION_MODEL, DEMO_VISION_ARCH = "demo-vision", "gemma3-multimodal"
 
 
 def main(argv: list[str] | None = None) -> None:
