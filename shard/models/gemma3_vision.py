@@ -14,9 +14,12 @@ import torch
 
 from conveyor.shard.models.vision_weights import read_whole
 
-# Where checkpoints keep the tower and the projector (Hub checkpoints: `vision_tower.`; transformers 5 may write
-# `model.vision_tower.`), as this module's own names.
+# Where checkpoints keep the tower and the projector, as this module's own names: Google's Hub checkpoints (saved by
+# transformers 4) under `vision_tower.vision_model.`, transformers 5 under `vision_tower.` or `model.vision_tower.`
+# (its SiglipVisionModel holds the layers itself). The first prefix that matches wins, so the longer ones go first.
 VISION_NAMES = {
+    "model.vision_tower.vision_model.": "tower.",
+    "vision_tower.vision_model.": "tower.",
     "model.vision_tower.": "tower.",
     "vision_tower.": "tower.",
     "model.multi_modal_projector.": "projector.",
