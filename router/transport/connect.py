@@ -68,6 +68,7 @@ async def first_connect(args: Config, tokenizer, security: Security, group: Grou
     """The first connection, tried until --startup-timeout: a router started on its own (another container,
     another host) may come up before its shards do, and the launcher starts it beside them."""
     deadline = time.monotonic() + args.startup_timeout
+    pause = FIRST_CONNECT_SECONDS
     while True:
         try:
             return await connect(args, tokenizer, security, group)
@@ -75,10 +76,14 @@ async def first_connect(args: Config, tokenizer, security: Security, group: Grou
             if time.monotonic() > deadline:
                 raise
             log.info("shards not ready yet", extra={"error": str(exc)})
-            await asyncio.sleep(FIRST_CONNECT_SECONDS)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, MOST_CONNECT_SECONDS)
 
 
-FIRST_CONNECT_SECONDS = 0.5
+# The pause between tries grows from the first to the most: shards that answer soon are reached soon (a start
+# waited half a pause on average at a fixed 0.5 s), and ones that load for long are not asked 20 times a second.
+FIRST_CONNECT_SECONDS = 0.05
+MOST_CONNECT_SECONDS = 0.5
 
 
 def _check_ranks(urls: list[str], infos: list[ShardInfo]) -> None:
