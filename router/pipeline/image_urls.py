@@ -25,6 +25,7 @@ validation worker that reads the request waits for them, at most the timeout.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import socket
 from collections.abc import Iterable
@@ -151,7 +152,7 @@ class ImageUrls:
         future = asyncio.run_coroutine_threadsafe(self._fetch_all(urls), self.loop)
         try:
             return future.result(self.timeout + 5)  # the coroutine ends itself at the timeout; this is a backstop
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             future.cancel()
             raise self._late() from None
 
@@ -183,10 +184,10 @@ class ImageUrls:
         async with aiohttp.ClientSession(
             connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar()
         ) as session:
-            try:
-                async with asyncio.timeout(self.timeout):
-                    return list(await asyncio.gather(*(self._fetch(session, url) for url in urls)))
-            except TimeoutError:
+            fetches = asyncio.gather(*(self._fetch(session, url) for url in urls))
+            try:  # wait_for, not asyncio.timeout: the router runs on Python 3.10 too
+                return list(await asyncio.wait_for(fetches, self.timeout))
+            except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on, not before
                 raise self._late() from None
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:
