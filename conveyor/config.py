@@ -65,9 +65,8 @@ class Config:
     quantize: str | None = flag(
         None,
         "quantization at load: int8 or int4, a float16 scale per 32 inputs (llama.cpp's q8_0, q4_0; the embedding "
-        "int8 per row); int8 is widened to float against float inputs on every CPU kind; int4 with AVX-512 VNNI "
-        "rounds each layer's input to int8 too, a scale per 32, and its products are integer; CPU, needs the C++ "
-        "kernels",
+        "int8 per row); both are widened to float against float inputs on every CPU kind, so answers do not "
+        "depend on the CPU; CPU, needs the C++ kernels",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = flag(
