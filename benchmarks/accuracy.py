@@ -273,15 +273,15 @@ def llamacpp(
         return []
     perplexity = str(server.with_name("llama-perplexity"))
     common = ["-f", str(text), "-c", str(window), "-t", str(os.cpu_count() or 1), "-fa", "on"]
+    float32 = deploy.gguf(model_dir, "float32")
     runs = [(f"llama.cpp {LLAMACPP_WEIGHTS[q]}", deploy.gguf(model_dir, q), []) for q in quantizations]
     if kv_int8:
-        runs.append((LLAMACPP_KV_MODE, deploy.gguf(model_dir, "float32"), ["-ctk", "q8_0", "-ctv", "q8_0"]))
+        runs.append((LLAMACPP_KV_MODE, float32, ["-ctk", "q8_0", "-ctv", "q8_0"]))
     out = []
     with tempfile.TemporaryDirectory() as folder:
         base = ["--kl-divergence-base", str(Path(folder) / "base.kld")]
         note("accuracy: llama.cpp's float32 (the base)")
-        float32 = str(deploy.gguf(model_dir, "float32"))
-        subprocess.run([perplexity, "-m", float32, *common, *base], check=True, capture_output=True)
+        subprocess.run([perplexity, "-m", str(float32), *common, *base], check=True, capture_output=True)
         for mode, model, flags in runs:
             note(f"accuracy: {mode}")
             command = [perplexity, "-m", str(model), *common, *base, "--kl-divergence", *flags]
@@ -372,15 +372,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def by_variant(argv: list[str], args: argparse.Namespace) -> None:
-    """Every mode under each runnable kernel variant (llama.cpp's rows once, from the first): one table of scores
-    with the variant in each mode's name, then each question's answers per variant."""
-    runs = {variant: under_variant(variant, argv) for variant in runnable_variants()}
+    """Every mode under each runnable kernel variant (llama.cpp, whose figures no variant changes, with the first
+    only): one table of scores with the variant in each mode's name, then each question's answers per variant."""
+    without_llamacpp = [a for a in argv if a != "--llamacpp"]
+    variants = runnable_variants()
+    runs = {v: under_variant(v, argv if i == 0 else without_llamacpp) for i, v in enumerate(variants)}
     scores: list[Scores] = []
     for variant, found in runs.items():
         for row in found["scores"]:
             mine = not row["mode"].startswith("llama.cpp")
-            if mine or variant == next(iter(runs)):
-                scores.append(Scores(**{**row, "mode": f"{variant} {row['mode']}" if mine else row["mode"]}))
+            scores.append(Scores(**{**row, "mode": f"{variant} {row['mode']}" if mine else row["mode"]}))
     if args.json:
         print(json.dumps({"by_variant": runs}, indent=2))
         return
