@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -73,8 +74,22 @@ def _ended(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _one_tls_context(build: Callable[..., ssl.SSLContext]) -> Callable[..., ssl.SSLContext]:
+    """httpx builds a new TLS context, reading certifi's whole CA bundle (~37 ms of CPU), for every top-level call
+    (`httpx.get`, ...) and every client, plain http:// included. The suite makes thousands to loopback, and each
+    start's /health poll made ~20 a second, on the 2 cores its deployments need: the default one is built once."""
+    default = build()
+
+    def create(verify: object = True, cert: object = None, trust_env: bool = True) -> ssl.SSLContext:
+        return default if verify is True and cert is None and trust_env else build(verify, cert, trust_env)
+
+    return create
+
+
 def pytest_configure(config: pytest.Config) -> None:
     loopback.install(_LOOPBACK_GUARD)
+    transports = httpx._transports.default
+    _LOOPBACK_GUARD.setattr(transports, "create_ssl_context", _one_tls_context(transports.create_ssl_context))
     signal.signal(signal.SIGTERM, _ended)
 
 
