@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +54,14 @@ def _watch(parent: int, sig: signal.Signals) -> None:
     while os.getppid() == parent:
         threading.Event().wait(WATCH_SECONDS)
     os.kill(os.getpid(), sig)
+
+
+def end_cleanly() -> NoReturn:
+    """Ends a child that has stopped cleanly without the interpreter's teardown, whose last garbage collection over
+    torch's and transformers' objects took 0.5-0.8 s of CPU in every router and shard: a stop (a restart, a scale
+    down, each test's deployment) waited for it twice, the shards only being asked once the router is gone. Nothing
+    is left to run then but the logs, which are flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

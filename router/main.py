@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     finally:
         tracing.shutdown()
+    lifeline.end_cleanly()
 
 
 if __name__ == "__main__":

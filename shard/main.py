@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(run(args, security, served_name))
     finally:
         tracing.shutdown()
+    lifeline.end_cleanly()
 
 
 if __name__ == "__main__":
