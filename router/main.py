@@ -43,6 +43,7 @@ from conveyor.router.pipeline.image_urls import ImageUrls
 from conveyor.router.pipeline.images import ImageLimits
 from conveyor.router.pipeline.output_parsers import output_parsers
 from conveyor.router.pipeline.prompt_requests import TaskError, Tasks
+from conveyor.router.pipeline.tokenizer_loading import load_tokenizer
 from conveyor.router.pipeline.validation import Validation
 from conveyor.router.server_info import ServerInfo
 from conveyor.router.transport.connect import (
@@ -58,11 +59,9 @@ log = logging.getLogger(__name__)
 
 
 async def run(args: Config) -> None:
-    from transformers import AutoTokenizer
-
     keys = load_keys(args.api_keys_file, args.api_key)
     conveyor_log.add_secrets([args.metrics_key, args.shard_token])
-    tokenizer = AutoTokenizer.from_pretrained(args.model_id)
+    tokenizer = load_tokenizer(args.model_id)
     tasks = Tasks.read(args.task, args.model_id, tokenizer)  # before the shards are reached: a bad --task stops here
     log.info("tasks", extra={"tasks": list(tasks.served), "pooling": tasks.pooling.mode})
     security = Security.from_config(args)
