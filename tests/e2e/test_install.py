@@ -77,4 +77,5 @@ def test_a_plain_install_serves_the_demo_model_on_its_shipped_kernels_without_a_
     loaded = [line for line in lines if "kernels loaded" in line]
     assert loaded and all(f"library={installed}/{cpu.probe().kind}.so" in line for line in loaded), loaded
     assert not [line for line in lines if "building the C++ kernels" in line or "kernels unavailable" in line]
-    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == ["demo-tiny"]  # no kernels/
+    # no kernels/: the demo model, and the class of its tokenizer (router/pipeline/tokenizer_loading.py)
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == ["demo-tiny", "tokenizer-classes"]
