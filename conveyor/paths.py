@@ -1,5 +1,6 @@
 """Where Conveyor keeps what it builds on a machine (the demo models, a fallback build of the C++ kernels, the
-benchmark's models), and how it builds there so that nothing a killed process leaves can block a later start.
+benchmark's models, the router's note of each checkpoint's tokenizer class), and how it builds there so that
+nothing a killed process leaves can block a later start.
 
 One root for every process, set by CONVEYOR_CACHE so that tests and CI can point all of them at one place. What is
 built at run time is built once per machine by `build_once`: into a staging folder, renamed into place when whole,
