@@ -24,7 +24,10 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def real_server() -> Iterator[Server]:
-    server = start_server(real_model.prepare(), "--max-total-tokens", "512", "--master-port", str(free_port()))
+    # One prompt's worth of prefill budget: the warmup prefills as many longest prompts as the budget admits, eight
+    # of 511 tokens at the default, ~8 s of this module's start on 2 cores for prompts of a few tokens.
+    flags = ("--max-total-tokens", "512", "--max-batch-prefill-tokens", "512", "--master-port", str(free_port()))
+    server = start_server(real_model.prepare(), *flags)
     yield server
     assert server.stop() == 0
 
