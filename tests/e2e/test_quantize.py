@@ -5,6 +5,7 @@ holds a real model to its KL bounds)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ORACLE_PROMPTS, Server, free_port, start_server
+from conftest import ORACLE_PROMPTS, Server, free_port, start_server, start_servers, stop_servers
 
 from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.embedding import VocabParallelEmbedding
@@ -171,24 +172,21 @@ def test_a_quantized_embedding_looks_up_its_rows() -> None:
 @pytest.fixture(scope="module")
 def servers(tiny_model: Path) -> Iterator[dict[str, Server]]:
     """The tiny model served four times: float32, int8 and int4 weights, and float32 over an int8 KV cache."""
-    started: dict[str, Server] = {}
-    deployments = (
-        ("float32", []),
-        ("int8", ["--quantize", "int8"]),
-        ("int4", ["--quantize", "int4"]),
-        ("kv-int8", ["--kv-cache-dtype", "int8"]),
-    )
-    try:
-        for name, flags in deployments:
-            # CONVEYOR_GEMM=onednn: no plain copies beside the packed float weights, so weight_bytes is one copy.
-            env = {"CONVEYOR_GEMM": "onednn"}
-            started[name] = start_server(tiny_model, "--master-port", str(free_port()), *flags, env=env)
-    except BaseException:
-        for server in started.values():
-            server.stop()
-        raise
+    deployments = {
+        "float32": [],
+        "int8": ["--quantize", "int8"],
+        "int4": ["--quantize", "int4"],
+        "kv-int8": ["--kv-cache-dtype", "int8"],
+    }
+    # CONVEYOR_GEMM=onednn: no plain copies beside the packed float weights, so weight_bytes is one copy.
+    env = {"CONVEYOR_GEMM": "onednn"}
+    starts = [
+        functools.partial(start_server, tiny_model, "--master-port", str(free_port()), *flags, env=env)
+        for flags in deployments.values()
+    ]
+    started = dict(zip(deployments, start_servers(*starts)))
     yield started
-    assert [s.stop() for s in started.values()] == [0] * len(deployments)
+    assert stop_servers(started.values()) == [0] * len(deployments)
 
 
 PROMPTS = ["def add(a, b):\n    return a + b\n", "class Queue:\n    def __init__(self):\n        self.items = []"]
