@@ -26,6 +26,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -53,37 +54,35 @@ HUB_TOWER = "vision_tower.vision_model."
 
 def build(out: Path) -> Path:
     """The checkpoint (once): the demo's small Gemma 3 image-text model with Gemma 3 4B's tower, random weights."""
-    if (out / "config.json").exists():
-        return out
+    return paths.build_once(out, _write_checkpoint, "the image benchmark's Gemma 3 checkpoint")
+
+
+def _write_checkpoint(model: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     from conveyor import demo_model
 
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    base = demo_model.build(staging / "base", "small", arch="gemma3-multimodal")
-    fields = json.loads((base / "config.json").read_text())
-    fields["vision_config"].update(TOWER)
-    fields["mm_tokens_per_image"] = SOFT_TOKENS
-    config = Gemma3Config(**{k: v for k, v in fields.items() if k not in ("architectures", "transformers_version")})
-    note("image_ttft: writing a random-weight Gemma 3 with Gemma 3 4B's vision tower")
-    torch.manual_seed(0)
-    Gemma3ForConditionalGeneration(config).save_pretrained(staging / "model")
-    for file in base.iterdir():
-        if file.is_file() and file.name not in ("config.json", "model.safetensors", "conveyor_demo.json"):
-            shutil.copy(file, staging / "model" / file.name)
-    processor = json.loads((base / "processor_config.json").read_text())
+    with tempfile.TemporaryDirectory() as scratch:
+        base = demo_model.build(Path(scratch) / "base", "small", arch="gemma3-multimodal")
+        fields = json.loads((base / "config.json").read_text())
+        fields["vision_config"].update(TOWER)
+        fields["mm_tokens_per_image"] = SOFT_TOKENS
+        config = Gemma3Config(**{k: v for k, v in fields.items() if k not in ("architectures", "transformers_version")})
+        note("image_ttft: writing a random-weight Gemma 3 with Gemma 3 4B's vision tower")
+        torch.manual_seed(0)
+        Gemma3ForConditionalGeneration(config).save_pretrained(model)
+        for file in base.iterdir():
+            if file.is_file() and file.name not in ("config.json", "model.safetensors", "conveyor_demo.json"):
+                shutil.copy(file, model / file.name)
+        processor = json.loads((base / "processor_config.json").read_text())
     processor["image_processor"]["size"] = {"height": TOWER["image_size"], "width": TOWER["image_size"]}
     processor["image_seq_length"] = SOFT_TOKENS
-    (staging / "model" / "processor_config.json").write_text(json.dumps(processor, indent=2))
-    weights = staging / "model" / "model.safetensors"
+    (model / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    weights = model / "model.safetensors"
     tensors = {_hub_name(name): t for name, t in load_file(weights).items()}
     save_file(tensors, weights, metadata={"format": "pt"})
-    (staging / "model").rename(out)
-    shutil.rmtree(staging)
-    return out
 
 
 def _hub_name(name: str) -> str:
