@@ -11,7 +11,9 @@
 //
 // Each block of 32 weights is widened and scaled once, into float, then multiplied into up to four rows of x at
 // once: the weight row is read from memory once per call whatever the row count (a quarter of float32's bytes,
-// half of bf16's, which is what decides a decode step with few rows), and the products are float FMAs.
+// half of bf16's, which is what decides a decode step with few rows), and the products are float FMAs. On AVX-512,
+// more rows (a decode batch, a prompt) widen a panel of weight rows once into a buffer and dot every chunk of x's
+// rows with it, in the same order, so that a row's output does not depend on the rows beside it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,6 +24,7 @@
 #include "attention_simd.h"
 #include "float_types.h"
 #include "row_dots.h"
+#include "row_dots_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -112,14 +115,157 @@ inline void dots_avx2(const float* x, int64_t in, const int8_t* w, const c10::Ha
     }
 }
 
-template <int kOut, int kMost, typename scalar_t>
-void rows_avx2_block(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
+#endif
+
+#if defined(CONVEYOR_AVX512_DOTS)
+// The AVX2 loop's scheme 16 lanes wide: a block's 32 weights in two vectors. With 32 registers it keeps kOut = 4
+// weight rows against up to four rows of x, or 2 against eight. Left to the compiler, the plain loop ran a decode
+// step's int8 layers at a third of this loop's speed on an Intel Xeon (Ice Lake) and an eighth at 32 rows.
+template <int kRows, int kOut>
+inline void dots_avx512(const float* x, int64_t in, const int8_t* w, const c10::Half* scales, int64_t blocks,
+                        float* sums) {
+  __m512 acc[kRows][kOut];
+  for (int m = 0; m < kRows; ++m)
+    for (int r = 0; r < kOut; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int64_t whole = in / kBlock;
+  for (int64_t b = 0; b < whole; ++b) {
+    __m512 ws[kOut][2];
+    for (int r = 0; r < kOut; ++r) {
+      const int8_t* wb = w + r * in + b * kBlock;
+      conveyor::prefetch_weight(wb);
+      const __m512 scale = _mm512_set1_ps(widen(scales[r * blocks + b]));
+      ws[r][0] = _mm512_mul_ps(scale, conveyor::avx512::load16(wb));
+      ws[r][1] = _mm512_mul_ps(scale, conveyor::avx512::load16(wb + 16));
+    }
+    for (int m = 0; m < kRows; ++m)
+      for (int q = 0; q < 2; ++q) {
+        const __m512 xv = _mm512_loadu_ps(x + m * in + b * kBlock + q * 16);
+        for (int r = 0; r < kOut; ++r) acc[m][r] = _mm512_fmadd_ps(xv, ws[r][q], acc[m][r]);
+      }
+  }
+  for (int m = 0; m < kRows; ++m)
+    for (int r = 0; r < kOut; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[m][r]);
+      if (whole * kBlock < in) {
+        const float scale = widen(scales[r * blocks + whole]);
+        for (int64_t k = whole * kBlock; k < in; ++k) sum += x[m * in + k] * (scale * static_cast<float>(w[r * in + k]));
+      }
+      sums[m * kOut + r] = sum;
+    }
+}
+
+// Many rows of x (a decode batch, a prompt): kOut weight rows' whole blocks are widened and scaled once per call into
+// `widened` ([kOut, whole * 32] floats, the same values dots_avx512 makes in registers), then dotted with kRows rows
+// of x at a time from there. Widening in registers for every chunk of rows had cost more than the FMAs. Each sum is
+// accumulated in the same order as dots_avx512's and its tail is added the same way, so a row's output does not
+// depend on the rows that share its call.
+template <int kOut>
+inline void widen_blocks(const int8_t* w, int64_t in, const c10::Half* scales, int64_t blocks, float* widened) {
+  const int64_t whole = in / kBlock;
+  for (int r = 0; r < kOut; ++r)
+    for (int64_t b = 0; b < whole; ++b) {
+      const __m512 scale = _mm512_set1_ps(widen(scales[r * blocks + b]));
+      const int8_t* wb = w + r * in + b * kBlock;
+      float* out = widened + (r * whole + b) * kBlock;
+      _mm512_storeu_ps(out, _mm512_mul_ps(scale, conveyor::avx512::load16(wb)));
+      _mm512_storeu_ps(out + 16, _mm512_mul_ps(scale, conveyor::avx512::load16(wb + 16)));
+    }
+}
+
+template <int kRows, int kOut>
+inline void dots_widened(const float* x, int64_t in, const int8_t* w, const c10::Half* scales, int64_t blocks,
+                         const float* widened, float* sums) {
+  __m512 acc[kRows][kOut];
+  for (int m = 0; m < kRows; ++m)
+    for (int r = 0; r < kOut; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int64_t whole = in / kBlock, span = whole * kBlock;
+  for (int64_t k = 0; k < span; k += 16) {
+    __m512 wv[kOut];
+    for (int r = 0; r < kOut; ++r) wv[r] = _mm512_loadu_ps(widened + r * span + k);
+    for (int m = 0; m < kRows; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * in + k);
+      for (int r = 0; r < kOut; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < kRows; ++m)
+    for (int r = 0; r < kOut; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[m][r]);
+      if (span < in) {
+        const float scale = widen(scales[r * blocks + whole]);
+        for (int64_t k = span; k < in; ++k) sum += x[m * in + k] * (scale * static_cast<float>(w[r * in + k]));
+      }
+      sums[m * kOut + r] = sum;
+    }
+}
+
+constexpr int kWidenedRows = 6, kWidenedOut = 4;  // 24 accumulators, 4 weight vectors and x's in 32 registers
+constexpr int64_t kPanel = 16;  // weight rows widened together: every chunk of x's rows meets all of them in turn
+
+// Weight rows [o, o + n) (n <= kPanel) against every row of x: the panel widened once, then each chunk of x's rows
+// (kept in L1) dotted with its weight rows kWidenedOut at a time. Walking all of x for each few weight rows instead
+// re-read x from L2 for every group, which bounded the loop at 32 rows.
+template <typename scalar_t>
+void panel_widened(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
+                   scalar_t* out, int64_t in, int64_t out_features, int64_t o, int64_t n, float* widened) {
+  const int64_t blocks = (in + kBlock - 1) / kBlock, span = (in / kBlock) * kBlock;
+  int64_t r = 0;
+  for (; r + kWidenedOut <= n; r += kWidenedOut)
+    widen_blocks<kWidenedOut>(w + (o + r) * in, in, scales + (o + r) * blocks, blocks, widened + r * span);
+  for (; r < n; ++r) widen_blocks<1>(w + (o + r) * in, in, scales + (o + r) * blocks, blocks, widened + r * span);
+  conveyor::for_row_chunks<kWidenedRows>(count, [&](auto chunk, int64_t m) {
+    constexpr int kRows = decltype(chunk)::value;
+    const auto group = [&](auto width, int64_t g) {
+      constexpr int kOut = decltype(width)::value;
+      float sums[kRows * kOut];
+      dots_widened<kRows, kOut>(x + m * in, in, w + (o + g) * in, scales + (o + g) * blocks, blocks,
+                                widened + g * span, sums);
+      for (int j = 0; j < kRows; ++j)
+        for (int q = 0; q < kOut; ++q) {
+          const float b = bias ? widen(bias[o + g + q]) : 0.f;
+          out[(m + j) * out_features + o + g + q] = static_cast<scalar_t>(sums[j * kOut + q] + b);
+        }
+    };
+    int64_t g = 0;
+    for (; g + kWidenedOut <= n; g += kWidenedOut) group(std::integral_constant<int, kWidenedOut>{}, g);
+    for (; g < n; ++g) group(std::integral_constant<int, 1>{}, g);
+  });
+}
+
+template <typename scalar_t>
+void rows_widened(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
+                  scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
+  std::vector<float> widened(kPanel * (in / kBlock) * kBlock);
+  for (int64_t o = begin; o < end; o += kPanel)
+    panel_widened<scalar_t>(x, count, w, scales, bias, out, in, out_features, o, std::min(kPanel, end - o),
+                            widened.data());
+}
+#endif
+
+enum class Loop { kPortable, kAvx2, kAvx512 };
+
+// The machine's widest loop: what `int8_gemm` runs.
+constexpr Loop kBest =
+#if defined(CONVEYOR_AVX512_DOTS)
+    Loop::kAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    Loop::kAvx2;
+#else
+    Loop::kPortable;
+#endif
+
+template <Loop kLoop, int kOut, int kMost, typename scalar_t>
+void rows_simd_block(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                      scalar_t* out, int64_t in, int64_t out_features, int64_t o) {
   float sums[kMost * kOut];
   const int64_t blocks = (in + kBlock - 1) / kBlock;
   conveyor::for_row_chunks<kMost>(count, [&](auto chunk, int64_t m) {
     constexpr int kRows = decltype(chunk)::value;
-    dots_avx2<kRows, kOut>(x + m * in, in, w + o * in, scales + o * blocks, blocks, sums);
+#if defined(CONVEYOR_AVX512_DOTS)
+    if constexpr (kLoop == Loop::kAvx512)
+      dots_avx512<kRows, kOut>(x + m * in, in, w + o * in, scales + o * blocks, blocks, sums);
+    else
+#endif
+      dots_avx2<kRows, kOut>(x + m * in, in, w + o * in, scales + o * blocks, blocks, sums);
     for (int j = 0; j < kRows; ++j)
       for (int r = 0; r < kOut; ++r) {
         const float b = bias ? widen(bias[o + r]) : 0.f;
@@ -128,18 +274,23 @@ void rows_avx2_block(const float* x, int64_t count, const int8_t* w, const c10::
   });
 }
 
-template <typename scalar_t>
-void rows_avx2(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
+// Weight rows [begin, end) against every row of x: kFew weight rows at once for up to four rows of x, kMany for
+// more (kWideRows rows of x a chunk), then one at a time for what is left.
+template <Loop kLoop, int kFew, int kMany, typename scalar_t>
+void rows_simd(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
   int64_t o = begin;
-  if (count > kRowsAtOnce) {  // one weight row at a time, up to kWideRows rows of x in registers
-    for (; o < end; ++o) rows_avx2_block<1, conveyor::kWideRows>(x, count, w, scales, bias, out, in, out_features, o);
+  if (count > kRowsAtOnce) {
+    for (; o + kMany <= end; o += kMany)
+      rows_simd_block<kLoop, kMany, conveyor::kWideRows>(x, count, w, scales, bias, out, in, out_features, o);
+    for (; o < end; ++o)
+      rows_simd_block<kLoop, 1, conveyor::kWideRows>(x, count, w, scales, bias, out, in, out_features, o);
     return;
   }
-  for (; o + 2 <= end; o += 2) rows_avx2_block<2, kRowsAtOnce>(x, count, w, scales, bias, out, in, out_features, o);
-  for (; o < end; ++o) rows_avx2_block<1, kRowsAtOnce>(x, count, w, scales, bias, out, in, out_features, o);
+  for (; o + kFew <= end; o += kFew)
+    rows_simd_block<kLoop, kFew, kRowsAtOnce>(x, count, w, scales, bias, out, in, out_features, o);
+  for (; o < end; ++o) rows_simd_block<kLoop, 1, kRowsAtOnce>(x, count, w, scales, bias, out, in, out_features, o);
 }
-#endif
 
 // out[m, o] for o in [begin, end) and every m; x is float [count, in].
 template <typename scalar_t>
@@ -159,25 +310,32 @@ void rows(const float* x, int64_t count, const int8_t* w, const c10::Half* scale
 
 template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
-         at::Tensor& out, bool avx2) {
+         at::Tensor& out, Loop loop) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   const std::vector<float> xf = conveyor::widened<scalar_t>(x);
   const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const c10::Half* s = scales.data_ptr<c10::Half>();
+  scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-#if defined(__AVX2__) && defined(__FMA__)
-    if (avx2)
-      return rows_avx2<scalar_t>(xf.data(), count, weight.data_ptr<int8_t>(), scales.data_ptr<c10::Half>(), b,
-                                 out.data_ptr<scalar_t>(), in, out_features, begin, end);
+#if defined(CONVEYOR_AVX512_DOTS)
+    if (loop == Loop::kAvx512 && count > kRowsAtOnce)
+      return rows_widened<scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
+    if (loop == Loop::kAvx512)
+      return rows_simd<Loop::kAvx512, 4, 2, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
 #endif
-    rows<scalar_t>(xf.data(), count, weight.data_ptr<int8_t>(), scales.data_ptr<c10::Half>(), b,
-                   out.data_ptr<scalar_t>(), in, out_features, begin, end);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (loop == Loop::kAvx2)
+      return rows_simd<Loop::kAvx2, 2, 1, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
+#endif
+    rows<scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
   });
 }
 
 // x [M, in] (float32, bf16 or fp16), weight int8 [out, in], scales float16 [out, ceil(in / 32)], bias [out] in x's
 // dtype or none.
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                const c10::optional<at::Tensor>& bias, bool avx2) {
+                const c10::optional<at::Tensor>& bias, Loop loop) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "int8_gemm runs on CPU");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, in] and weight [out, in]");
   TORCH_CHECK(weight.scalar_type() == at::kChar, "an int8 weight");
@@ -188,30 +346,25 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   conveyor::check_bias(bias, weight.size(0), x.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
   conveyor::for_float_dtype(x.scalar_type(), "int8_gemm",
-                            [&](auto tag) { run<decltype(tag)>(x, weight, scales, bias, out, avx2); });
+                            [&](auto tag) { run<decltype(tag)>(x, weight, scales, bias, out, loop); });
   return out;
 }
 
-// The AVX2 loop where the library is AVX2's; an AVX-512 build keeps the plain loop, which its compiler vectorizes
-// 16 wide (the AVX2 loop was measured on an AVX2 CPU only).
+// The widest loop the library was built for.
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  return gemm(x, weight, scales, bias, true);
-#else
-  return gemm(x, weight, scales, bias, false);
-#endif
+  return gemm(x, weight, scales, bias, kBest);
 }
 
 // Each loop by name, the AVX2 one in every build: the tests hold both to the same reference on any machine.
 at::Tensor int8_gemm_portable(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& bias) {
-  return gemm(x, weight, scales, bias, false);
+  return gemm(x, weight, scales, bias, Loop::kPortable);
 }
 
 at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& bias) {
-  return gemm(x, weight, scales, bias, true);
+  return gemm(x, weight, scales, bias, Loop::kAvx2);
 }
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
