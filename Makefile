@@ -28,6 +28,10 @@ KERNEL_TESTS := tests/unit/test_cpu.py tests/unit/test_kernel_build.py tests/uni
 	tests/unit/test_kv_quant.py tests/unit/test_real_model_accuracy.py tests/unit/test_decode_stack.py \
 	tests/unit/test_fused_kernels.py tests/unit/test_rotary.py tests/e2e/test_quantize.py -k 'not serving'
 AS_AVX2 := CONVEYOR_CPU_VARIANT=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+# The quantization tests, run once more under each kernel library this CPU loads between AVX2 and its own (none on
+# an AVX2 CPU; avx512 on an Ice Lake Xeon; avx512 and avx512_vnni on an AMX one): the real model's greedy answers
+# under int8, int4 and an int8 KV cache, and the kernels against their reference, on every variant (issue 68).
+VARIANT_TESTS := tests/unit/test_real_model_accuracy.py tests/e2e/test_quantize.py -k 'not serving'
 
 venv: $(STAMP)
 
@@ -60,10 +64,14 @@ serve: $(STAMP) $(KERNELS)
 	$(BIN)/conveyor-launcher --model-id demo $(ARGS)
 
 # The suite, then its kernel and layer tests once more as an AVX2-only CPU runs them: the AVX2 library, the flags
-# conveyor.cpu reports, oneDNN and ATen all held to AVX2, so that an AVX-512 machine catches what breaks there.
+# conveyor.cpu reports, oneDNN and ATen all held to AVX2, so that an AVX-512 machine catches what breaks there. Then
+# the quantization tests under each variant in between (`python -m conveyor.cpu` names them).
 test: $(TEST_STAMP) $(KERNELS)
 	$(BIN)/python -m pytest -q $(ARGS)
 	$(AS_AVX2) $(BIN)/python -m pytest -q $(KERNEL_TESTS)
+	for variant in $$($(BIN)/python -m conveyor.cpu); do \
+		CONVEYOR_CPU_VARIANT=$$variant $(BIN)/python -m pytest -q $(VARIANT_TESTS) || exit 1; \
+	done
 
 # The fault soak at full size: 1,000 requests of every generating route, ~10% of clients hanging up, on a small KV
 # pool, the shard SIGKILLed 3 times (tests/faults/test_soak.py; CI runs fewer). Prints sent, completed, cancelled,

@@ -291,11 +291,10 @@ def llamacpp(
 
 
 def runnable_variants() -> list[str]:
-    """The kernel variants this CPU can run (conveyor.cpu.KINDS at or below its own), least capable first."""
+    """The kernel variants this CPU can run, least capable first."""
     from conveyor import cpu
 
-    flags = cpu.probe().flags
-    return [kind for kind, needs in cpu.KINDS.items() if needs <= flags]
+    return cpu.runnable_kinds(cpu.probe().flags)
 
 
 def under_variant(variant: str, argv: list[str]) -> dict:

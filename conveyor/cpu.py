@@ -50,6 +50,11 @@ def compile_flags(kind: str) -> list[str]:
     return [f"-m{flag.replace('_', '')}" for flag in sorted(KINDS[kind])]
 
 
+def runnable_kinds(flags: frozenset[str]) -> list[str]:
+    """The kinds a CPU with `flags` runs, least capable first: its own and every one below it."""
+    return [kind for kind, needs in KINDS.items() if needs <= flags]
+
+
 def capped(flags: frozenset[str], switch: str | None = None) -> frozenset[str]:
     """`flags` as a CPU of the kind `CONVEYOR_CPU_VARIANT` names would show them: every instruction-set flag above
     that kind hidden. Naming a kind this CPU lacks is an error, not a quiet downgrade of the machine's own kind."""
@@ -167,3 +172,14 @@ def probe() -> Cpu:
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     vendor = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "?")
     return Cpu(model, usable_cores(), capped(frozenset(flags)), onednn_bf16(), vendor)
+
+
+def middle_kinds(flags: frozenset[str]) -> list[str]:
+    """The kinds a CPU with `flags` runs above AVX2 and below its own: `make test` runs its kernel and quantization
+    tests once more under each (an AMX Xeon: avx512 and avx512_vnni), as it does under AVX2, so that every library
+    this CPU could load is held, not only the two at the ends."""
+    return runnable_kinds(flags)[1:-1]
+
+
+if __name__ == "__main__":  # `python -m conveyor.cpu`: the middle kinds, a line each (the Makefile reads them)
+    print("\n".join(middle_kinds(probe().flags)))

@@ -304,3 +304,29 @@ def test_the_variant_switch_refuses_a_kind_the_cpu_lacks_or_does_not_know(
         cpu.probe()
     monkeypatch.setenv(cpu.VARIANT_SWITCH, "avx2")
     assert cpu.probe().kind == "avx2"
+
+
+ICE_LAKE = Kind("xeon-avx512-vnni", "Intel(R) Xeon(R) Platinum 8375C CPU", AVX512_FLAGS, False, INTEL)
+
+
+@pytest.mark.parametrize(
+    "kind, middle",
+    [
+        pytest.param(BELOW_AVX2, [], id=BELOW_AVX2.name),
+        pytest.param(AMD_EPYC, [], id=AMD_EPYC.name),  # the AVX2 rerun is all there is
+        pytest.param(ICE_LAKE, ["avx512"], id=ICE_LAKE.name),
+        pytest.param(XEON_AMX, ["avx512", "avx512_vnni"], id=XEON_AMX.name),
+    ],
+)
+def test_make_test_reruns_the_quantization_tests_under_each_middle_kind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind, middle: list[str]
+) -> None:
+    """`python -m conveyor.cpu` names the kinds between AVX2 (rerun already) and the machine's own (the suite's)."""
+    fake(monkeypatch, tmp_path, kind)
+    flags = cpu.probe().flags
+    assert cpu.middle_kinds(flags) == middle
+    runnable = cpu.runnable_kinds(flags)
+    if runnable:
+        assert runnable[0] == "avx2" and runnable[-1] == cpu.probe().kind
+        monkeypatch.setenv(cpu.VARIANT_SWITCH, "avx2")  # the AVX2 rerun's process would name none
+        assert cpu.middle_kinds(cpu.probe().flags) == []
