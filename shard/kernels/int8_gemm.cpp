@@ -39,6 +39,14 @@ using conveyor::widen;
 
 constexpr int64_t kBlock = 32, kLanes = 16;  // inputs per scale; float partial sums per row of x
 
+// `sum` plus x . dequant(w) over a last block cut short, inputs [from, in), element by element after the whole
+// blocks' sum: every loop adds it the same way, so a row's output has the same bits on each of them.
+inline float add_tail(float sum, const float* x, const int8_t* w, int64_t from, int64_t in, c10::Half scale) {
+  const float s = widen(scale);
+  for (int64_t k = from; k < in; ++k) sum += x[k] * (s * static_cast<float>(w[k]));
+  return sum;
+}
+
 // sums[m] = x_m . dequant(row) for kRows rows of x (float, [kRows, in]), each block's weights widened and scaled
 // once for all of them. A last block cut short (in % 32) runs element by element.
 template <int kRows>
@@ -61,10 +69,7 @@ inline void dots(const float* x, int64_t in, const int8_t* w, const c10::Half* s
   for (int m = 0; m < kRows; ++m) {
     float sum = 0.f;
     for (int64_t j = 0; j < kLanes; ++j) sum += acc[m][j];
-    if (whole * kBlock < in) {
-      const float scale = widen(scales[whole]);
-      for (int64_t k = whole * kBlock; k < in; ++k) sum += x[m * in + k] * (scale * static_cast<float>(w[k]));
-    }
+    if (whole * kBlock < in) sum = add_tail(sum, x + m * in, w, whole * kBlock, in, scales[whole]);
     sums[m] = sum;
   }
 }
@@ -107,20 +112,32 @@ inline void dots_avx2(const float* x, int64_t in, const int8_t* w, const c10::Ha
   for (int m = 0; m < kRows; ++m)
     for (int r = 0; r < kOut; ++r) {
       float sum = conveyor::simd::Avx2::reduce_add(acc[m][r]);
-      if (whole * kBlock < in) {
-        const float scale = widen(scales[r * blocks + whole]);
-        for (int64_t k = whole * kBlock; k < in; ++k) sum += x[m * in + k] * (scale * static_cast<float>(w[r * in + k]));
-      }
+      if (whole * kBlock < in)
+        sum = add_tail(sum, x + m * in, w + r * in, whole * kBlock, in, scales[r * blocks + whole]);
       sums[m * kOut + r] = sum;
     }
 }
 
 #endif
 
+// out[m + j, o + r] = sums[j * kOut + r] + bias[o + r] for kRows rows of x and kOut weight rows.
+template <int kRows, int kOut, typename scalar_t>
+inline void store(const float* sums, const scalar_t* bias, scalar_t* out, int64_t out_features, int64_t m,
+                  int64_t o) {
+  for (int j = 0; j < kRows; ++j)
+    for (int r = 0; r < kOut; ++r) {
+      const float b = bias ? widen(bias[o + r]) : 0.f;
+      out[(m + j) * out_features + o + r] = static_cast<scalar_t>(sums[j * kOut + r] + b);
+    }
+}
+
 #if defined(CONVEYOR_AVX512_DOTS)
-// The AVX2 loop's scheme 16 lanes wide: a block's 32 weights in two vectors. With 32 registers it keeps kOut = 4
-// weight rows against up to four rows of x, or 2 against eight. Left to the compiler, the plain loop ran a decode
-// step's int8 layers at a third of this loop's speed on an Intel Xeon (Ice Lake) and an eighth at 32 rows.
+// 16 weights from `p` widened and scaled: the one way both AVX-512 paths make them, so they dot the same values.
+inline __m512 scaled16(const int8_t* p, __m512 scale) { return _mm512_mul_ps(scale, conveyor::avx512::load16(p)); }
+
+// The AVX2 loop's scheme 16 lanes wide, for up to four rows of x: a block's 32 weights in two vectors, kOut = 4
+// weight rows at once. Left to the compiler, the plain loop ran a decode step's int8 layers at a third of this
+// loop's speed on an Intel Xeon (Ice Lake).
 template <int kRows, int kOut>
 inline void dots_avx512(const float* x, int64_t in, const int8_t* w, const c10::Half* scales, int64_t blocks,
                         float* sums) {
@@ -134,8 +151,8 @@ inline void dots_avx512(const float* x, int64_t in, const int8_t* w, const c10::
       const int8_t* wb = w + r * in + b * kBlock;
       conveyor::prefetch_weight(wb);
       const __m512 scale = _mm512_set1_ps(widen(scales[r * blocks + b]));
-      ws[r][0] = _mm512_mul_ps(scale, conveyor::avx512::load16(wb));
-      ws[r][1] = _mm512_mul_ps(scale, conveyor::avx512::load16(wb + 16));
+      ws[r][0] = scaled16(wb, scale);
+      ws[r][1] = scaled16(wb + 16, scale);
     }
     for (int m = 0; m < kRows; ++m)
       for (int q = 0; q < 2; ++q) {
@@ -146,10 +163,8 @@ inline void dots_avx512(const float* x, int64_t in, const int8_t* w, const c10::
   for (int m = 0; m < kRows; ++m)
     for (int r = 0; r < kOut; ++r) {
       float sum = _mm512_reduce_add_ps(acc[m][r]);
-      if (whole * kBlock < in) {
-        const float scale = widen(scales[r * blocks + whole]);
-        for (int64_t k = whole * kBlock; k < in; ++k) sum += x[m * in + k] * (scale * static_cast<float>(w[r * in + k]));
-      }
+      if (whole * kBlock < in)
+        sum = add_tail(sum, x + m * in, w + r * in, whole * kBlock, in, scales[r * blocks + whole]);
       sums[m * kOut + r] = sum;
     }
 }
@@ -167,8 +182,8 @@ inline void widen_blocks(const int8_t* w, int64_t in, const c10::Half* scales, i
       const __m512 scale = _mm512_set1_ps(widen(scales[r * blocks + b]));
       const int8_t* wb = w + r * in + b * kBlock;
       float* out = widened + (r * whole + b) * kBlock;
-      _mm512_storeu_ps(out, _mm512_mul_ps(scale, conveyor::avx512::load16(wb)));
-      _mm512_storeu_ps(out + 16, _mm512_mul_ps(scale, conveyor::avx512::load16(wb + 16)));
+      _mm512_storeu_ps(out, scaled16(wb, scale));
+      _mm512_storeu_ps(out + 16, scaled16(wb + 16, scale));
     }
 }
 
@@ -190,10 +205,7 @@ inline void dots_widened(const float* x, int64_t in, const int8_t* w, const c10:
   for (int m = 0; m < kRows; ++m)
     for (int r = 0; r < kOut; ++r) {
       float sum = _mm512_reduce_add_ps(acc[m][r]);
-      if (span < in) {
-        const float scale = widen(scales[r * blocks + whole]);
-        for (int64_t k = span; k < in; ++k) sum += x[m * in + k] * (scale * static_cast<float>(w[r * in + k]));
-      }
+      if (span < in) sum = add_tail(sum, x + m * in, w + r * in, span, in, scales[r * blocks + whole]);
       sums[m * kOut + r] = sum;
     }
 }
@@ -219,11 +231,7 @@ void panel_widened(const float* x, int64_t count, const int8_t* w, const c10::Ha
       float sums[kRows * kOut];
       dots_widened<kRows, kOut>(x + m * in, in, w + (o + g) * in, scales + (o + g) * blocks, blocks,
                                 widened + g * span, sums);
-      for (int j = 0; j < kRows; ++j)
-        for (int q = 0; q < kOut; ++q) {
-          const float b = bias ? widen(bias[o + g + q]) : 0.f;
-          out[(m + j) * out_features + o + g + q] = static_cast<scalar_t>(sums[j * kOut + q] + b);
-        }
+      store<kRows, kOut>(sums, bias, out, out_features, m, o + g);
     };
     int64_t g = 0;
     for (; g + kWidenedOut <= n; g += kWidenedOut) group(std::integral_constant<int, kWidenedOut>{}, g);
@@ -266,23 +274,17 @@ void rows_simd_block(const float* x, int64_t count, const int8_t* w, const c10::
     else
 #endif
       dots_avx2<kRows, kOut>(x + m * in, in, w + o * in, scales + o * blocks, blocks, sums);
-    for (int j = 0; j < kRows; ++j)
-      for (int r = 0; r < kOut; ++r) {
-        const float b = bias ? widen(bias[o + r]) : 0.f;
-        out[(m + j) * out_features + o + r] = static_cast<scalar_t>(sums[j * kOut + r] + b);
-      }
+    store<kRows, kOut>(sums, bias, out, out_features, m, o);
   });
 }
 
-// Weight rows [begin, end) against every row of x: kFew weight rows at once for up to four rows of x, kMany for
-// more (kWideRows rows of x a chunk), then one at a time for what is left.
-template <Loop kLoop, int kFew, int kMany, typename scalar_t>
+// Weight rows [begin, end) against every row of x: kFew weight rows at once for up to four rows of x; past four
+// (AVX2's way: AVX-512 widens a panel instead, rows_widened), one weight row at a time against kWideRows rows.
+template <Loop kLoop, int kFew, typename scalar_t>
 void rows_simd(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
   int64_t o = begin;
   if (count > kRowsAtOnce) {
-    for (; o + kMany <= end; o += kMany)
-      rows_simd_block<kLoop, kMany, conveyor::kWideRows>(x, count, w, scales, bias, out, in, out_features, o);
     for (; o < end; ++o)
       rows_simd_block<kLoop, 1, conveyor::kWideRows>(x, count, w, scales, bias, out, in, out_features, o);
     return;
@@ -299,11 +301,10 @@ void rows(const float* x, int64_t count, const int8_t* w, const c10::Half* scale
   float sums[kRowsAtOnce];
   const int64_t blocks = (in + kBlock - 1) / kBlock;
   for (int64_t o = begin; o < end; ++o) {
-    const float b = bias ? widen(bias[o]) : 0.f;
     conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
       constexpr int kRows = decltype(chunk)::value;
       dots<kRows>(x + m * in, in, w + o * in, scales + o * blocks, sums);
-      for (int j = 0; j < kRows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] + b);
+      store<kRows, 1>(sums, bias, out, out_features, m, o);
     });
   }
 }
@@ -322,11 +323,11 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
     if (loop == Loop::kAvx512 && count > kRowsAtOnce)
       return rows_widened<scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
     if (loop == Loop::kAvx512)
-      return rows_simd<Loop::kAvx512, 4, 2, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
+      return rows_simd<Loop::kAvx512, 4, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (loop == Loop::kAvx2)
-      return rows_simd<Loop::kAvx2, 2, 1, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
+      return rows_simd<Loop::kAvx2, 2, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
 #endif
     rows<scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
   });
