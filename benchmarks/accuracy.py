@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.progress import note
+from conveyor import cpu
 
 TEXT = Path(__file__).with_name("data") / "accuracy.txt"
 WINDOW = 512
@@ -290,13 +291,6 @@ def llamacpp(
     return out
 
 
-def runnable_variants() -> list[str]:
-    """The kernel variants this CPU can run, least capable first."""
-    from conveyor import cpu
-
-    return cpu.runnable_kinds(cpu.probe().flags)
-
-
 def under_variant(variant: str, argv: list[str]) -> dict:
     """This benchmark's JSON output, run again in a child as a CPU of kind `variant` would run it (the kernel
     library, oneDNN's and ATen's ISA all capped to it, as make test's AVX2 rerun caps them)."""
@@ -374,7 +368,7 @@ def by_variant(argv: list[str], args: argparse.Namespace) -> None:
     """Every mode under each runnable kernel variant (llama.cpp, whose figures no variant changes, with the first
     only): one table of scores with the variant in each mode's name, then each question's answers per variant."""
     without_llamacpp = [a for a in argv if a != "--llamacpp"]
-    variants = runnable_variants()
+    variants = cpu.runnable_kinds(cpu.probe().flags)
     runs = {v: under_variant(v, argv if i == 0 else without_llamacpp) for i, v in enumerate(variants)}
     scores: list[Scores] = []
     for variant, found in runs.items():
