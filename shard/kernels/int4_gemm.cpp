@@ -22,6 +22,7 @@
 #include "attention_simd.h"
 #include "float_types.h"
 #include "row_dots.h"
+#include "row_dots_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -94,50 +95,127 @@ void dots_avx2(const float* x, int64_t in, const uint8_t* packed, const c10::Hal
 }
 #endif
 
-template <typename scalar_t>
-void rows(const float* x, int64_t count, const uint8_t* w, const c10::Half* scales, const scalar_t* bias,
-          scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end, bool avx2) {
-  float sums[conveyor::kWideRows];
+#if defined(CONVEYOR_AVX512_DOTS)
+// The same on AVX-512, kOut weight rows at once, with no integer-to-float conversion: a group's 16 bytes are
+// zero-extended into 16 lanes and each nibble picks its weight from a 16-entry table, (q - 8) times the group's
+// scale, by one permute (vpermps reads an index's low 4 bits, so the low nibble needs no mask and the high one a
+// shift). That is the dequantized weight the reference computes, rounded once, then one FMA per 16 weights and row
+// of x. The AVX2 loop's conversions and its per-group product left 1-row int4 steps compute-bound on AVX-512 CPUs:
+// on an Intel Xeon (AVX-512 and VNNI, 2 vCPUs) a 1B Llama's int4 bare decode step took 79 ms through it, more than
+// int8's 62 ms for twice the bytes, and 48 ms through this loop (SmolLM2-135M-Instruct: 12.3 ms -> 8.4-10.5 ms).
+inline __m512 nibble_values() {
+  return _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+}
+
+template <int kRows, int kOut>
+void dots_avx512(const float* x, int64_t in, const uint8_t* packed, const c10::Half* scales, float* sums) {
   const int64_t groups = in / kGroup;
-  for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* row = w + o * (in / 2);
-    const c10::Half* row_scales = scales + o * groups;
-    const float b = bias ? widen(bias[o]) : 0.f;
-    const auto store = [&](int64_t m, int rows) {
-      for (int j = 0; j < rows; ++j) out[(m + j) * out_features + o] = static_cast<scalar_t>(sums[j] + b);
-    };
-#ifdef CONVEYOR_SIMD_ATTENTION
-    if (avx2) {  // each group unpacked once for up to kWideRows rows of x
-      conveyor::for_row_chunks<conveyor::kWideRows>(count, [&](auto chunk, int64_t m) {
-        dots_avx2<decltype(chunk)::value>(x + m * in, in, row, row_scales, sums);
-        store(m, decltype(chunk)::value);
-      });
-      continue;
+  const __m512 values = nibble_values();
+  __m512 acc[kRows][kOut];
+  for (int m = 0; m < kRows; ++m)
+    for (int r = 0; r < kOut; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 low[kOut], high[kOut];
+    for (int r = 0; r < kOut; ++r) {
+      const uint8_t* bytes = packed + r * (in / 2) + g * kHalf;
+      if (g % 4 == 0) conveyor::prefetch_weight(bytes);  // a cache line is four groups
+      const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(widen(scales[r * groups + g])));
+      const __m512i lanes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+      low[r] = _mm512_permutexvar_ps(lanes, table);
+      high[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table);
     }
-#endif
-    conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
-      dots<decltype(chunk)::value>(x + m * in, in, row, row_scales, sums);
-      store(m, decltype(chunk)::value);
-    });
+    for (int m = 0; m < kRows; ++m) {
+      const __m512 x_low = _mm512_loadu_ps(x + m * in + g * kGroup);
+      const __m512 x_high = _mm512_loadu_ps(x + m * in + g * kGroup + kHalf);
+      for (int r = 0; r < kOut; ++r) {
+        acc[m][r] = _mm512_fmadd_ps(x_low, low[r], acc[m][r]);
+        acc[m][r] = _mm512_fmadd_ps(x_high, high[r], acc[m][r]);
+      }
+    }
   }
+  for (int m = 0; m < kRows; ++m)
+    for (int r = 0; r < kOut; ++r) sums[m * kOut + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+#endif
+
+enum class Loop { kPortable, kAvx2, kAvx512 };
+
+// The machine's widest loop: what `int4_gemm` runs.
+constexpr Loop kBest =
+#if defined(CONVEYOR_AVX512_DOTS)
+    Loop::kAvx512;
+#elif defined(CONVEYOR_SIMD_ATTENTION)
+    Loop::kAvx2;
+#else
+    Loop::kPortable;
+#endif
+
+// kOut weight rows from o against every row of x, in chunks of up to kMost rows of x.
+template <Loop kLoop, int kOut, int kMost, typename scalar_t>
+void rows_block(const float* x, int64_t count, const uint8_t* w, const c10::Half* scales, const scalar_t* bias,
+                scalar_t* out, int64_t in, int64_t out_features, int64_t o) {
+  const int64_t groups = in / kGroup;
+  const uint8_t* row = w + o * (in / 2);
+  const c10::Half* row_scales = scales + o * groups;
+  float sums[kMost * kOut];
+  conveyor::for_row_chunks<kMost>(count, [&](auto chunk, int64_t m) {
+    constexpr int kRows = decltype(chunk)::value;
+#if defined(CONVEYOR_AVX512_DOTS)
+    if constexpr (kLoop == Loop::kAvx512) dots_avx512<kRows, kOut>(x + m * in, in, row, row_scales, sums);
+#endif
+#ifdef CONVEYOR_SIMD_ATTENTION
+    if constexpr (kLoop == Loop::kAvx2) dots_avx2<kRows>(x + m * in, in, row, row_scales, sums);
+#endif
+    if constexpr (kLoop == Loop::kPortable) dots<kRows>(x + m * in, in, row, row_scales, sums);
+    for (int j = 0; j < kRows; ++j)
+      for (int r = 0; r < kOut; ++r) {
+        const float b = bias ? widen(bias[o + r]) : 0.f;
+        out[(m + j) * out_features + o + r] = static_cast<scalar_t>(sums[j * kOut + r] + b);
+      }
+  });
+}
+
+// Weight rows [begin, end) against every row of x. The AVX2 loop unpacks each group once for up to kWideRows rows
+// of x; the AVX-512 one takes four weight rows at once for up to four rows of x, two for more.
+template <Loop kLoop, typename scalar_t>
+void rows(const float* x, int64_t count, const uint8_t* w, const c10::Half* scales, const scalar_t* bias,
+          scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
+  int64_t o = begin;
+  if constexpr (kLoop == Loop::kAvx512) {
+    if (count <= kRowsAtOnce) {
+      for (; o + 4 <= end; o += 4) rows_block<kLoop, 4, kRowsAtOnce>(x, count, w, scales, bias, out, in, out_features, o);
+    } else {
+      for (; o + 2 <= end; o += 2)
+        rows_block<kLoop, 2, conveyor::kWideRows>(x, count, w, scales, bias, out, in, out_features, o);
+    }
+  }
+  constexpr int kMost = kLoop == Loop::kPortable ? kRowsAtOnce : conveyor::kWideRows;
+  for (; o < end; ++o) rows_block<kLoop, 1, kMost>(x, count, w, scales, bias, out, in, out_features, o);
 }
 
 template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
-         at::Tensor& out, bool avx2) {
+         at::Tensor& out, Loop loop) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   const std::vector<float> xf = conveyor::widened<scalar_t>(x);
   const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
   const auto* w = weight.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const c10::Half*>(scales.data_ptr());
+  scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    rows<scalar_t>(xf.data(), count, w, s, b, out.data_ptr<scalar_t>(), in, out_features, begin, end, avx2);
+#if defined(CONVEYOR_AVX512_DOTS)
+    if (loop == Loop::kAvx512) return rows<Loop::kAvx512, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
+#endif
+#ifdef CONVEYOR_SIMD_ATTENTION
+    if (loop == Loop::kAvx2) return rows<Loop::kAvx2, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
+#endif
+    rows<Loop::kPortable, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
   });
 }
 
 // x [M, in] (float32, bf16 or fp16), weight uint8 [out, in / 2], scales float16 [out, in / 32], bias [out] or none.
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                const c10::optional<at::Tensor>& bias, bool avx2) {
+                const c10::optional<at::Tensor>& bias, Loop loop) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "int4_gemm runs on CPU");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == 2 * weight.size(1), "x [M, in], weight [out, in/2]");
   TORCH_CHECK(x.size(1) % kGroup == 0, "int4_gemm: the input size must be a multiple of 32");
@@ -148,31 +226,29 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   conveyor::check_bias(bias, weight.size(0), x.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
   conveyor::for_float_dtype(x.scalar_type(), "int4_gemm",
-                            [&](auto tag) { run<decltype(tag)>(x, weight, scales, bias, out, avx2); });
+                            [&](auto tag) { run<decltype(tag)>(x, weight, scales, bias, out, loop); });
   return out;
 }
 
-// The AVX2 loop wherever the library has AVX2, AVX-512 builds included: the plain loop, left to their compiler, took
-// SmolLM2-135M-Instruct's int4 bare decode step 17.8 ms at one row and 283 ms at 32 on an Intel Xeon with AVX-512
-// and VNNI (2 vCPUs), where the AVX2 library on the same CPU took 12.3 and 139.
+// The widest loop the library was built for.
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
-#if defined(CONVEYOR_SIMD_ATTENTION)
-  return gemm(x, weight, scales, bias, true);
-#else
-  return gemm(x, weight, scales, bias, false);
-#endif
+  return gemm(x, weight, scales, bias, kBest);
 }
 
 // Each loop by name, the AVX2 one in every build that has AVX2: the tests hold both to one reference anywhere.
 at::Tensor int4_gemm_portable(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& bias) {
-  return gemm(x, weight, scales, bias, false);
+  return gemm(x, weight, scales, bias, Loop::kPortable);
 }
 
 at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& bias) {
-  return gemm(x, weight, scales, bias, true);
+#ifdef CONVEYOR_SIMD_ATTENTION
+  return gemm(x, weight, scales, bias, Loop::kAvx2);
+#else
+  return gemm(x, weight, scales, bias, Loop::kPortable);
+#endif
 }
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
