@@ -12,7 +12,11 @@ A step with a few rows (one person chatting, or a few at once) is nearly a matri
 weight once. oneDNN's kernels for a packed weight read it there well below the memory bandwidth, so on CPU those
 rows go to Conveyor's own `small_gemm` kernel (`shard/kernels/small_gemm.cpp`) over the plain [out, in] weight.
 Where the weight is packed that is a second copy of it: kept only while both copies fit in a share of the memory
-(`plain_copy_fits`, decided once per model by the engine). How many rows the kernel takes depends on its loop
+(`plain_copy_fits`, decided once per model by the engine). A model too large for both keeps the plain weight alone,
+the one every decode step reads, and its prompts go through F.linear: a 1B Llama on a 24 GiB Intel Xeon (AVX-512,
+2 vCPUs) had kept the packed copy alone, and its bf16 bare decode step took 115 ms through oneDNN against 108 ms
+through the kernel (float32 184 -> 179 ms), where F.linear over 512 rows of its gate/up weight costs what oneDNN's
+packed weight does (float32 62 vs 59 ms, bf16 293 vs 301). How many rows the kernel takes depends on its loop
 (`small_rows`): the AVX-512 one, which prefetches the weight and dots bfloat16 natively, shortens the bare decode
 step up to 4 rows in float32 and bfloat16 (measured on Intel Xeon and AMD Zen 4/5; more rows there are unmeasured).
 The AVX2 one, which blocks 2-4 weight rows against 4 rows of x in registers, up to the kernel's most rows, 8: on an
@@ -201,7 +205,9 @@ class Gemm:
             self._quantize(weight, quantize)
             self.tiles = self._tile_copy(plain_copy)
             return
-        self.packed = kernel(weight) == "onednn"
+        # Packed for oneDNN only where the plain copy is kept beside it, or where the small-rows kernel does not
+        # serve: a model too large for both copies keeps the plain weight alone (see `plain_copy_fits`).
+        self.packed = kernel(weight) == "onednn" and (plain_copy or not small_rows_kernel(weight))
         weight = weight.contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
         # WIDE_ROWS tokens and more in float32 (see widens)

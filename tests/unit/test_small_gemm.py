@@ -60,25 +60,27 @@ def test_kernel_refuses_what_it_does_not_compute(built) -> None:
         torch.ops.conveyor.small_gemm(torch.randn(1, 15), weight, None)
 
 
-@pytest.mark.parametrize("plain_copy", [True, False], ids=["plain-copy", "packed-only"])
+@pytest.mark.parametrize("plain_copy", [True, False], ids=["both-copies", "plain-only"])
 def test_gemm_sends_few_rows_to_the_kernel(built, monkeypatch: pytest.MonkeyPatch, plain_copy: bool) -> None:
-    """Rows up to the machine's small_rows take the kernel where a plain weight is kept; more rows, or no plain copy
-    beside a packed weight, take oneDNN. Every route gives F.linear's numbers."""
+    """Rows up to the machine's small_rows take the kernel; more rows take oneDNN's packed weight where both copies
+    fit, else F.linear on the plain weight, which is then the only copy (a model too large for two keeps the one
+    every decode step reads fastest). Every route gives F.linear's numbers."""
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
     calls: list[int] = []
     real = torch.ops.conveyor.small_gemm
     monkeypatch.setattr(gemm, "small_gemm", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
     weight, bias = torch.randn(96, 64), torch.randn(96)
     layer = Gemm(weight, plain_copy)
-    assert layer.packed  # float32 on CPU: oneDNN everywhere
-    assert (layer.plain is not None) is plain_copy
+    assert layer.packed is plain_copy  # float32 on CPU: oneDNN packs it everywhere, where both copies fit
+    assert layer.plain is not None and (layer.plain is layer.weight) is not plain_copy
     for rows in range(1, 10):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert calls == (list(range(1, gemm.small_rows(cpu.probe()) + 1)) if plain_copy else [])
+    assert calls == list(range(1, gemm.small_rows(cpu.probe()) + 1))
     # Leading dimensions fold into rows, as for F.linear.
     x = torch.randn(1, 2, 64)
     torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert layer.nbytes == weight.nbytes * (2 if plain_copy else 1)
 
 
 def test_the_kernel_takes_as_many_rows_as_its_loop_wins() -> None:
