@@ -12,8 +12,8 @@
 // Each block of 32 weights is widened and scaled once, into float, then multiplied into up to four rows of x at
 // once: the weight row is read from memory once per call whatever the row count (a quarter of float32's bytes,
 // half of bf16's, which is what decides a decode step with few rows), and the products are float FMAs. On AVX-512,
-// more rows (a decode batch, a prompt) widen a panel of weight rows once into a buffer and dot every chunk of x's
-// rows with it, in the same order, so that a row's output does not depend on the rows beside it.
+// more than eight rows (a decode batch, a prompt) widen a panel of weight rows once into a buffer and dot every chunk
+// of x's rows with it, in the same order, so that a row's output does not depend on the rows beside it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,6 +25,7 @@
 #include "float_types.h"
 #include "row_dots.h"
 #include "row_dots_avx512.h"
+#include "widened_panel.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -169,83 +170,25 @@ inline void dots_avx512(const float* x, int64_t in, const int8_t* w, const c10::
     }
 }
 
-// Many rows of x (a decode batch, a prompt): kOut weight rows' whole blocks are widened and scaled once per call into
-// `widened` ([kOut, whole * 32] floats, the same values dots_avx512 makes in registers), then dotted with kRows rows
-// of x at a time from there. Widening in registers for every chunk of rows had cost more than the FMAs. Each sum is
-// accumulated in the same order as dots_avx512's and its tail is added the same way, so a row's output does not
-// depend on the rows that share its call.
-template <int kOut>
-inline void widen_blocks(const int8_t* w, int64_t in, const c10::Half* scales, int64_t blocks, float* widened) {
-  const int64_t whole = in / kBlock;
-  for (int r = 0; r < kOut; ++r)
-    for (int64_t b = 0; b < whole; ++b) {
-      const __m512 scale = _mm512_set1_ps(widen(scales[r * blocks + b]));
-      const int8_t* wb = w + r * in + b * kBlock;
-      float* out = widened + (r * whole + b) * kBlock;
-      _mm512_storeu_ps(out, scaled16(wb, scale));
-      _mm512_storeu_ps(out + 16, scaled16(wb + 16, scale));
-    }
-}
-
-template <int kRows, int kOut>
-inline void dots_widened(const float* x, int64_t in, const int8_t* w, const c10::Half* scales, int64_t blocks,
-                         const float* widened, float* sums) {
-  __m512 acc[kRows][kOut];
-  for (int m = 0; m < kRows; ++m)
-    for (int r = 0; r < kOut; ++r) acc[m][r] = _mm512_setzero_ps();
-  const int64_t whole = in / kBlock, span = whole * kBlock;
-  for (int64_t k = 0; k < span; k += 16) {
-    __m512 wv[kOut];
-    for (int r = 0; r < kOut; ++r) wv[r] = _mm512_loadu_ps(widened + r * span + k);
-    for (int m = 0; m < kRows; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * in + k);
-      for (int r = 0; r < kOut; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < kRows; ++m)
-    for (int r = 0; r < kOut; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[m][r]);
-      if (span < in) sum = add_tail(sum, x + m * in, w + r * in, span, in, scales[r * blocks + whole]);
-      sums[m * kOut + r] = sum;
-    }
-}
-
-constexpr int kWidenedRows = 6, kWidenedOut = 4;  // 24 accumulators, 4 weight vectors and x's in 32 registers
-constexpr int64_t kPanel = 16;  // weight rows widened together: every chunk of x's rows meets all of them in turn
-
-// Weight rows [o, o + n) (n <= kPanel) against every row of x: the panel widened once, then each chunk of x's rows
-// (kept in L1) dotted with its weight rows kWidenedOut at a time. Walking all of x for each few weight rows instead
-// re-read x from L2 for every group, which bounded the loop at 32 rows.
-template <typename scalar_t>
-void panel_widened(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
-                   scalar_t* out, int64_t in, int64_t out_features, int64_t o, int64_t n, float* widened) {
-  const int64_t blocks = (in + kBlock - 1) / kBlock, span = (in / kBlock) * kBlock;
-  int64_t r = 0;
-  for (; r + kWidenedOut <= n; r += kWidenedOut)
-    widen_blocks<kWidenedOut>(w + (o + r) * in, in, scales + (o + r) * blocks, blocks, widened + r * span);
-  for (; r < n; ++r) widen_blocks<1>(w + (o + r) * in, in, scales + (o + r) * blocks, blocks, widened + r * span);
-  conveyor::for_row_chunks<kWidenedRows>(count, [&](auto chunk, int64_t m) {
-    constexpr int kRows = decltype(chunk)::value;
-    const auto group = [&](auto width, int64_t g) {
-      constexpr int kOut = decltype(width)::value;
-      float sums[kRows * kOut];
-      dots_widened<kRows, kOut>(x + m * in, in, w + (o + g) * in, scales + (o + g) * blocks, blocks,
-                                widened + g * span, sums);
-      store<kRows, kOut>(sums, bias, out, out_features, m, o + g);
-    };
-    int64_t g = 0;
-    for (; g + kWidenedOut <= n; g += kWidenedOut) group(std::integral_constant<int, kWidenedOut>{}, g);
-    for (; g < n; ++g) group(std::integral_constant<int, 1>{}, g);
-  });
-}
-
+// Past four rows of x, the panel (widened_panel.h): each block's 32 weights widened by scaled16, as dots_avx512
+// makes them, and a last short block added after the whole blocks' sum, as there.
 template <typename scalar_t>
 void rows_widened(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                   scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
-  std::vector<float> widened(kPanel * (in / kBlock) * kBlock);
-  for (int64_t o = begin; o < end; o += kPanel)
-    panel_widened<scalar_t>(x, count, w, scales, bias, out, in, out_features, o, std::min(kPanel, end - o),
-                            widened.data());
+  const int64_t blocks = (in + kBlock - 1) / kBlock, whole = in / kBlock, span = whole * kBlock;
+  const auto widen_rows = [&](int64_t o, int64_t n, float* widened) {
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t b = 0; b < whole; ++b) {
+        const __m512 scale = _mm512_set1_ps(widen(scales[(o + r) * blocks + b]));
+        const int8_t* wb = w + (o + r) * in + b * kBlock;
+        _mm512_storeu_ps(widened + r * span + b * kBlock, scaled16(wb, scale));
+        _mm512_storeu_ps(widened + r * span + b * kBlock + 16, scaled16(wb + 16, scale));
+      }
+  };
+  const auto finish = [&](float sum, int64_t m, int64_t o) {
+    return span < in ? add_tail(sum, x + m * in, w + o * in, span, in, scales[o * blocks + whole]) : sum;
+  };
+  conveyor::panel::rows<scalar_t>(x, count, bias, out, in, span, out_features, begin, end, widen_rows, finish);
 }
 #endif
 
@@ -278,8 +221,8 @@ void rows_simd_block(const float* x, int64_t count, const int8_t* w, const c10::
   });
 }
 
-// Weight rows [begin, end) against every row of x: kFew weight rows at once for up to four rows of x; past four
-// (AVX2's way: AVX-512 widens a panel instead, rows_widened), one weight row at a time against kWideRows rows.
+// Weight rows [begin, end) against every row of x: kFew weight rows at once for up to four rows of x; past four,
+// one weight row at a time against up to kWideRows rows (past those, AVX-512 widens a panel instead, rows_widened).
 template <Loop kLoop, int kFew, typename scalar_t>
 void rows_simd(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
@@ -320,7 +263,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales
   scalar_t* o = out.data_ptr<scalar_t>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
 #if defined(CONVEYOR_AVX512_DOTS)
-    if (loop == Loop::kAvx512 && count > kRowsAtOnce)
+    if (loop == Loop::kAvx512 && count > conveyor::kWideRows)
       return rows_widened<scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
     if (loop == Loop::kAvx512)
       return rows_simd<Loop::kAvx512, 4, scalar_t>(xf.data(), count, w, s, b, o, in, out_features, begin, end);
