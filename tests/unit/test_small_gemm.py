@@ -110,6 +110,33 @@ def test_without_the_kernels_every_row_takes_the_backend(monkeypatch: pytest.Mon
     torch.testing.assert_close(layer(x), F.linear(x, layer.dense()))
 
 
+@pytest.mark.parametrize("widens", [True, False], ids=["widening-cpu", "bf16-cpu"])
+def test_a_bf16_layer_without_its_float32_copy_widens_a_prompt_per_call(
+    built, monkeypatch: pytest.MonkeyPatch, widens: bool
+) -> None:
+    """A bf16 model too large for its copies keeps the plain weight alone. Where the CPU widens, a prompt's rows are
+    computed in float32 from the weight widened a chunk at a time (the last chunk short here), as the float32 copy
+    would compute them; elsewhere they stay in bf16."""
+    monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
+    monkeypatch.setattr(gemm, "machine_widens", lambda: widens)
+    monkeypatch.setattr(gemm, "WIDEN_CHUNK", 64 * 7)  # 7 weight rows a chunk: 96 rows in 14 chunks
+    calls: list[int] = []
+    real = gemm.widened_linear
+    monkeypatch.setattr(gemm, "widened_linear", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    layer = Gemm(weight, plain_copy=False)
+    assert layer.wide is None and layer.plain is layer.weight and not layer.packed
+    x = torch.randn(gemm.WIDE_ROWS, 64).bfloat16()
+    got = layer(x, bias)
+    assert got.dtype == torch.bfloat16 and calls == ([gemm.WIDE_ROWS] if widens else [])
+    if widens:
+        want = F.linear(x.float(), weight.float(), bias.float()).bfloat16()
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        assert (got == want).float().mean() > 0.99  # the same float32 sums, rounded once to bf16
+    layer(x[:3], bias)  # a few rows take the small-rows kernel, never the widening
+    assert len(calls) == (1 if widens else 0)
+
+
 def test_a_plain_weight_is_its_own_copy(built, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where oneDNN does not pack (here: float16), the kernel reads the one weight there is, copy or not."""
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
