@@ -18,7 +18,10 @@ the one every decode step reads, and its prompts go through F.linear: a 1B Llama
 through the kernel (float32 184 -> 179 ms), where F.linear over 512 rows of its gate/up weight costs what oneDNN's
 packed weight does (float32 62 vs 59 ms, bf16 293 vs 301). How many rows the kernel takes depends on its loop
 (`small_rows`): the AVX-512 one, which prefetches the weight and dots bfloat16 natively, shortens the bare decode
-step up to 4 rows in float32 and bfloat16 (measured on Intel Xeon and AMD Zen 4/5; more rows there are unmeasured).
+step up to 4 rows in float32 and bfloat16 (measured on Intel Xeon and AMD Zen 4/5), and up to the kernel's 8 on an
+Intel Xeon whose AVX-512 lacks avx512_bf16 (2 vCPUs, SmolLM2-135M-Instruct, one sequence's verify step over k rows
+against one row, `time_decode_rows`): float32 5 rows 1.42-1.59x -> 1.26x, 8 rows 1.70-1.85x -> 1.35x; bf16, which
+oneDNN computes slowly there, 5 rows 3.9x -> 1.57x, 8 rows 4.9-5.5x -> 1.89x. (Zen 4/5 past 4 rows: unmeasured.)
 The AVX2 one, which blocks 2-4 weight rows against 4 rows of x in registers, up to the kernel's most rows, 8: on an
 AMD EPYC Zen 3 (AVX2 only, 2 vCPUs, SmolLM2-135M-Instruct's bare decode step, `SMALL_ROWS_AVX2` 8 against oneDNN
 from 3 rows, 2 interleaved rounds) float32 at 4 rows took 30-36 ms instead of 41-42, at 5 rows 29-34 instead of
@@ -68,16 +71,16 @@ from conveyor import cpu
 from conveyor.shard.layers.quantize import Int4Weight, Int8BlockWeight, QuantizationUnavailable
 
 BACKENDS = ("auto", "onednn", "torch")
-SMALL_ROWS_AVX512 = 4  # rows up to which the kernel's AVX-512 loop beats oneDNN (see above)
+SMALL_ROWS_AVX512 = 8  # rows up to which the kernel's AVX-512 loop beats oneDNN (see above)
 SMALL_ROWS_AVX2 = 8  # ...its AVX2 loop, on a CPU without AVX-512: all the kernel takes
 SMALL_ROWS_PORTABLE = 2  # ...and its portable loop, on a CPU without AVX2
 PLAIN_COPY_SHARE = 0.25  # of the available memory, that a model's weights twice over may take
 WIDE_ROWS = 64  # tokens from which a step's bf16 layers compute in float32 where the CPU widens (see above)
 WIDEN_CHUNK = 1 << 21  # floats of a bf16 weight widened at a time where it keeps no float32 copy (widened_linear)
 # Rows from which bf16 and int8 layers go through oneDNN on an AMX CPU (see above). Not yet measured on one: the
-# AVX-512 small-rows loop's limit plus one, where oneDNN already takes bf16 there; `ONEDNN_ROWS_VARIABLE` overrides
+# AVX-512 small-rows loop's limit as it was measured on AMX Xeons (4 rows) plus one; `ONEDNN_ROWS_VARIABLE` overrides
 # it (on any CPU) so that an AMX machine can find the row count where the tiles overtake the GEMV.
-TILE_ROWS = SMALL_ROWS_AVX512 + 1
+TILE_ROWS = 5
 ONEDNN_ROWS_VARIABLE = "CONVEYOR_ONEDNN_ROWS"
 
 

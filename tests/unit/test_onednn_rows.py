@@ -39,8 +39,8 @@ def forced(monkeypatch: pytest.MonkeyPatch):
 def test_only_an_amx_cpu_sends_rows_to_onednn_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gemm.ONEDNN_ROWS_VARIABLE, raising=False)
     amx = kind(*AVX512, "amx_bf16", "amx_int8")
-    assert gemm.onednn_rows(amx) == gemm.TILE_ROWS == gemm.SMALL_ROWS_AVX512 + 1
-    assert gemm.small_rows(amx) == gemm.SMALL_ROWS_AVX512
+    assert gemm.onednn_rows(amx) == gemm.TILE_ROWS == 5
+    assert gemm.small_rows(amx) == gemm.TILE_ROWS - 1  # the tiles from 5 rows, the GEMV below
     assert gemm.onednn_rows(kind(*AVX512)) is None and gemm.onednn_rows(kind("avx2", "fma")) is None
     monkeypatch.setenv(gemm.ONEDNN_ROWS_VARIABLE, "3")
     assert gemm.onednn_rows(kind("avx2", "fma")) == gemm.onednn_rows(amx) == 3

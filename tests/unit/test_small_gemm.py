@@ -90,7 +90,7 @@ def test_the_kernel_takes_as_many_rows_as_its_loop_wins() -> None:
     assert gemm.small_rows(kind("sse4_2")) == gemm.SMALL_ROWS_PORTABLE == 2
     assert gemm.small_rows(kind("avx2", "fma")) == gemm.SMALL_ROWS_AVX2 == 8
     assert gemm.small_rows(kind("avx2", "fma", "avx512f")) == gemm.SMALL_ROWS_AVX2
-    assert gemm.small_rows(kind("avx2", "avx512f", "avx512bw", "avx512vl")) == gemm.SMALL_ROWS_AVX512 == 4
+    assert gemm.small_rows(kind("avx2", "avx512f", "avx512bw", "avx512vl")) == gemm.SMALL_ROWS_AVX512 == 8
 
 
 @pytest.mark.parametrize("chosen", ["onednn", "torch"])
