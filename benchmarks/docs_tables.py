@@ -448,9 +448,10 @@ def files_folder(folder: str, runs: list[Run]) -> list[str]:
 
 
 def newest_real_sittings(benchmark: str | None = None) -> list[tuple[Run, Json]]:
-    """(run, summary) of the newest sitting on the real model for each CPU kind, newest first: of `compare` by
-    default, of the benchmark summary.json names otherwise (LONG_CONTEXT)."""
-    found: dict[str, tuple[Run, Json]] = {}
+    """(run, summary) of the newest sitting on the real model for each CPU kind (and dtype, where the benchmark
+    runs one per sitting), newest first: of `compare` by default, of the benchmark summary.json names otherwise
+    (LONG_CONTEXT)."""
+    found: dict[tuple[str, str | None], tuple[Run, Json]] = {}
     for run in sittings():
         summary_path = RESULTS / run.path / "summary.json"
         if run.path.endswith(".json") or not summary_path.exists():
@@ -458,7 +459,7 @@ def newest_real_sittings(benchmark: str | None = None) -> list[tuple[Run, Json]]
         summary = load(summary_path)
         # Older compare sittings recorded no model (they ran the demo model) and no benchmark.
         if summary.get("model") == REAL_MODEL and summary.get("benchmark") == benchmark:
-            found.setdefault(heading(summary["machine"]), (run, summary))
+            found.setdefault((heading(summary["machine"]), summary.get("dtype")), (run, summary))
     return list(found.values())
 
 
