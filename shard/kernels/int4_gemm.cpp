@@ -166,17 +166,7 @@ void rows_widened(const float* x, int64_t count, const uint8_t* w, const c10::Ha
 }
 #endif
 
-enum class Loop { kPortable, kAvx2, kAvx512 };
-
-// The machine's widest loop: what `int4_gemm` runs.
-constexpr Loop kBest =
-#if defined(CONVEYOR_AVX512_DOTS)
-    Loop::kAvx512;
-#elif defined(CONVEYOR_SIMD_ATTENTION)
-    Loop::kAvx2;
-#else
-    Loop::kPortable;
-#endif
+using conveyor::Loop;
 
 // kOut weight rows from o against every row of x, in chunks of up to kMost rows of x.
 template <Loop kLoop, int kOut, int kMost, typename scalar_t>
@@ -265,7 +255,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
 // The widest loop the library was built for.
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
-  return gemm(x, weight, scales, bias, kBest);
+  return gemm(x, weight, scales, bias, conveyor::kBestLoop);
 }
 
 // Each loop by name, the AVX2 one in every build that has AVX2: the tests hold both to one reference anywhere.

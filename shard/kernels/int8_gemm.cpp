@@ -192,17 +192,7 @@ void rows_widened(const float* x, int64_t count, const int8_t* w, const c10::Hal
 }
 #endif
 
-enum class Loop { kPortable, kAvx2, kAvx512 };
-
-// The machine's widest loop: what `int8_gemm` runs.
-constexpr Loop kBest =
-#if defined(CONVEYOR_AVX512_DOTS)
-    Loop::kAvx512;
-#elif defined(__AVX2__) && defined(__FMA__)
-    Loop::kAvx2;
-#else
-    Loop::kPortable;
-#endif
+using conveyor::Loop;
 
 template <Loop kLoop, int kOut, int kMost, typename scalar_t>
 void rows_simd_block(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
@@ -297,7 +287,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
 // The widest loop the library was built for.
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
-  return gemm(x, weight, scales, bias, kBest);
+  return gemm(x, weight, scales, bias, conveyor::kBestLoop);
 }
 
 // Each loop by name, the AVX2 one in every build: the tests hold both to the same reference on any machine.

@@ -7,8 +7,22 @@
 #include <type_traits>
 
 #include "float_types.h"
+#include "row_dots_avx512.h"
 
 namespace conveyor {
+
+// The quantized GEMMs' loops, by the widest SIMD each uses, and the widest one this library was built for (what
+// int8_gemm and int4_gemm run; the others stay callable by name, so the tests hold each to the reference).
+enum class Loop { kPortable, kAvx2, kAvx512 };
+
+constexpr Loop kBestLoop =
+#if defined(CONVEYOR_AVX512_DOTS)
+    Loop::kAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    Loop::kAvx2;
+#else
+    Loop::kPortable;
+#endif
 
 inline float widen(int8_t x) { return static_cast<float>(x); }
 
