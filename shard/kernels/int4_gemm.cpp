@@ -144,7 +144,7 @@ void dots_avx512(const float* x, int64_t in, const uint8_t* packed, const c10::H
     for (int r = 0; r < kOut; ++r) sums[m * kOut + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
-// Past four rows of x, the panel (widened_panel.h), each group dequantized by group_weights in the order
+// Past kWideRows rows of x, the panel (widened_panel.h), each group dequantized by group_weights in the order
 // dots_avx512 dots it: elements 0-15, then 16-31. A prompt's int4 layers took 2.3x float32's F.linear through
 // dots_avx512 in chunks of eight rows (345 rows of SmolLM2's 1536 x 576 on an Intel Xeon with AVX-512).
 template <typename scalar_t>
@@ -185,16 +185,13 @@ void rows_block(const float* x, int64_t count, const uint8_t* w, const c10::Half
     if constexpr (kLoop == Loop::kAvx2) dots_avx2<kRows>(x + m * in, in, row, row_scales, sums);
 #endif
     if constexpr (kLoop == Loop::kPortable) dots<kRows>(x + m * in, in, row, row_scales, sums);
-    for (int j = 0; j < kRows; ++j)
-      for (int r = 0; r < kOut; ++r) {
-        const float b = bias ? widen(bias[o + r]) : 0.f;
-        out[(m + j) * out_features + o + r] = static_cast<scalar_t>(sums[j * kOut + r] + b);
-      }
+    conveyor::store<kRows, kOut>(sums, bias, out, out_features, m, o);
   });
 }
 
 // Weight rows [begin, end) against every row of x. The AVX2 loop unpacks each group once for up to kWideRows rows
-// of x; the AVX-512 one takes four weight rows at once for up to four rows of x, and a widened panel for more.
+// of x; the AVX-512 one takes four weight rows at once for up to four rows of x, two for up to kWideRows, and a
+// widened panel for more.
 template <Loop kLoop, typename scalar_t>
 void rows(const float* x, int64_t count, const uint8_t* w, const c10::Half* scales, const scalar_t* bias,
           scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {

@@ -121,16 +121,7 @@ inline void dots_avx2(const float* x, int64_t in, const int8_t* w, const c10::Ha
 
 #endif
 
-// out[m + j, o + r] = sums[j * kOut + r] + bias[o + r] for kRows rows of x and kOut weight rows.
-template <int kRows, int kOut, typename scalar_t>
-inline void store(const float* sums, const scalar_t* bias, scalar_t* out, int64_t out_features, int64_t m,
-                  int64_t o) {
-  for (int j = 0; j < kRows; ++j)
-    for (int r = 0; r < kOut; ++r) {
-      const float b = bias ? widen(bias[o + r]) : 0.f;
-      out[(m + j) * out_features + o + r] = static_cast<scalar_t>(sums[j * kOut + r] + b);
-    }
-}
+using conveyor::store;
 
 #if defined(CONVEYOR_AVX512_DOTS)
 // 16 weights from `p` widened and scaled: the one way both AVX-512 paths make them, so they dot the same values.
@@ -170,7 +161,7 @@ inline void dots_avx512(const float* x, int64_t in, const int8_t* w, const c10::
     }
 }
 
-// Past four rows of x, the panel (widened_panel.h): each block's 32 weights widened by scaled16, as dots_avx512
+// Past kWideRows rows of x, the panel (widened_panel.h): each block's 32 weights widened by scaled16, as dots_avx512
 // makes them, and a last short block added after the whole blocks' sum, as there.
 template <typename scalar_t>
 void rows_widened(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,

@@ -56,6 +56,18 @@ inline void dot_rows(const float* x, int64_t in, const weight_t* w, float* sums)
 // of four would widen it twice (issue 66's k-row cost: the widening, not the read, bounds those loops on AVX2).
 constexpr int64_t kWideRows = 8;
 
+// out[m + j, o + r] = sums[j * kOut + r] + bias[o + r] for kRows rows of x and kOut weight rows: how every GEMM
+// kernel for a few rows writes its sums.
+template <int kRows, int kOut, typename scalar_t>
+inline void store(const float* sums, const scalar_t* bias, scalar_t* out, int64_t out_features, int64_t m,
+                  int64_t o) {
+  for (int j = 0; j < kRows; ++j)
+    for (int r = 0; r < kOut; ++r) {
+      const float b = bias ? widen(bias[o + r]) : 0.f;
+      out[(m + j) * out_features + o + r] = static_cast<scalar_t>(sums[j * kOut + r] + b);
+    }
+}
+
 // f(std::integral_constant<int, n>{}) for a run-time n in [1, kMost].
 template <int kMost, typename F>
 inline void with_rows(int n, F f) {

@@ -1,5 +1,5 @@
 // Many rows of x (a decode batch, a prompt) against quantized weights on AVX-512: what the int8 and int4 GEMMs share
-// past four rows of x. A panel of kPanel weight rows is widened once into a float buffer, each GEMM writing the same
+// past kWideRows rows of x (fewer rows run faster through their register loops). A panel of kPanel weight rows is widened once into a float buffer, each GEMM writing the same
 // values its few-rows loop makes in registers, then every chunk of kChunk rows of x (kept in L1) is dotted with the
 // panel's rows kOut at a time. Widening in registers for every chunk of rows had cost more than the FMAs, and walking
 // all of x for each few weight rows re-read x from L2 for every group, which bounded the loops at 32 rows. Each sum
@@ -56,11 +56,8 @@ void rows(const float* x, int64_t count, const scalar_t* bias, scalar_t* out, in
         float sums[kRows * kWidth];
         dots<kRows, kWidth>(x + m * in, in, span, widened.data() + g * span, sums);
         for (int j = 0; j < kRows; ++j)
-          for (int r = 0; r < kWidth; ++r) {
-            const float b = bias ? conveyor::widen(bias[o + g + r]) : 0.f;
-            const float sum = finish(sums[j * kWidth + r], m + j, o + g + r);
-            out[(m + j) * out_features + o + g + r] = static_cast<scalar_t>(sum + b);
-          }
+          for (int r = 0; r < kWidth; ++r) sums[j * kWidth + r] = finish(sums[j * kWidth + r], m + j, o + g + r);
+        conveyor::store<kRows, kWidth>(sums, bias, out, out_features, m, o + g);
       };
       int64_t g = 0;
       for (; g + kOut <= n; g += kOut) group(std::integral_constant<int, kOut>{}, g);
