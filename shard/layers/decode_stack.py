@@ -5,7 +5,7 @@ the all-reduce of each half's partial sum runs here, between the calls.
 
 It serves a step when every row decodes one token (the paged decode kernel's group alone), no LoRA adapter is
 resident (its updates are added in Python, `shard/adapters/served_adapters.py`), no bf16 layer would widen its
-rows to float32 (many rows, `gemm.WIDE_ROWS`) and no int8 layer would take its oneDNN copy (`gemm.TILE_ROWS`).
+rows to float32 (many rows, `Gemm.widen_rows`) and no int8 layer would take its oneDNN copy (`gemm.TILE_ROWS`).
 Everything else, and `CONVEYOR_DECODE=layers`, runs the model's own modules, which stay the reference: the same
 kernels, called one by one, give the same bits.
 """
@@ -19,7 +19,7 @@ import torch
 
 from conveyor.shard.kernels import library as kernels
 from conveyor.shard.layers.attention import DecodeGroup, KVCache
-from conveyor.shard.layers.gemm import WIDE_ROWS, Gemm
+from conveyor.shard.layers.gemm import Gemm
 from conveyor.shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.shard.runtime.process_group import ProcessGroup
 
@@ -88,7 +88,9 @@ class DecodeStack:
             for linear in p.linears:
                 in_gemm = linear.bias if self.row_biases is None or isinstance(linear, ColumnParallelLinear) else None
                 self.stack.add_linear(*_linear_args(linear.gemm, in_gemm))
-        self.widens = any(linear.gemm.wide is not None for p in parts for linear in p.linears)
+        # From this many rows some bf16 layer computes in float32 (Gemm.widen_rows), which the stack does not call.
+        widen = [linear.gemm.widen_rows for p in parts for linear in p.linears if linear.gemm.widen_rows is not None]
+        self.widen_rows = min(widen, default=None)
         # From this many rows int8 layers go through oneDNN's tiles (gemm.TILE_ROWS), which the stack does not call.
         tiles = [linear.gemm.tile_rows for p in parts for linear in p.linears if linear.gemm.tiles is not None]
         self.tile_rows = min(tiles, default=None)
@@ -106,7 +108,7 @@ class DecodeStack:
         """Whether a step of `rows` tokens with these attention groups runs here."""
         if len(groups) != 1 or not isinstance(groups[0], DecodeGroup) or groups[0].token_index.numel() != rows:
             return False
-        if self.widens and rows >= WIDE_ROWS:
+        if self.widen_rows is not None and rows >= self.widen_rows:
             return False
         if self.tile_rows is not None and rows >= self.tile_rows:
             return False

@@ -222,6 +222,10 @@ class Gemm:
         few = small_rows_kernel(weight) and (plain_copy or not self.packed)
         self.plain: torch.Tensor | None = weight if few else None
         self.small_rows = machine_small_rows() if few else 0  # rows up to which the plain copy serves
+        # Rows from which this bf16 layer computes in float32 (see `widens`): through its float32 copy, or, too large
+        # to keep one, through its plain weight widened per call (`widened_linear`); None where it never does.
+        widens_alone = not self.packed and few and _widens_here(weight.dtype)
+        self.widen_rows: int | None = WIDE_ROWS if wide or widens_alone else None
 
     def _quantize(self, weight: torch.Tensor, quantize: str) -> None:
         if quantize not in ("int8", "int4"):
@@ -237,7 +241,7 @@ class Gemm:
         else:
             self.int4 = Int4Weight.quantize(weight)
         self.packed, self.plain, self.weight, self.wide = False, None, None, None
-        self.small_rows = 0
+        self.small_rows, self.widen_rows = 0, None
 
     def _tile_copy(self, plain_copy: bool) -> torch.Tensor | None:
         """An int8 layer's dequantized weight packed for oneDNN, for `onednn_rows` rows and more, where one is set,
@@ -278,11 +282,11 @@ class Gemm:
             return torch.ops.conveyor.int4_gemm(x.contiguous(), self.int4.packed, self.int4.scales, bias)
         if self.plain is not None and 0 < x.shape[0] <= self.small_rows:
             return small_gemm(x.contiguous(), self.plain, bias)
-        if self.wide is not None and x.shape[0] >= WIDE_ROWS:
+        if self.widen_rows is not None and x.shape[0] >= self.widen_rows:
+            if self.wide is None:
+                return widened_linear(x, self.plain, bias)
             wide_bias = None if bias is None else bias.float()
             return torch.ops.mkldnn._linear_pointwise(x.float(), self.wide, wide_bias, "none", [], "").to(self.dtype)
-        if not self.packed and x.shape[0] >= WIDE_ROWS and _widens_here(self.dtype) and self.plain is not None:
-            return widened_linear(x, self.plain, bias)
         if not self.packed:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, bias, "none", [], "")

@@ -92,10 +92,10 @@ def test_prompts_lora_and_wide_rows_stay_with_the_modules(built, tiny_model: Pat
     assert stack.serves(2, groups([1, 1]))
     assert not stack.serves(5, groups([4, 1]))  # a prompt chunk joins the step
     assert not stack.serves(3, groups([3]))
-    stack.widens = True
+    stack.widen_rows = 64
     assert stack.serves(2, groups([1, 1]))
     assert not stack.serves(64, groups([1] * 64))  # bf16 widening to float32 at many rows: the modules'
-    stack.widens = False
+    stack.widen_rows = None
     linear = engine.model.layers[1].mlp.down
     linear.lora = object()  # a resident adapter's site
     try:

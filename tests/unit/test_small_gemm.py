@@ -126,6 +126,7 @@ def test_a_bf16_layer_without_its_float32_copy_widens_a_prompt_per_call(
     weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
     layer = Gemm(weight, plain_copy=False)
     assert layer.wide is None and layer.plain is layer.weight and not layer.packed
+    assert layer.widen_rows == (gemm.WIDE_ROWS if widens else None)
     x = torch.randn(gemm.WIDE_ROWS, 64).bfloat16()
     got = layer(x, bias)
     assert got.dtype == torch.bfloat16 and calls == ([gemm.WIDE_ROWS] if widens else [])
@@ -180,7 +181,7 @@ def test_bf16_steps_of_wide_rows_compute_in_float32(
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     bias, x = torch.randn(96, generator=gen).bfloat16(), torch.randn(rows, 64, generator=gen).bfloat16()
     layer = Gemm(weight)
-    assert (layer.wide is not None) == widens
+    assert (layer.wide is not None) == widens and layer.widen_rows == (gemm.WIDE_ROWS if widens else None)
     assert layer.packed is cpu.onednn_bf16()
     bf16_copies = 2 if layer.packed else 1  # packed and plain, or the plain weight alone
     assert layer.nbytes == weight.nbytes * (bf16_copies + (2 if widens else 0))  # the float32 copy: two bf16's worth
