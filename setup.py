@@ -46,6 +46,7 @@ class build_kernels(Command):  # noqa: N801 - setuptools names commands by their
     def run(self) -> None:
         cpu = _module("_conveyor_setup_cpu", ROOT / "conveyor" / "cpu.py")
         toolchain = _module("_conveyor_setup_toolchain", ROOT / "shard" / "kernels" / "toolchain.py")
+        paths = _module("_conveyor_setup_paths", ROOT / "conveyor" / "paths.py")
         if platform.machine().lower() not in ("x86_64", "amd64"):
             print(f"conveyor: no C++ kernels for {platform.machine()}: shards use the torch path", file=sys.stderr)
             return
@@ -53,11 +54,12 @@ class build_kernels(Command):  # noqa: N801 - setuptools names commands by their
         dest = self._dest(toolchain)
         print(f"conveyor: compiling the C++ kernels for {', '.join(kinds)} into {dest}", file=sys.stderr, flush=True)
         try:
-            manifest = toolchain.build_all(dest, kinds)
+            manifest = toolchain.build_all(dest, kinds, cache=paths.cache_root() / "kernels")
         except toolchain.CompilerMissing as exc:
             print(f"conveyor: {exc}: shards will use the torch path (install g++ to build them)", file=sys.stderr)
             return
-        print(f"conveyor: kernels built in {manifest['seconds']} s with {manifest['compiler']}", file=sys.stderr)
+        note = toolchain.reuse_note(manifest)
+        print(f"conveyor: kernels built in {manifest['seconds']} s with {manifest['compiler']}{note}", file=sys.stderr)
 
     def get_outputs(self) -> list[str]:
         return []

@@ -14,7 +14,6 @@ keeps the torch path, which stays the reference, and says so once.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -118,7 +117,6 @@ def built_here(kind: str) -> Path:
 
 
 def build_key(kind: str, compiler: str, torch_version: str = torch.__version__) -> str:
-    """Everything that makes a build and nothing else (not where the sources lie): two installs share a build
-    exactly when they would build the same library."""
-    identity = [torch_version, kind, *cpu.compile_flags(kind), toolchain.sources_digest(), compiler]
-    return hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
+    """This kind's key among the machine's builds (toolchain.build_key), for the sources beside this file: the
+    package builds (setup.py, `make`) file theirs under the same keys, so either finds the other's."""
+    return toolchain.build_key(kind, cpu.compile_flags(kind), toolchain.sources_digest(), compiler, torch_version)

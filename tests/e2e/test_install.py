@@ -4,7 +4,9 @@ it serves the demo model on them with no compiler anywhere on its PATH and nothi
 The install is of a copy of the source tree (another location than this checkout's), into a new venv. Its
 dependencies are this venv's packages, on its path through a .pth line (they are what `pip install .` would fetch
 from the index; tests/checks/test_dependencies.py holds the product to declaring them), so that the test costs one
-package build rather than a download of every dependency.
+package build rather than a download of every dependency. That build takes each kind's library from the machine's
+cache of builds, where this checkout's own build filed it under the same key (shard/kernels/toolchain.py), so the
+test costs a copy rather than four compiles; compiling and keying are tests/unit/test_kernel_build.py's.
 """
 
 from __future__ import annotations

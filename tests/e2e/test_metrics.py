@@ -53,14 +53,17 @@ def test_counters_and_histograms_move_with_requests(server: Server) -> None:
 
 def test_the_draft_choice_shows_its_measured_step_costs_and_offers(server: Server) -> None:
     """Drafts are on by default and chosen by what they earn: the warmup's step costs are in /metrics (one row is
-    the unit; a verify step of several rows costs more), and a request that repeats its prompt is offered drafts,
-    which are verified and mostly accepted."""
+    the unit; a verify step of several rows never costs less), and a request that repeats its prompt is offered
+    drafts, which are verified and mostly accepted."""
     before = scrape(server)
     ratios = {
         int(labels[1][1]): v for (name, labels), v in before.items() if name == "conveyor_speculative_step_cost_ratio"
     }
     assert ratios[1] == 1.0 and set(range(1, 10)) <= set(ratios)  # --speculate 8: rows 1 to 9, and more
-    assert ratios[max(ratios)] > 1.0
+    # Timed, so only their order is certain: a step of more rows never shows as cheaper (on the tiny model a
+    # 1-row step's own noise can equal a larger one's cost).
+    ordered = [ratios[rows] for rows in sorted(ratios)]
+    assert ordered == sorted(ordered) and all(r >= 1.0 for r in ordered), ratios
     prompt = "alpha beta gamma delta epsilon zeta eta theta. " * 6
     r = httpx.post(f"{server.url}/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 40}}, timeout=60)
     assert r.status_code == 200, r.text

@@ -122,6 +122,43 @@ def test_a_build_is_keyed_by_what_makes_it_not_by_where_it_lies(tmp_path: Path) 
     assert kernels.build_key("avx2", "g++ 12", torch_version="2.4.0") != key
 
 
+# Stands in for the C++ compiler where only the build's bookkeeping is under test: writes the -o file, and counts.
+FAKE_CXX = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "fake c++ 1.0"; exit 0; fi
+echo compiled >> "$(dirname "$0")/calls"
+while [ $# -gt 1 ]; do if [ "$1" = "-o" ]; then echo "library $*" > "$2"; fi; shift; done
+"""
+
+
+def test_a_package_build_reuses_the_machines_builds_and_files_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`make venv` then `make test` build the package twice, and a reinstall of the same release builds it again:
+    a kind whose exact build (same key) the machine's cache holds is copied, where a shard's own build would also
+    find it; what is compiled is filed there for the next."""
+    cxx = tmp_path / "bin" / "c++"
+    cxx.parent.mkdir()
+    cxx.write_text(FAKE_CXX)
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    calls = tmp_path / "bin" / "calls"
+    compiled = lambda: len(calls.read_text().splitlines()) if calls.exists() else 0  # noqa: E731
+    kinds, cache = {"avx2": cpu.compile_flags("avx2"), "avx512": cpu.compile_flags("avx512")}, tmp_path / "kernels"
+    first = toolchain.build_all(tmp_path / "one", kinds, cache=cache)
+    assert compiled() == 2 and first["reused"] == []
+    key = kernels.build_key("avx2", "fake c++ 1.0")  # the key a shard's own build of this kind would look under
+    assert (cache / f"avx2-{key}" / "avx2.so").read_bytes() == (tmp_path / "one" / "avx2.so").read_bytes()
+    second = toolchain.build_all(tmp_path / "two", kinds, cache=cache)
+    assert compiled() == 2 and second["reused"] == ["avx2", "avx512"]
+    assert (tmp_path / "two" / "avx512.so").read_bytes() == (tmp_path / "one" / "avx512.so").read_bytes()
+    assert kernels.why_unfit(tmp_path / "two", "avx2") is None
+    other = {"avx2": [*kinds["avx2"], "-DOTHER"]}  # another build of the kind: compiled, not taken from the cache
+    assert toolchain.build_all(tmp_path / "three", other, cache=cache)["reused"] == [] and compiled() == 3
+    toolchain.build_all(tmp_path / "four", kinds)  # no cache named: everything compiled
+    assert compiled() == 5
+    assert not list(cache.glob(".*staging*"))
+
+
 def test_no_compiler_means_the_torch_path(fresh, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/c++")  # what toolchain.py compiles with
     monkeypatch.delenv("CONVEYOR_ATTENTION", raising=False)
