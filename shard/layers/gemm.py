@@ -43,6 +43,14 @@ worth of memory instead of two (`weight_copies`), allowed under the same share a
 for them keeps its bf16 weight alone and widens it for such steps on every call, a chunk at a time
 (`widened_linear`): a 1B Llama's 180-token bf16 prompt, same CPU, 6.4 -> 2.2 s (float32's own: 1.8 s).
 
+Those figures are from a CPU with avx512_bf16, where oneDNN's bf16 matmul is native. One without it (an AVX-512 Xeon
+that lacks the flag, as Ice Lake and some VMs of later Xeons do, or an AVX2 CPU) has oneDNN convert every product:
+SmolLM2's layer shapes at 9-63 rows ran 2-4x behind the float32 copy's, its LM head at 9 rows 14.6 ms against 7.7,
+though float32 reads twice the bytes (Intel Xeon, AVX-512 and VNNI without avx512_bf16, 2 vCPUs). There a layer
+with its float32 copy takes it from the first row past the small-rows kernel (`wide_rows`), and the bare bf16
+decode step of SmolLM2 at batch 16 went 120-186 -> 63-73 ms, at 32 222 -> 82-95 ms (two interleaved rounds).
+Per-call widening keeps WIDE_ROWS: on the 1B model's 28-token prompt it measured slower from fewer rows.
+
 On a CPU with AMX (Intel Xeons from Sapphire Rapids on) oneDNN multiplies bf16 in tile units, several times
 faster than AVX-512 once a product has rows enough to fill them: decode batches, draft verification, the LM head,
 prompts. There every bf16 and int8 layer goes through oneDNN from `TILE_ROWS` rows: a bf16 weight is packed for it
@@ -75,7 +83,7 @@ SMALL_ROWS_AVX512 = 8  # rows up to which the kernel's AVX-512 loop beats oneDNN
 SMALL_ROWS_AVX2 = 8  # ...its AVX2 loop, on a CPU without AVX-512: all the kernel takes
 SMALL_ROWS_PORTABLE = 2  # ...and its portable loop, on a CPU without AVX2
 PLAIN_COPY_SHARE = 0.25  # of the available memory, that a model's weights twice over may take
-WIDE_ROWS = 64  # tokens from which a step's bf16 layers compute in float32 where the CPU widens (see above)
+WIDE_ROWS = 64  # tokens from which bf16 layers compute in float32 where the CPU widens, with avx512_bf16 (see above)
 WIDEN_CHUNK = 1 << 21  # floats of a bf16 weight widened at a time where it keeps no float32 copy (widened_linear)
 # Rows from which bf16 and int8 layers go through oneDNN on an AMX CPU (see above). Not yet measured on one: the
 # AVX-512 small-rows loop's limit as it was measured on AMX Xeons (4 rows) plus one; `ONEDNN_ROWS_VARIABLE` overrides
@@ -168,6 +176,18 @@ def widens(found: cpu.Cpu) -> bool:
     return not (found.amx or (found.amd and found.avx512_bf16))
 
 
+def wide_rows(found: cpu.Cpu) -> int:
+    """Rows from which a bf16 layer with a float32 copy computes through it, where this kind of CPU widens: past the
+    small-rows kernel without avx512_bf16 (oneDNN's bf16 runs far behind float32 there), from WIDE_ROWS with it
+    (oneDNN's native bf16 kept decode batches ahead of the copy's twice the bytes); see above."""
+    return WIDE_ROWS if found.avx512_bf16 else small_rows(found) + 1
+
+
+def machine_wide_rows() -> int:
+    """`wide_rows` for this machine, asked once per process."""
+    return wide_rows(cpu.probe())
+
+
 @functools.cache
 def machine_widens() -> bool:
     """`widens` for this machine, asked once per process."""
@@ -216,7 +236,7 @@ class Gemm:
         self.packed = kernel(weight) == "onednn" and (plain_copy or not small_rows_kernel(weight))
         weight = weight.contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
-        # WIDE_ROWS tokens and more in float32 (see widens)
+        # Many tokens in float32 (see widens and wide_rows)
         wide = _widened(weight, plain_copy)
         self.wide: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight.float()) if wide else None
         few = small_rows_kernel(weight) and (plain_copy or not self.packed)
@@ -225,7 +245,7 @@ class Gemm:
         # Rows from which this bf16 layer computes in float32 (see `widens`): through its float32 copy, or, too large
         # to keep one, through its plain weight widened per call (`widened_linear`); None where it never does.
         widens_alone = not self.packed and few and _widens_here(weight.dtype)
-        self.widen_rows: int | None = WIDE_ROWS if wide or widens_alone else None
+        self.widen_rows: int | None = machine_wide_rows() if wide else WIDE_ROWS if widens_alone else None
 
     def _quantize(self, weight: torch.Tensor, quantize: str) -> None:
         if quantize not in ("int8", "int4"):

@@ -48,6 +48,7 @@ XEON_AMX = Kind(
     INTEL,
 )
 KINDS = [AMD_EPYC, AMD_ZEN4, XEON_BF16, XEON_AMX]
+XEON_AVX512_ONLY = Kind("xeon-avx512-no-bf16", "Intel(R) Xeon(R) Gold 6148 CPU", AVX512_FLAGS, True, INTEL)
 
 
 def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind) -> None:
@@ -200,6 +201,24 @@ def test_bf16_prompts_widen_where_bf16_computes_slower(
     assert gemm.widens(cpu.probe()) is widens
 
 
+@pytest.mark.parametrize(
+    "kind, rows",
+    [(AMD_EPYC, 9), (XEON_AVX512_ONLY, 9), (XEON_BF16, gemm.WIDE_ROWS)],
+    ids=[AMD_EPYC.name, XEON_AVX512_ONLY.name, XEON_BF16.name],
+)
+def test_without_avx512_bf16_the_float32_copy_serves_past_the_small_rows_kernel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: Kind, rows: int
+) -> None:
+    """Where oneDNN converts every bf16 product (no avx512_bf16), a bf16 layer's float32 copy takes every step the
+    small-rows kernel does not; with avx512_bf16 only steps of WIDE_ROWS tokens and more."""
+    fake(monkeypatch, tmp_path, kind)
+    monkeypatch.delenv("CONVEYOR_ONEDNN_ROWS", raising=False)
+    assert gemm.widens(cpu.probe())
+    assert gemm.wide_rows(cpu.probe()) == rows
+    if rows != gemm.WIDE_ROWS:
+        assert rows == gemm.small_rows(cpu.probe()) + 1
+
+
 # --- threads ------------------------------------------------------------------------------------------------------
 
 
@@ -217,8 +236,6 @@ def test_threads_per_rank(local_ranks: int, cores: int, environ: dict[str, str],
 
 
 # --- --dtype auto -------------------------------------------------------------------------------------------------
-
-XEON_AVX512_ONLY = Kind("xeon-avx512-no-bf16", "Intel(R) Xeon(R) Gold 6148 CPU", AVX512_FLAGS, True, INTEL)
 
 
 @pytest.mark.parametrize(

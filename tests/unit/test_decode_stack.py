@@ -65,7 +65,9 @@ def test_one_call_gives_the_modules_bits(built, request, architecture: str, vari
     monkeypatch.setattr(type(stack), "__call__", _counting(type(stack).__call__, calls))
     for rows in (1, 3, gemm.small_rows(cpu.probe()) + 1):  # the last past the small-rows kernel: oneDNN's
         fused = _decode_logits(engine, rows, fused=True)
-        assert calls, "the fused step served the decode rows"
+        # bf16 past the small-rows kernel on a CPU without avx512_bf16: the float32 copies', through the modules
+        widened = stack.widen_rows is not None and rows >= stack.widen_rows
+        assert bool(calls) is not widened, "the fused step serves the decode rows the stack takes"
         calls.clear()
         assert torch.equal(fused, _decode_logits(engine, rows, fused=False))
         assert not calls

@@ -167,21 +167,23 @@ def test_weight_copies_count_the_float32_copy(monkeypatch: pytest.MonkeyPatch, w
 
 
 @pytest.mark.parametrize("widens", [True, False], ids=["widens", "amx"])
-@pytest.mark.parametrize("rows", [1, 8, gemm.WIDE_ROWS - 1, gemm.WIDE_ROWS, 200])
+@pytest.mark.parametrize("rows", [1, 8, 9, gemm.WIDE_ROWS - 1, gemm.WIDE_ROWS, 200])
 def test_bf16_steps_of_wide_rows_compute_in_float32(
     built, monkeypatch: pytest.MonkeyPatch, widens: bool, rows: int
 ) -> None:
-    """A bf16 layer with a plain copy packs a float32 one where the CPU widens, and steps of WIDE_ROWS tokens or
-    more go through it: their output is the float32 product of the same bf16 values, rounded once to bf16. Fewer
-    rows stay on the bf16 kernels, within their tolerance of it. Either branch runs on any machine, and on an AVX2
-    CPU too, where oneDNN packs no bf16 weight: the plain weight is then the only bf16 copy."""
+    """A bf16 layer with a plain copy packs a float32 one where the CPU widens, and steps of `machine_wide_rows`
+    tokens or more (past the small-rows kernel without avx512_bf16, WIDE_ROWS with it) go through it: their output
+    is the float32 product of the same bf16 values, rounded once to bf16. Fewer rows stay on the bf16 kernels, within
+    their tolerance of it. Either branch runs on any machine, and on an AVX2 CPU too, where oneDNN packs no bf16
+    weight: the plain weight is then the only bf16 copy."""
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
     monkeypatch.setattr(gemm, "machine_widens", lambda: widens)
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     bias, x = torch.randn(96, generator=gen).bfloat16(), torch.randn(rows, 64, generator=gen).bfloat16()
     layer = Gemm(weight)
-    assert (layer.wide is not None) == widens and layer.widen_rows == (gemm.WIDE_ROWS if widens else None)
+    wide_rows = gemm.wide_rows(cpu.probe())
+    assert (layer.wide is not None) == widens and layer.widen_rows == (wide_rows if widens else None)
     assert layer.packed is cpu.onednn_bf16()
     bf16_copies = 2 if layer.packed else 1  # packed and plain, or the plain weight alone
     assert layer.nbytes == weight.nbytes * (bf16_copies + (2 if widens else 0))  # the float32 copy: two bf16's worth
@@ -191,7 +193,7 @@ def test_bf16_steps_of_wide_rows_compute_in_float32(
     out = layer(x, bias)
     exact = F.linear(x.float(), weight.float(), bias.float())
     assert out.dtype == torch.bfloat16
-    if widens and rows >= gemm.WIDE_ROWS:
+    if widens and rows >= wide_rows:
         assert calls == [torch.float32]
         torch.testing.assert_close(out, exact.bfloat16(), rtol=1e-2, atol=1e-2)  # one rounding, as oneDNN's
     else:
