@@ -183,6 +183,7 @@ def wide_rows(found: cpu.Cpu) -> int:
     return WIDE_ROWS if found.avx512_bf16 else small_rows(found) + 1
 
 
+@functools.cache
 def machine_wide_rows() -> int:
     """`wide_rows` for this machine, asked once per process."""
     return wide_rows(cpu.probe())

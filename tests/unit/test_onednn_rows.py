@@ -28,12 +28,14 @@ def forced(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv(gemm.ONEDNN_ROWS_VARIABLE, str(rows))
         gemm.machine_onednn_rows.cache_clear()
         gemm.machine_small_rows.cache_clear()
+        gemm.machine_wide_rows.cache_clear()  # past the small rows where the CPU lacks avx512_bf16
 
     monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
     yield force
     monkeypatch.delenv(gemm.ONEDNN_ROWS_VARIABLE, raising=False)
     gemm.machine_onednn_rows.cache_clear()
     gemm.machine_small_rows.cache_clear()
+    gemm.machine_wide_rows.cache_clear()
 
 
 def test_only_an_amx_cpu_sends_rows_to_onednn_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
