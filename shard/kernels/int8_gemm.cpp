@@ -202,12 +202,19 @@ void rows_simd_block(const float* x, int64_t count, const int8_t* w, const c10::
   });
 }
 
-// Weight rows [begin, end) against every row of x: kFew weight rows at once for up to four rows of x; past four,
-// one weight row at a time against up to kWideRows rows (past those, AVX-512 widens a panel instead, rows_widened).
+// Weight rows [begin, end) against every row of x: kFew weight rows at once for up to four rows of x (AVX-512: up to
+// six, a 4- or 5-draft verify, whose x vectors are then loaded once per four weight rows: SmolLM2-135M-Instruct's
+// layers at five rows 12.1-13.8 -> 11.0-13.0 ms on an Intel Xeon, 2 threads); past those, one weight row at a time
+// against up to kWideRows rows (past those, AVX-512 widens a panel instead, rows_widened).
 template <Loop kLoop, int kFew, typename scalar_t>
 void rows_simd(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
   int64_t o = begin;
+  if constexpr (kFew == 4) {  // AVX-512's 32 registers hold four weight rows' sums for six rows of x
+    if (count > kRowsAtOnce && count <= 6) {
+      for (; o + 4 <= end; o += 4) rows_simd_block<kLoop, 4, 6>(x, count, w, scales, bias, out, in, out_features, o);
+    }
+  }
   if (count > kRowsAtOnce) {
     for (; o < end; ++o)
       rows_simd_block<kLoop, 1, conveyor::kWideRows>(x, count, w, scales, bias, out, in, out_features, o);

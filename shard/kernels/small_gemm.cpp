@@ -49,11 +49,11 @@ void rows(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias
 // row and waits on it, which bfloat16 weights (half the bytes to wait for) feel most: on SmolLM2's layer shapes
 // (one thread, one row, Intel Xeon Emerald Rapids) bfloat16 gained clearly and float32 stayed level. No benchmark
 // times this kernel alone; the bare forward's decode step at batch 1 (benchmarks/bare.py) shows it.
-template <int kOut, typename scalar_t>
+template <int kOut, int kMost, typename scalar_t>
 void rows_avx512_block(const float* x, const scalar_t* x_raw, int64_t count, const scalar_t* w, const scalar_t* bias,
                        scalar_t* out, int64_t in, int64_t out_features, int64_t o, bool widen_only) {
-  float sums[conveyor::kRowsAtOnce * kOut];
-  conveyor::for_row_chunks(count, [&](auto chunk, int64_t m) {
+  float sums[kMost * kOut];
+  conveyor::for_row_chunks<kMost>(count, [&](auto chunk, int64_t m) {
     constexpr int kRows = decltype(chunk)::value;
     bool native = false;  // bfloat16 dotted as it is, not widened
 #ifdef CONVEYOR_AVX512_BF16_DOTS
@@ -62,7 +62,11 @@ void rows_avx512_block(const float* x, const scalar_t* x_raw, int64_t count, con
       if (native) conveyor::avx512::dot_block_bf16<kRows, kOut>(x_raw + m * in, in, w + o * in, sums);
     }
 #endif
-    if (!native) conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (!native) conveyor::avx512::dot_block_split<kRows, kOut>(x + m * in, in, w + o * in, sums);
+    } else {
+      conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
+    }
     for (int j = 0; j < kRows; ++j)
       for (int r = 0; r < kOut; ++r) {
         const float b = bias ? widen(bias[o + r]) : 0.f;
@@ -71,12 +75,22 @@ void rows_avx512_block(const float* x, const scalar_t* x_raw, int64_t count, con
   });
 }
 
+// Five or six rows of x (a step verifying four or five drafts) take one chunk: four weight rows' sums for six rows
+// fill 24 of AVX-512's 32 registers, and each weight vector is then widened once, and each x vector loaded once per
+// four weight rows, where chunks of four and one did both twice. SmolLM2-135M-Instruct's layers at five rows
+// (Intel Xeon, AVX-512 without avx512_bf16, 2 threads, weights streamed from memory): bfloat16 16.0-16.4 ms ->
+// 14.7-15.0 with dot_block_split, against 11.0-11.4 at one row. Seven or eight rows measured no better in one
+// chunk of three weight rows.
 template <typename scalar_t>
 void rows_avx512(const float* x, const scalar_t* x_raw, int64_t count, const scalar_t* w, const scalar_t* bias,
                  scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end, bool widen_only) {
   int64_t o = begin;
-  for (; o + 4 <= end; o += 4) rows_avx512_block<4>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
-  for (; o < end; ++o) rows_avx512_block<1>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
+  if (count > 4 && count <= 6) {
+    for (; o + 4 <= end; o += 4) rows_avx512_block<4, 6>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
+  } else {
+    for (; o + 4 <= end; o += 4) rows_avx512_block<4, 4>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
+  }
+  for (; o < end; ++o) rows_avx512_block<1, 8>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
 }
 #endif
 
@@ -151,7 +165,17 @@ template <typename scalar_t>
 void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& out,
          Path path) {
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
-  const std::vector<float> xf = conveyor::widened<scalar_t>(x);
+  std::vector<float> xf = conveyor::widened<scalar_t>(x);
+#ifdef CONVEYOR_AVX512_DOTS
+  // The AVX-512 loop widening bfloat16 weights reads x split into pairs' halves (dot_block_split); the CPU's own
+  // bfloat16 dot product, where the build has it, reads x as it is.
+#ifdef CONVEYOR_AVX512_BF16_DOTS
+  const bool widening = path == Path::kWidening;
+#else
+  const bool widening = path == Path::kBest || path == Path::kWidening;
+#endif
+  if (std::is_same_v<scalar_t, c10::BFloat16> && widening) conveyor::avx512::split_pairs(xf, in);
+#endif
   const scalar_t* x_raw = x.data_ptr<scalar_t>();
   const scalar_t* w = weight.data_ptr<scalar_t>();
   const scalar_t* b = conveyor::bias_data<scalar_t>(bias);
