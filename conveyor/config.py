@@ -202,7 +202,7 @@ class Config:
     )
     static_batch_timeout: float = flag(1.0, "seconds a static batch waits to fill up")
     prefill_chunk_tokens: int | None = flag(
-        None, "prompt tokens per step while streams are decoding (default: 64 on CPU, 512 on GPU)"
+        None, "prompt tokens per step while streams are decoding (default: 512)"
     )
     chat_special_tokens: bool = flag(
         False,
