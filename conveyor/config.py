@@ -201,9 +201,7 @@ class Config:
         choices=SCHEDULING,
     )
     static_batch_timeout: float = flag(1.0, "seconds a static batch waits to fill up")
-    prefill_chunk_tokens: int | None = flag(
-        None, "prompt tokens per step while streams are decoding (default: 512)"
-    )
+    prefill_chunk_tokens: int | None = flag(None, "prompt tokens per step while streams are decoding (default: 512)")
     chat_special_tokens: bool = flag(
         False,
         "read special tokens written in chat messages (such as <|im_end|>) as control tokens, as the template's own "
