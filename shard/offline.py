@@ -1,6 +1,6 @@
 """The engine in-process, without a server: the one public entry point for tools that measure the model itself (the
-bare-forward ceiling, accuracy scores, the token mask's share of a step: benchmarks/bare.py, accuracy.py, grammar.py,
-gpu_check.py).
+bare-forward ceiling, accuracy scores, the token mask's share of a step, a verify step's cost: benchmarks/bare.py,
+accuracy.py, grammar.py, gpu_check.py, verify_rows.py).
 
 The benchmarks reach the shard through this module alone (a contract in pyproject.toml), so what they rely on is
 listed here, and the rooms behind it stay free to change. Everything runs on one rank, loaded as a shard loads it.
@@ -18,9 +18,22 @@ from conveyor.shard.runtime.process_group import ProcessGroup
 from conveyor.shard.sampling.masks import Masks, unpack
 from conveyor.shard.sampling.sampler import greedy
 from conveyor.shard.step.engine import Engine, StepOutput
+from conveyor.shard.step.step_timing import verify_steps
 from conveyor.v1 import shard_pb2 as pb
 
-__all__ = ["RunningBatch", "Engine", "KVCache", "Masks", "StepOutput", "forward", "greedy", "join", "load", "unpack"]
+__all__ = [
+    "RunningBatch",
+    "Engine",
+    "KVCache",
+    "Masks",
+    "StepOutput",
+    "forward",
+    "greedy",
+    "join",
+    "load",
+    "unpack",
+    "verify_steps",
+]
 
 
 def load(

@@ -35,28 +35,36 @@ def time_decode_rows(engine, rows: Sequence[int]) -> tuple[list[float], float]:
     """Seconds of one sequence's decode step at each of `rows`, and of a one-row draft-model step (0.0 without
     a draft model). Nothing (and 0.0) when the pool cannot hold the context and the largest step."""
     check_rows(rows)
-    if not rows:
+    steps = verify_steps(engine, rows)
+    if steps is None:
         return [], 0.0
+    seconds = [_median_seconds(steps[count], engine.device) for count in rows]
+    drafter = engine.drafter
+    if drafter is None:
+        return seconds, 0.0
+    draft_step = verify_steps(engine, [1], model=drafter.model, cache=drafter.cache)
+    return seconds, _median_seconds(draft_step[1], engine.device)
+
+
+def verify_steps(engine, rows: Sequence[int], **target) -> dict[int, Callable[[], object]] | None:
+    """One sequence's decode step of `count` rows (count-1 drafts verified, as the engine runs it: one row per
+    token) for each count in `rows`, over a CONTEXT_TOKENS context written here first (`target`: another model
+    and cache, a draft model's). None when the pool cannot hold the context and the largest step. The steps
+    rewrite the same slots, so each may run any number of times (benchmarks/verify_rows.py times them too)."""
+    if not rows:
+        return {}
     blocks = list(range(math.ceil((CONTEXT_TOKENS + max(rows)) / engine.block_size)))
     if len(blocks) > engine.cache.num_blocks:
-        return [], 0.0
-    context = [1] * CONTEXT_TOKENS
+        return None
 
-    def step(count: int, **target) -> Callable[[], object]:
-        """A verify step of count-1 drafts, as the engine runs it (one row per token)."""
+    def step(count: int) -> Callable[[], object]:
         rows = ForwardRows([[1] * count], [CONTEXT_TOKENS], [blocks], [CONTEXT_TOKENS + count], [count])
         rows = one_token_rows(rows, [True])
         args = (rows.new_tokens, rows.starts, rows.blocks, rows.lengths, rows.logit_counts)
         return lambda: engine.forward(*args, **target)
 
-    engine.forward([context], [0], [blocks], [CONTEXT_TOKENS], [1])
-    seconds = [_median_seconds(step(count), engine.device) for count in rows]
-    drafter = engine.drafter
-    if drafter is None:
-        return seconds, 0.0
-    target = {"model": drafter.model, "cache": drafter.cache}
-    engine.forward([context], [0], [blocks], [CONTEXT_TOKENS], [1], **target)
-    return seconds, _median_seconds(step(1, **target), engine.device)
+    engine.forward([[1] * CONTEXT_TOKENS], [0], [blocks], [CONTEXT_TOKENS], [1], **target)
+    return {count: step(count) for count in rows}
 
 
 def _median_seconds(run: Callable[[], object], device: torch.device) -> float:
