@@ -210,9 +210,10 @@ template <Loop kLoop, int kFew, typename scalar_t>
 void rows_simd(const float* x, int64_t count, const int8_t* w, const c10::Half* scales, const scalar_t* bias,
                scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end) {
   int64_t o = begin;
-  if constexpr (kFew == 4) {  // AVX-512's 32 registers hold four weight rows' sums for six rows of x
-    if (count > kRowsAtOnce && count <= 6) {
-      for (; o + 4 <= end; o += 4) rows_simd_block<kLoop, 4, 6>(x, count, w, scales, bias, out, in, out_features, o);
+  if constexpr (kFew == 4) {  // AVX-512's 32 registers hold four weight rows' sums for kAvx512ChunkRows rows of x
+    constexpr int64_t kChunk = conveyor::kAvx512ChunkRows;
+    if (count > kRowsAtOnce && count <= kChunk) {
+      for (; o + 4 <= end; o += 4) rows_simd_block<kLoop, 4, kChunk>(x, count, w, scales, bias, out, in, out_features, o);
     }
   }
   if (count > kRowsAtOnce) {

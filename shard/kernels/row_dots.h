@@ -56,6 +56,10 @@ inline void dot_rows(const float* x, int64_t in, const weight_t* w, float* sums)
 // of four would widen it twice (issue 66's k-row cost: the widening, not the read, bounds those loops on AVX2).
 constexpr int64_t kWideRows = 8;
 
+// Rows of x the AVX-512 loops take in one chunk against four weight rows past kRowsAtOnce: 24 sums, the weight
+// vectors and one of x fill AVX-512's 32 registers (a step verifying four or five drafts).
+constexpr int64_t kAvx512ChunkRows = 6;
+
 // out[m + j, o + r] = sums[j * kOut + r] + bias[o + r] for kRows rows of x and kOut weight rows: how every GEMM
 // kernel for a few rows writes its sums.
 template <int kRows, int kOut, typename scalar_t>

@@ -9,8 +9,8 @@
 
 #include "float_types.h"
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 

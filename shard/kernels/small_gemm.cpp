@@ -29,6 +29,16 @@ namespace conveyor::small_gemm_kernel {
 
 using conveyor::widen;
 
+// The most rows a call takes: a verifying step of one sequence with 4 drafts is 5, and a few such at once more.
+constexpr int64_t kMostRows = 8;
+
+// Whether this build dots bfloat16 as it is (vdpbf16ps, row_dots_avx512.h) rather than widening it.
+#ifdef CONVEYOR_AVX512_BF16_DOTS
+constexpr bool kNativeBf16Dots = true;
+#else
+constexpr bool kNativeBf16Dots = false;
+#endif
+
 // out[m, o] = x[m, :] . w[o, :] (+ bias[o]) for o in [begin, end) and every row m of x (float, [count, in]).
 template <typename scalar_t>
 void rows(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias, scalar_t* out, int64_t in,
@@ -51,19 +61,18 @@ void rows(const float* x, int64_t count, const scalar_t* w, const scalar_t* bias
 // times this kernel alone; the bare forward's decode step at batch 1 (benchmarks/bare.py) shows it.
 template <int kOut, int kMost, typename scalar_t>
 void rows_avx512_block(const float* x, const scalar_t* x_raw, int64_t count, const scalar_t* w, const scalar_t* bias,
-                       scalar_t* out, int64_t in, int64_t out_features, int64_t o, bool widen_only) {
+                       scalar_t* out, int64_t in, int64_t out_features, int64_t o, bool native) {
   float sums[kMost * kOut];
   conveyor::for_row_chunks<kMost>(count, [&](auto chunk, int64_t m) {
     constexpr int kRows = decltype(chunk)::value;
-    bool native = false;  // bfloat16 dotted as it is, not widened
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (native) {
 #ifdef CONVEYOR_AVX512_BF16_DOTS
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      native = !widen_only;
-      if (native) conveyor::avx512::dot_block_bf16<kRows, kOut>(x_raw + m * in, in, w + o * in, sums);
-    }
+        conveyor::avx512::dot_block_bf16<kRows, kOut>(x_raw + m * in, in, w + o * in, sums);
 #endif
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (!native) conveyor::avx512::dot_block_split<kRows, kOut>(x + m * in, in, w + o * in, sums);
+      } else {
+        conveyor::avx512::dot_block_split<kRows, kOut>(x + m * in, in, w + o * in, sums);
+      }
     } else {
       conveyor::avx512::dot_block<kRows, kOut>(x + m * in, in, w + o * in, sums);
     }
@@ -83,14 +92,15 @@ void rows_avx512_block(const float* x, const scalar_t* x_raw, int64_t count, con
 // chunk of three weight rows.
 template <typename scalar_t>
 void rows_avx512(const float* x, const scalar_t* x_raw, int64_t count, const scalar_t* w, const scalar_t* bias,
-                 scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end, bool widen_only) {
+                 scalar_t* out, int64_t in, int64_t out_features, int64_t begin, int64_t end, bool native) {
+  constexpr int64_t kFour = conveyor::kRowsAtOnce, kChunk = conveyor::kAvx512ChunkRows;
   int64_t o = begin;
-  if (count > 4 && count <= 6) {
-    for (; o + 4 <= end; o += 4) rows_avx512_block<4, 6>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
+  if (count > kFour && count <= kChunk) {
+    for (; o + 4 <= end; o += 4) rows_avx512_block<4, kChunk>(x, x_raw, count, w, bias, out, in, out_features, o, native);
   } else {
-    for (; o + 4 <= end; o += 4) rows_avx512_block<4, 4>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
+    for (; o + 4 <= end; o += 4) rows_avx512_block<4, kFour>(x, x_raw, count, w, bias, out, in, out_features, o, native);
   }
-  for (; o < end; ++o) rows_avx512_block<1, 8>(x, x_raw, count, w, bias, out, in, out_features, o, widen_only);
+  for (; o < end; ++o) rows_avx512_block<1, kMostRows>(x, x_raw, count, w, bias, out, in, out_features, o, native);
 }
 #endif
 
@@ -167,14 +177,12 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
   const int64_t count = x.size(0), in = x.size(1), out_features = weight.size(0);
   std::vector<float> xf = conveyor::widened<scalar_t>(x);
 #ifdef CONVEYOR_AVX512_DOTS
-  // The AVX-512 loop widening bfloat16 weights reads x split into pairs' halves (dot_block_split); the CPU's own
-  // bfloat16 dot product, where the build has it, reads x as it is.
-#ifdef CONVEYOR_AVX512_BF16_DOTS
-  const bool widening = path == Path::kWidening;
-#else
-  const bool widening = path == Path::kBest || path == Path::kWidening;
-#endif
-  if (std::is_same_v<scalar_t, c10::BFloat16> && widening) conveyor::avx512::split_pairs(xf, in);
+  // The one choice of the AVX-512 loop's bfloat16 path: the CPU's own bfloat16 dot product, reading x as it is, where
+  // the build has it and the call asks for the best loop; else weights widened, reading x split into pairs' halves
+  // (dot_block_split).
+  const bool avx512 = path == Path::kBest || path == Path::kWidening;
+  const bool native = kNativeBf16Dots && path == Path::kBest;
+  if (std::is_same_v<scalar_t, c10::BFloat16> && avx512 && !native) conveyor::avx512::split_pairs(xf, in);
 #endif
   const scalar_t* x_raw = x.data_ptr<scalar_t>();
   const scalar_t* w = weight.data_ptr<scalar_t>();
@@ -183,9 +191,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
 #ifdef CONVEYOR_AVX512_DOTS
     if constexpr (vectorized<scalar_t>()) {
-      if (path == Path::kBest || path == Path::kWidening)
-        return rows_avx512<scalar_t>(xf.data(), x_raw, count, w, b, o, in, out_features, begin, end,
-                                     path == Path::kWidening);
+      if (avx512) return rows_avx512<scalar_t>(xf.data(), x_raw, count, w, b, o, in, out_features, begin, end, native);
     }
     constexpr bool avx2_best = false;
 #else
@@ -200,9 +206,6 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
     rows<scalar_t>(xf.data(), count, w, b, o, in, out_features, begin, end);
   });
 }
-
-// The most rows a call takes: a verifying step of one sequence with 4 drafts is 5, and a few such at once more.
-constexpr int64_t kMostRows = 8;
 
 // x [M, in] with 1 <= M <= kMostRows, weight [out, in], bias [out] or none, all one dtype and contiguous. Returns [M, out].
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, Path path) {

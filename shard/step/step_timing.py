@@ -35,7 +35,7 @@ def time_decode_rows(engine, rows: Sequence[int]) -> tuple[list[float], float]:
     """Seconds of one sequence's decode step at each of `rows`, and of a one-row draft-model step (0.0 without
     a draft model). Nothing (and 0.0) when the pool cannot hold the context and the largest step."""
     check_rows(rows)
-    steps = verify_steps(engine, rows)
+    steps = verify_steps(engine, rows) if rows else None
     if steps is None:
         return [], 0.0
     seconds = [_median_seconds(steps[count], engine.device) for count in rows]
