@@ -207,16 +207,24 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
   });
 }
 
-// x [M, in] with 1 <= M <= kMostRows, weight [out, in], bias [out] or none, all one dtype and contiguous. Returns [M, out].
+// x [M, in] with M >= 1, weight [out, in], bias [out] or none, all one dtype and contiguous. Returns [M, out]. Past
+// kMostRows rows, x is taken kMostRows rows at a time, a pass over the weight each: a row's sums are those it gets
+// in any other batch, and a bf16 layer that keeps no float32 copy reads its weight a few times rather than fall to
+// torch's bf16 matmul on a CPU without avx512_bf16 (shard/layers/gemm.py says when).
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, Path path) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_gemm runs on CPU");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, in] and weight [out, in]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMostRows, "small_gemm takes 1 to ", kMostRows, " rows, not ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1, "small_gemm takes at least one row");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight share a dtype");
   conveyor::check_bias(bias, weight.size(0), weight.scalar_type());
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
-  conveyor::for_float_dtype(x.scalar_type(), "small_gemm", [&](auto tag) { run<decltype(tag)>(x, weight, bias, out, path); });
+  for (int64_t m = 0; m < x.size(0); m += kMostRows) {
+    const int64_t rows = std::min(kMostRows, x.size(0) - m);
+    auto part = out.narrow(0, m, rows);  // rows of a contiguous [M, out]: contiguous too
+    conveyor::for_float_dtype(x.scalar_type(), "small_gemm",
+                              [&](auto tag) { run<decltype(tag)>(x.narrow(0, m, rows), weight, bias, part, path); });
+  }
   return out;
 }
 

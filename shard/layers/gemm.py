@@ -49,7 +49,11 @@ SmolLM2's layer shapes at 9-63 rows ran 2-4x behind the float32 copy's, its LM h
 though float32 reads twice the bytes (Intel Xeon, AVX-512 and VNNI without avx512_bf16, 2 vCPUs). There a layer
 with its float32 copy takes it from the first row past the small-rows kernel (`wide_rows`), and the bare bf16
 decode step of SmolLM2 at batch 16 went 120-186 -> 63-73 ms, at 32 222 -> 82-95 ms (two interleaved rounds).
-Per-call widening keeps WIDE_ROWS: on the 1B model's 28-token prompt it measured slower from fewer rows.
+Per-call widening keeps WIDE_ROWS: on the 1B model's 28-token prompt it measured slower from fewer rows. Below it,
+such a layer (a model too large for its copies) takes the small-rows kernel for every row count, eight rows a pass
+over its weight, rather than torch's bf16 matmul: a 1B Llama's four bf16 GEMMs of a layer on the Xeon above took
+14.0 ms at 9 rows (bf16 F.linear 35.6, `widened_linear` 29.2), 17.4 at 16 (43.5, 30.9), 31.7 at 32 (75.0, 37.4) and
+45.6 at 48 (106.6, 43.0), so a 16-stream bf16 decode step of that model no longer runs at half float32's speed.
 
 On a CPU with AMX (Intel Xeons from Sapphire Rapids on) oneDNN multiplies bf16 in tile units, several times
 faster than AVX-512 once a product has rows enough to fill them: decode batches, draft verification, the LM head,
@@ -242,11 +246,13 @@ class Gemm:
         self.wide: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight.float()) if wide else None
         few = small_rows_kernel(weight) and (plain_copy or not self.packed)
         self.plain: torch.Tensor | None = weight if few else None
-        self.small_rows = machine_small_rows() if few else 0  # rows up to which the plain copy serves
         # Rows from which this bf16 layer computes in float32 (see `widens`): through its float32 copy, or, too large
         # to keep one, through its plain weight widened per call (`widened_linear`); None where it never does.
         widens_alone = not self.packed and few and _widens_here(weight.dtype)
         self.widen_rows: int | None = machine_wide_rows() if wide else WIDE_ROWS if widens_alone else None
+        # Rows up to which the plain copy serves: the kernel's own, or, for a bf16 layer widening alone, every row
+        # short of widening, in passes of the kernel's rows (see above).
+        self.small_rows = (WIDE_ROWS - 1 if widens_alone else machine_small_rows()) if few else 0
 
     def _quantize(self, weight: torch.Tensor, quantize: str) -> None:
         if quantize not in ("int8", "int4"):

@@ -58,17 +58,17 @@ def test_a_rows_output_does_not_depend_on_its_batch(built, dtype: torch.dtype, o
     the float32 oracle's batch invariance needs. 131 inputs leave a tail past the blocks of 32."""
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(37, 131, generator=generator).to(dtype)
-    x = torch.randn(8, 131, generator=generator).to(dtype)
+    x = torch.randn(21, 131, generator=generator).to(dtype)
     kernel = getattr(torch.ops.conveyor, op)
-    alone = torch.cat([kernel(x[m : m + 1], weight, None) for m in range(8)])
-    for rows in range(2, 9):
+    alone = torch.cat([kernel(x[m : m + 1], weight, None) for m in range(21)])
+    for rows in [*range(2, 10), 16, 21]:  # past eight, in passes of eight rows and a remainder
         assert torch.equal(kernel(x[:rows], weight, None), alone[:rows]), rows
 
 
 def test_kernel_refuses_what_it_does_not_compute(built) -> None:
     weight = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        torch.ops.conveyor.small_gemm(torch.randn(9, 16), weight, None)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        torch.ops.conveyor.small_gemm(torch.randn(0, 16), weight, None)
     with pytest.raises(RuntimeError, match="share a dtype"):
         torch.ops.conveyor.small_gemm(torch.randn(1, 16, dtype=torch.bfloat16), weight, None)
     with pytest.raises(RuntimeError, match=r"x \[M, in\]"):
@@ -142,6 +142,7 @@ def test_a_bf16_layer_without_its_float32_copy_widens_a_prompt_per_call(
     layer = Gemm(weight, plain_copy=False)
     assert layer.wide is None and layer.plain is layer.weight and not layer.packed
     assert layer.widen_rows == (gemm.WIDE_ROWS if widens else None)
+    assert layer.small_rows == (gemm.WIDE_ROWS - 1 if widens else gemm.machine_small_rows())
     x = torch.randn(gemm.WIDE_ROWS, 64).bfloat16()
     got = layer(x, bias)
     assert got.dtype == torch.bfloat16 and calls == ([gemm.WIDE_ROWS] if widens else [])
@@ -151,6 +152,29 @@ def test_a_bf16_layer_without_its_float32_copy_widens_a_prompt_per_call(
         assert (got == want).float().mean() > 0.99  # the same float32 sums, rounded once to bf16
     layer(x[:3], bias)  # a few rows take the small-rows kernel, never the widening
     assert len(calls) == (1 if widens else 0)
+
+
+@pytest.mark.parametrize("rows", [9, 16, gemm.WIDE_ROWS - 1])
+def test_a_bf16_layer_widening_alone_takes_the_kernel_short_of_widening(
+    built, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    """Where the CPU widens, a bf16 layer with its plain weight alone sends every step short of WIDE_ROWS to the
+    small-rows kernel (eight rows a pass over the weight) instead of torch's bf16 matmul, which converts every
+    product on such a CPU: each row gets the bits it gets alone."""
+    monkeypatch.delenv("CONVEYOR_GEMM", raising=False)
+    monkeypatch.setattr(gemm, "machine_widens", lambda: True)
+    calls: list[int] = []
+    real = torch.ops.conveyor.small_gemm
+    monkeypatch.setattr(gemm, "small_gemm", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    layer = Gemm(weight, plain_copy=False)
+    got = layer(x, bias)
+    assert calls == [rows]
+    assert torch.equal(got, torch.cat([real(x[m : m + 1], weight, bias) for m in range(rows)]))
+    want = F.linear(x.double(), weight.double(), bias.double())
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[torch.bfloat16] * want.abs().max().item()
 
 
 def test_a_plain_weight_is_its_own_copy(built, monkeypatch: pytest.MonkeyPatch) -> None:
