@@ -335,7 +335,8 @@ def long_context_section(run: Run) -> list[str]:
         f"### {heading(summary['machine'])}: `{results_path(run.path)}` (long context)",
         "",
         f"- CPU (from summary.json): {machine_line(summary['machine'])}",
-        f"- model: `{summary['model']}`, {summary['dtype']}",
+        f"- model: `{summary['model']}`, {summary['dtype']}"
+        + (f", Conveyor's weights {summary['quantize']}" if summary.get("quantize") else ""),
         f"- command: `{run.command}`",
         f"- {run.note}",
         f"- documents: {docs['prompts']} distinct documents of ~{docs['tokens']} tokens, {docs['in_flight']} in "
@@ -447,6 +448,12 @@ def files_folder(folder: str, runs: list[Run]) -> list[str]:
 # --- README's table: the real model, the newest sitting on each kind of CPU --------------------------------------
 
 
+def weights(summary: Json) -> str | None:
+    """A long-context sitting's weights: Conveyor's quantization where it ran one (its activations and the peers'
+    weights are in `dtype`), else the dtype."""
+    return summary.get("quantize") or summary.get("dtype")
+
+
 def newest_real_sittings(benchmark: str | None = None) -> list[tuple[Run, Json]]:
     """(run, summary) of the newest sitting on the real model for each CPU kind (and dtype, where the benchmark
     runs one per sitting), newest first: of `compare` by default, of the benchmark summary.json names otherwise
@@ -459,7 +466,7 @@ def newest_real_sittings(benchmark: str | None = None) -> list[tuple[Run, Json]]
         summary = load(summary_path)
         # Older compare sittings recorded no model (they ran the demo model) and no benchmark.
         if summary.get("model") == REAL_MODEL and summary.get("benchmark") == benchmark:
-            found.setdefault((heading(summary["machine"]), summary.get("dtype")), (run, summary))
+            found.setdefault((heading(summary["machine"]), weights(summary)), (run, summary))
     return list(found.values())
 
 
@@ -530,7 +537,7 @@ def long_glance() -> list[str]:
         prefix = summary["systems"]["conveyor"].get("prefix")
         return (
             heading(summary["machine"]),
-            summary["dtype"],
+            weights(summary),
             " / ".join(figure(summary, s, "wall_s") for s in systems),
             " / ".join(figure(summary, s, "ttft_p50_ms", 1000) for s in systems),
             cell(prefix["ratio"], 3) if prefix else "-",

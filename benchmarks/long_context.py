@@ -120,7 +120,8 @@ def serve(args: argparse.Namespace, system: str, work: Workloads) -> AbstractCon
     """The system's server, started on entering (each holds the longest request of both workloads)."""
     context = work.longest + 64
     if system in OURS:
-        flags = ["--dtype", args.dtype, *OURS[system], *args.launcher_arg]
+        quantize = ["--quantize", args.quantize] if args.quantize else []
+        flags = ["--dtype", args.dtype, *quantize, *OURS[system], *args.launcher_arg]
         return deploy.conveyor(deploy.ConveyorSpec(system, args.model_dir, flags), args.startup_timeout)
     if system == "vllm-cpu":
         return deploy.vllm_serve(args.model_dir, args.dtype, "all", args.startup_timeout, context)
@@ -166,7 +167,8 @@ def targets(figures: dict[str, dict[str, Any]]) -> Iterator[str]:
 def report(args: argparse.Namespace, work: Workloads, figures: dict[str, dict[str, Any]]) -> str:
     doc_tokens = sum(p.prompt_len for p in work.documents)
     lines = [
-        f"model: {args.model_dir.name}, {args.dtype}",
+        f"model: {args.model_dir.name}, {args.dtype}"
+        + (f", Conveyor's weights {args.quantize}" if args.quantize else ""),
         machine_line(machine()),
         f"documents: {len(work.documents)} x ~{args.document_len} tokens ({doc_tokens} in all), "
         f"{args.in_flight} in flight, {args.document_output} out",
@@ -192,6 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-id", default="real", help="'real' (SmolLM2-135M-Instruct) or a model directory")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--quantize", choices=("int8", "int4"), help="Conveyor's weights (the peers keep --dtype's: none has these)"
+    )
     p.add_argument("--systems", type=lambda s: [x for x in s.split(",") if x], default=list(SYSTEMS))
     p.add_argument("--documents", type=int, default=16)
     p.add_argument("--document-len", type=int, default=2300)
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": BENCHMARK,
         "model": args.model_dir.name,
         "dtype": args.dtype,
+        "quantize": args.quantize,
         "machine": machine(),
         "workloads": {
             "documents": {

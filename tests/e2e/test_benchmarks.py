@@ -378,8 +378,8 @@ def test_embeddings_benchmark_serves_every_input(tmp_path: Path) -> None:
 
 
 def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: Path, tmp_path: Path) -> None:
-    """benchmarks/long_context.py on the tiny model, small: Conveyor (and over an int8 KV cache) serves every
-    document and question, a peer
+    """benchmarks/long_context.py on the tiny model, small, Conveyor's weights in int8: Conveyor (and over an int8
+    KV cache) serves every document and question, a peer
     that is not installed is reported as skipped, and the targets are stated against what was measured."""
     env = dict(
         os.environ, CONVEYOR_VLLM_PYTHON=str(tmp_path / "no-vllm"), CONVEYOR_LLAMACPP_PYTHON=str(tmp_path / "no")
@@ -388,7 +388,7 @@ def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: 
     flags = [
         "--model-id", str(tiny_model), "--documents", "3", "--document-len", "120", "--document-output", "8",
         "--in-flight", "2", "--prefix-len", "100", "--questions", "3", "--question-len", "6", "--prefix-output", "4",
-        "--out", str(tmp_path),
+        "--quantize", "int8", "--out", str(tmp_path),
     ]
     # fmt: on
     out = subprocess.run(
@@ -400,6 +400,7 @@ def test_long_context_runs_both_workloads_and_reports_missing_peers(tiny_model: 
         env=env,
     ).stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["quantize"] == "int8" and "Conveyor's weights int8" in out  # Conveyor's, as its launcher took
     for system in ("conveyor", "conveyor-kv-int8"):  # the second over an 8-bit KV cache
         ours = summary["systems"][system]
         assert ours["documents"]["failed"] == 0 and ours["prefix"]["failed"] == 0
