@@ -248,7 +248,7 @@ class Gemm:
         self.plain: torch.Tensor | None = weight if few else None
         # Rows from which this bf16 layer computes in float32 (see `widens`): through its float32 copy, or, too large
         # to keep one, through its plain weight widened per call (`widened_linear`); None where it never does.
-        widens_alone = not self.packed and few and _widens_here(weight.dtype)
+        widens_alone = not wide and not self.packed and few and _widens_here(weight.dtype)
         self.widen_rows: int | None = machine_wide_rows() if wide else WIDE_ROWS if widens_alone else None
         # Rows up to which the plain copy serves: the kernel's own, or, for a bf16 layer widening alone, every row
         # short of widening, in passes of the kernel's rows (see above).
