@@ -29,7 +29,8 @@ namespace conveyor::small_gemm_kernel {
 
 using conveyor::widen;
 
-// The most rows a call takes: a verifying step of one sequence with 4 drafts is 5, and a few such at once more.
+// The most rows of x one pass over the weight takes (a verifying step of one sequence with 4 drafts is 5, and a few
+// such at once more); a call with more makes a pass for each kMostRows of them (gemm below).
 constexpr int64_t kMostRows = 8;
 
 // Whether this build dots bfloat16 as it is (vdpbf16ps, row_dots_avx512.h) rather than widening it.
